@@ -1,0 +1,32 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.distopt-installed
+# Without a CUDA driver, pin the CPU torch build (see constraints/cpu.txt).
+CONSTRAINT := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constraints/cpu.txt")
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints/cpu.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check $(CONSTRAINT) -e '.[dev,ray]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/distopt demo
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check distopt launchers tests examples
+
+bench: $(STAMP)
+	$(VENV)/bin/distopt bench configs/bench/optimize_overhead.yaml
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

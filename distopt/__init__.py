@@ -1,0 +1,38 @@
+"""distopt: torch.fx graph rewrites that make distributed training jobs faster."""
+
+from distopt.config import CaptureConfig, OptimizeConfig, VerifyConfig
+from distopt.errors import (
+    CaptureError,
+    ConfigError,
+    DistoptError,
+    PassError,
+    RemoteCallError,
+    VerificationError,
+)
+from distopt.explain import explain
+from distopt.optimize import DistoptFallbackWarning, optimize
+from distopt.passes import PassContext, PassResult, register_pass
+from distopt.remote import register_read, register_remote, remote
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureConfig",
+    "CaptureError",
+    "ConfigError",
+    "DistoptError",
+    "DistoptFallbackWarning",
+    "OptimizeConfig",
+    "PassContext",
+    "PassError",
+    "PassResult",
+    "RemoteCallError",
+    "VerificationError",
+    "VerifyConfig",
+    "explain",
+    "optimize",
+    "register_pass",
+    "register_read",
+    "register_remote",
+    "remote",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from distopt.cli import main
+
+sys.exit(main())

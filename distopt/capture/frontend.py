@@ -1,0 +1,135 @@
+"""Capture a model into torch.fx IR: symbolic tracing, then Dynamo, then the untouched model."""
+
+from __future__ import annotations
+
+import copy
+import enum
+import os
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch import nn
+
+from distopt.capture.tracer import DistoptTracer
+from distopt.config import CaptureConfig
+
+
+class Tier(str, enum.Enum):
+    SYMBOLIC = "symbolic_trace"
+    DYNAMO = "dynamo"
+    EAGER = "eager_fallback"
+
+
+@dataclass
+class CaptureResult:
+    tier: Tier
+    module: nn.Module
+    """A GraphModule (symbolic), a shallow copy with a compiled forward (dynamo) or the original."""
+    reason: str | None = None
+    """Why the symbolic tier was not used, with the user's source line when known."""
+
+
+_DISTOPT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+# Reference models ship inside distopt but are "user code" for error messages.
+_USER_DIRS = (os.path.join(_DISTOPT_DIR, "models"),)
+
+
+def user_frame(exc: BaseException) -> str | None:
+    """``file:line: code`` of the innermost traceback frame outside torch and distopt."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if "<" in frame.filename or path.startswith(_TORCH_DIR):
+            continue
+        if path.startswith(_DISTOPT_DIR) and not path.startswith(_USER_DIRS):
+            continue
+        return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+    return None
+
+
+def describe_failure(exc: BaseException) -> str:
+    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = user_frame(exc)
+    return f"{type(exc).__name__}: {message}" + (f" (at {where})" if where else "")
+
+
+def symbolic_capture(model: nn.Module, config: CaptureConfig) -> torch.fx.GraphModule:
+    """Tier 1: trace with :class:`DistoptTracer`; keep every parameter and buffer name of ``model``."""
+    tracer = DistoptTracer(leaf_modules=config.leaf_modules, leaf_functions=config.leaf_functions)
+    graph = tracer.trace(model)
+    root = tracer.root
+    if tracer.function_constants:
+        # A shallow view (shared parameters and submodules) carries the function constants,
+        # so the user's module never gains attributes.
+        root = copy.copy(root)
+        root.__dict__.update(tracer.function_constants)
+    gm = torch.fx.GraphModule(root, graph, type(model).__name__)
+    keep_state_names(model, gm)
+    gm.meta["distopt_original_class"] = type(model).__qualname__
+    return gm
+
+
+def keep_state_names(original: nn.Module, gm: torch.fx.GraphModule) -> None:
+    """Re-attach parameters/buffers the forward never touches so ``state_dict`` keys match.
+
+    GraphModule copies only the attributes the graph references; a checkpoint of the optimized
+    model must still load into the original model and vice versa.
+    """
+    have = set(gm.state_dict().keys())
+    for key, value in original.state_dict(keep_vars=True).items():
+        if key in have:
+            continue
+        owner_path, _, attr = key.rpartition(".")
+        src_owner = original.get_submodule(owner_path) if owner_path else original
+        dst_owner: nn.Module = gm
+        for part in owner_path.split(".") if owner_path else []:
+            if not hasattr(dst_owner, part):
+                dst_owner.add_module(part, nn.Module())
+            dst_owner = getattr(dst_owner, part)
+        if attr in src_owner._parameters:
+            dst_owner.register_parameter(attr, src_owner._parameters[attr])
+        else:
+            persistent = attr not in getattr(src_owner, "_non_persistent_buffers_set", set())
+            dst_owner.register_buffer(attr, value, persistent=persistent)
+    # Order keys like the original so checkpoints diff cleanly.
+    if list(gm.state_dict().keys()) != list(original.state_dict().keys()):
+        _reorder_like(original, gm)
+
+
+def _reorder_like(original: nn.Module, gm: nn.Module) -> None:
+    order = [name for name, _ in original.named_children()]
+    children = dict(gm._modules)
+    gm._modules.clear()
+    for name in order:
+        if name in children:
+            gm._modules[name] = children.pop(name)
+    gm._modules.update(children)
+    for name, child in gm._modules.items():
+        if child is not None and hasattr(original, name):
+            orig_child = getattr(original, name)
+            if isinstance(orig_child, nn.Module):
+                _reorder_like(orig_child, child)
+    for registry_name in ("_parameters", "_buffers"):
+        ours = getattr(gm, registry_name)
+        theirs = getattr(original, registry_name)
+        items = dict(ours)
+        ours.clear()
+        for key in theirs:
+            if key in items:
+                ours[key] = items.pop(key)
+        ours.update(items)
+
+
+def dynamo_capture(model: nn.Module, backend: Callable[..., Callable[..., object]]) -> nn.Module:
+    """Tier 2: a shallow copy of ``model`` whose calls run through ``torch.compile(backend=...)``.
+
+    The copy shares parameters, buffers and submodules with ``model`` (same ``state_dict`` keys,
+    no ``_orig_mod.`` prefix) while the user's module itself stays uncompiled.
+    """
+    clone = copy.copy(model)
+    clone.compile(backend=backend, dynamic=False)
+    return clone

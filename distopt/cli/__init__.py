@@ -1,0 +1,50 @@
+"""``distopt`` command line. Each subcommand lives in its own module of this package and exposes
+``add_parser(subparsers)`` (which sets ``func`` on its parser) — add new ones to ``_SUBCOMMANDS``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from distopt.errors import DistoptError
+
+_SUBCOMMANDS = (
+    "distopt.cli.explain",
+    "distopt.cli.bench",
+    "distopt.cli.compare",
+    "distopt.cli.demo",
+    "distopt.cli.coverage",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distopt", description="Graph rewrites that make distributed training faster."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module_name in _SUBCOMMANDS:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name == module_name:
+                continue  # subcommand not built yet
+            raise
+        module.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except DistoptError as err:
+        print(f"distopt {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"distopt {args.command}: error: {err.strerror}: {err.filename}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Typed configs: dataclasses validated on construction, loaded from YAML or dicts.
+
+Every error is a :class:`~distopt.errors.ConfigError` whose one-line message names the dotted key
+and quotes the bad value, e.g. ``optimize.verify.rtol: expected a number >= 0, got -1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+from distopt.errors import ConfigError
+
+T = TypeVar("T")
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert YAML shapes (list → tuple)."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for option in args:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(value, option, key)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: invalid value {value!r}")
+    if origin is Literal:
+        if value not in args:
+            choices = ", ".join(repr(a) for a in args)
+            raise ConfigError(f"{key}: expected one of {choices}, got {value!r}")
+        return value
+    if origin in (tuple, list):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        item_tp = args[0] if args else Any
+        items = [_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin in (dict, Mapping) or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        val_tp = args[1] if len(args) == 2 else Any
+        return {str(k): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key}: expected a mapping for {tp.__name__}, got {value!r}")
+        return from_dict(tp, value, prefix=key)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    if isinstance(tp, type) and not isinstance(value, tp):
+        raise ConfigError(f"{key}: expected {_type_name(tp)}, got {value!r}")
+    return value
+
+
+def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``, rejecting unknown keys and ill-typed values."""
+    if not isinstance(data, Mapping):
+        where = prefix or cls.__name__
+        raise ConfigError(f"{where}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}  # type: ignore[arg-type]
+    dotted = (prefix + ".") if prefix else ""
+    unknown = [k for k in data if k not in fields]
+    if unknown:
+        known = ", ".join(sorted(fields))
+        raise ConfigError(f"{dotted}{unknown[0]}: unknown key (known keys: {known})")
+    kwargs = {name: _coerce(value, hints[name], f"{dotted}{name}") for name, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as err:  # a required field is missing
+        raise ConfigError(f"{prefix or cls.__name__}: {err}") from None
+    except ConfigError as err:
+        if prefix and not str(err).startswith(prefix):
+            raise ConfigError(f"{dotted}{err}") from None
+        raise
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain-data form of a config (tuples become lists) for YAML/JSON output."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(config)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; missing files and malformed YAML become one-line ConfigErrors."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}{where}: {problem}") from None
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return dict(data)
+
+
+def load_config(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
+    """Load ``cls`` from a YAML file, applying ``key.sub=value`` overrides (values parsed as YAML)."""
+    data = load_yaml(path)
+    for item in overrides or []:
+        apply_override(data, item)
+    return from_dict(cls, data)
+
+
+def apply_override(data: dict[str, Any], item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r}: expected key=value")
+    key, raw = item.split("=", 1)
+    if not key:
+        raise ConfigError(f"override {item!r}: empty key")
+    value = yaml.safe_load(raw) if raw else ""
+    node = data
+    parts = key.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part} is not a mapping")
+        node = child
+    node[parts[-1]] = value
+
+
+def check(condition: bool, key: str, expected: str, value: Any) -> None:
+    """Raise ``ConfigError("key: expected ..., got value")`` unless ``condition`` holds."""
+    if not condition:
+        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+
+
+# --- distopt.optimize configuration ------------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CaptureConfig:
+    leaf_modules: tuple[str, ...] = ()
+    """Qualified class names (``pkg.mod.Class``) or module paths traced as single nodes."""
+    leaf_functions: tuple[str, ...] = ()
+    """Qualified function names (``pkg.mod.fn``) recorded as single nodes instead of traced."""
+    dynamo: bool = True
+    """Fall back to Dynamo capture (``torch.compile``) when symbolic tracing fails."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class VerifyConfig:
+    rtol: float = 1e-5
+    """Relative tolerance for outputs and gradients (``torch.allclose``)."""
+    atol: float = 1e-6
+    """Absolute tolerance for outputs and gradients."""
+    check_grads: bool = True
+    """Also compare parameter gradients after ``backward`` of the summed outputs."""
+    bisect: bool = True
+    """On mismatch, re-run prefixes of the pass list to name the pass that broke equivalence."""
+
+    def __post_init__(self) -> None:
+        check(self.rtol >= 0, "verify.rtol", "a number >= 0", self.rtol)
+        check(self.atol >= 0, "verify.atol", "a number >= 0", self.atol)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class OptimizeConfig:
+    capture: CaptureConfig = dataclasses.field(default_factory=CaptureConfig)
+    verify: VerifyConfig = dataclasses.field(default_factory=VerifyConfig)
+    passes: tuple[str, ...] | None = None
+    """Pass names to run; ``None`` runs the registry's default passes."""
+    pass_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    """Per-pass keyword options, e.g. ``{"partition": {"num_units": 4}}``."""
+    dump_graph: str | None = None
+    """Write a picture of the optimized graph here (``.svg``/``.png``; needs pydot + graphviz)."""

@@ -1,0 +1,117 @@
+"""``distopt.explain``: a readable account of what ``distopt.optimize`` did to a model."""
+
+from __future__ import annotations
+
+import difflib
+import io
+import shutil
+from pathlib import Path
+
+import torch.fx
+from rich.console import Console
+from rich.syntax import Syntax
+from rich.table import Table
+from torch import nn
+
+from distopt.errors import DistoptError
+from distopt.report import OptimizeReport, report_of
+
+
+def draw_graph(gm: torch.fx.GraphModule, path: str | Path) -> list[str]:
+    """Write a picture of ``gm``'s graph; return warnings (empty on success) instead of raising."""
+    path = Path(path)
+    suffix = path.suffix.lstrip(".").lower()
+    if suffix not in ("svg", "png", "dot"):
+        return [f"graph picture {path}: unsupported format {suffix!r} (use .svg, .png or .dot)"]
+    try:
+        from torch.fx.passes.graph_drawer import FxGraphDrawer
+
+        dot = FxGraphDrawer(gm, type(gm).__name__).get_dot_graph()
+    except (ImportError, RuntimeError) as err:
+        return [f"graph picture {path}: needs pydot (pip install pydot): {err}"]
+    if suffix != "dot" and shutil.which("dot") is None:
+        return [f"graph picture {path}: needs Graphviz's `dot` on PATH (apt-get install graphviz)"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = dot.create(format=suffix) if suffix != "dot" else dot.to_string().encode()
+    path.write_bytes(data)
+    return []
+
+
+def code_diff(before: str, after: str) -> str:
+    lines = difflib.unified_diff(
+        before.strip().splitlines(), after.strip().splitlines(), "before", "after", lineterm="", n=2
+    )
+    return "\n".join(lines)
+
+
+def render(report: OptimizeReport, *, show_code: bool = True, console: Console) -> None:
+    verdict = "optimized" if report.fallback is None else "returned unoptimized"
+    console.print(f"[bold]distopt[/bold] {report.model}: {verdict}")
+    console.print(f"  capture tier: [cyan]{report.tier}[/cyan]")
+    if report.reason:
+        console.print(f"  note: {report.reason}")
+    if report.fallback:
+        console.print(f"  [red]fallback:[/red] {report.fallback}")
+    console.print(
+        f"  capture {report.capture_seconds * 1e3:.1f} ms, total {report.total_seconds * 1e3:.1f} ms, "
+        f"passes: {', '.join(report.pass_names) or 'none'}"
+    )
+    for index, graph in enumerate(report.graphs):
+        table = Table(title=f"graph {index + 1}/{len(report.graphs)}", title_justify="left")
+        for column in ("pass", "changed", "nodes", "time (ms)", "detail"):
+            table.add_column(column, justify="right" if column in ("nodes", "time (ms)") else "left")
+        for rec in graph.passes:
+            table.add_row(
+                rec.name,
+                f"{rec.nodes_changed} nodes" if rec.modified else "no",
+                f"{rec.nodes_before}→{rec.nodes_after}",
+                f"{rec.seconds * 1e3:.2f}",
+                rec.detail,
+            )
+        console.print(table)
+        if show_code and graph.code_after:
+            diff = code_diff(graph.code_before, graph.code_after)
+            if diff:
+                console.print(Syntax(diff, "diff", word_wrap=True))
+            else:
+                console.print("  generated code unchanged by the passes")
+    for warning in report.warnings:
+        console.print(f"  [yellow]warning:[/yellow] {warning}")
+    v = report.verification
+    if v is not None:
+        status = "[green]passed[/green]" if v.passed else "[red]FAILED[/red]"
+        console.print(
+            f"  verification {status}: {v.compared} tensors (outputs + grads), max abs diff "
+            f"{v.max_abs_diff:.3g}, rtol={v.rtol:g} atol={v.atol:g}, {v.seconds * 1e3:.0f} ms"
+            + (f"; {v.message}" if v.message else "")
+            + (f"; culprit pass: {v.culprit}" if v.culprit else "")
+        )
+    elif report.fallback is None:
+        console.print("  verification: not run (no example_inputs)")
+
+
+def explain(
+    module: nn.Module,
+    *,
+    show_code: bool = True,
+    graph_path: str | Path | None = None,
+    console: Console | None = None,
+) -> str:
+    """Print (and return) the report of ``distopt.optimize`` for ``module``.
+
+    Args:
+        module: a module returned by :func:`distopt.optimize`.
+        show_code: include the generated-code diff of each graph.
+        graph_path: also write a picture of the graph (``.svg``/``.png``/``.dot``).
+    """
+    report = report_of(module)
+    if report is None:
+        raise DistoptError(f"{type(module).__name__}: not a module returned by distopt.optimize")
+    if graph_path is not None and isinstance(module, torch.fx.GraphModule):
+        report.warnings.extend(draw_graph(module, graph_path))
+    buffer = io.StringIO()
+    capture = Console(file=buffer, width=110, force_terminal=False, color_system=None)
+    render(report, show_code=show_code, console=capture)
+    text = buffer.getvalue()
+    (console or Console()).print(text, end="", markup=False, highlight=False, soft_wrap=True)
+    return text

@@ -1,0 +1,247 @@
+"""``distopt.optimize``: capture, run the pass pipeline, verify, and report."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import time
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from distopt.capture import Tier, describe_failure, dynamo_capture, symbolic_capture
+from distopt.config import OptimizeConfig, from_dict
+from distopt.errors import CaptureError, ConfigError, PassError, VerificationError
+from distopt.passes import PassSpec, resolve_pipeline, run_passes
+from distopt.report import GraphRecord, OptimizeReport, attach
+from distopt.verify import compare_modules
+
+
+class DistoptFallbackWarning(UserWarning):
+    """distopt returned (part of) the original model unoptimized; the message says why."""
+
+
+def _normalize_config(config: OptimizeConfig | Mapping[str, Any] | None) -> OptimizeConfig:
+    if config is None:
+        return OptimizeConfig()
+    if isinstance(config, OptimizeConfig):
+        return config
+    if isinstance(config, Mapping):
+        return from_dict(OptimizeConfig, config, prefix="config")
+    raise ConfigError(f"config: expected OptimizeConfig or a mapping, got {type(config).__name__}")
+
+
+def _normalize_inputs(model: nn.Module, example_inputs: Any) -> tuple[Any, ...] | None:
+    if example_inputs is None:
+        return None
+    if isinstance(example_inputs, torch.Tensor):
+        inputs: tuple[Any, ...] = (example_inputs,)
+    elif isinstance(example_inputs, (tuple, list)):
+        inputs = tuple(example_inputs)
+    else:
+        raise ConfigError(
+            f"example_inputs: expected a tensor or a tuple of positional inputs, "
+            f"got {type(example_inputs).__name__}"
+        )
+    try:
+        inspect.signature(model.forward).bind(*inputs)
+    except TypeError as err:
+        params = inspect.signature(model.forward).parameters
+        arity = len([p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
+        raise ConfigError(
+            f"example_inputs: {type(model).__name__}.forward takes {arity} positional input(s), "
+            f"got {len(inputs)} ({err})"
+        ) from None
+    except ValueError:  # builtins without a signature: let the forward call decide
+        pass
+    return inputs
+
+
+def optimize(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    passes: Iterable[str | PassSpec] | None = None,
+    config: OptimizeConfig | Mapping[str, Any] | None = None,
+    verify: bool | None = None,
+    strict: bool = False,
+) -> nn.Module:
+    """Capture ``model`` into torch.fx IR, run graph passes, and check the result.
+
+    Args:
+        model: the training model. It is never modified; the result shares its parameters.
+        example_inputs: positional inputs for one forward call (a tensor or a tuple). Needed
+            for verification and for passes that profile the graph.
+        passes: pass names to run (default: the registry's default passes, in constraint order).
+        config: :class:`~distopt.config.OptimizeConfig` or a mapping with the same keys.
+        verify: compare outputs and gradients with the original (default: when inputs are given).
+        strict: raise instead of falling back to the original model.
+
+    Returns:
+        A module with the same ``state_dict`` keys as ``model``: a ``GraphModule`` (symbolic
+        tier), a Dynamo-compiled shallow copy (dynamo tier) or ``model`` itself (fallback).
+        ``distopt.explain(result)`` prints what happened.
+    """
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
+    cfg = _normalize_config(config)
+    if passes is not None:
+        if isinstance(passes, str):
+            raise ConfigError(f"passes: expected a list of pass names, got the string {passes!r}")
+        passes = list(passes)
+    elif cfg.passes is not None:
+        passes = list(cfg.passes)
+    pipeline = resolve_pipeline(passes)
+    unknown = set(cfg.pass_options) - {spec.name for spec in pipeline}
+    if unknown:
+        raise ConfigError(f"pass_options: {sorted(unknown)[0]!r} is not a pass in this pipeline")
+    inputs = _normalize_inputs(model, example_inputs)
+    if verify is None:
+        verify = inputs is not None
+    elif verify and inputs is None:
+        raise ConfigError("verify=True needs example_inputs to run both models")
+
+    start = time.perf_counter()
+    report = OptimizeReport(model=type(model).__qualname__, tier=Tier.EAGER.value)
+    report.pass_names = [spec.name for spec in pipeline]
+    optimized = _capture_and_transform(model, inputs, pipeline, cfg, strict, report)
+    if optimized is not model and verify:
+        assert inputs is not None
+        optimized = _verify_or_fall_back(model, optimized, inputs, pipeline, cfg, strict, report)
+    if optimized is not model and cfg.dump_graph and isinstance(optimized, torch.fx.GraphModule):
+        from distopt.explain import draw_graph
+
+        report.warnings.extend(draw_graph(optimized, cfg.dump_graph))
+    report.total_seconds = time.perf_counter() - start
+    attach(optimized, report)
+    return optimized
+
+
+def _capture_and_transform(
+    model: nn.Module,
+    inputs: tuple[Any, ...] | None,
+    pipeline: Sequence[PassSpec],
+    cfg: OptimizeConfig,
+    strict: bool,
+    report: OptimizeReport,
+) -> nn.Module:
+    start = time.perf_counter()
+    try:
+        gm = symbolic_capture(model, cfg.capture)
+    except ConfigError:
+        raise
+    except Exception as err:  # any tracing failure moves on to the next tier
+        report.reason = f"symbolic tracing failed: {describe_failure(err)}"
+    else:
+        report.capture_seconds = time.perf_counter() - start
+        report.tier = Tier.SYMBOLIC.value
+        report.graphs.append(GraphRecord(code_before=gm.code))
+        try:
+            run_passes(
+                gm,
+                pipeline,
+                example_inputs=inputs,
+                pass_options=cfg.pass_options,
+                training=model.training,
+                record=report.graphs[0],
+            )
+        except PassError as err:
+            if strict:
+                raise
+            return _fall_back(model, report, str(err))
+        return gm
+
+    if not cfg.capture.dynamo:
+        if strict:
+            raise CaptureError(f"{report.model}: {report.reason}; Dynamo capture is disabled")
+        return _fall_back(model, report, report.reason or "capture failed")
+    from distopt.compile_backend import make_backend
+
+    backend = make_backend(pipeline, pass_options=cfg.pass_options, report=report, strict=strict)
+    report.tier = Tier.DYNAMO.value
+    report.capture_seconds = time.perf_counter() - start
+    if strict:
+        return dynamo_capture(model, backend)
+    # Dynamo captures lazily; without inputs the graphs appear on the first call.
+    compiled = dynamo_capture(model, backend)
+    if inputs is None:
+        report.warnings.append("Dynamo graphs are captured on the first call (no example_inputs)")
+    return compiled
+
+
+def _fall_back(model: nn.Module, report: OptimizeReport, reason: str) -> nn.Module:
+    report.tier = Tier.EAGER.value
+    report.fallback = reason
+    warnings.warn(
+        f"distopt: returning {report.model} unoptimized: {reason}",
+        DistoptFallbackWarning,
+        stacklevel=4,  # the user's call of distopt.optimize
+    )
+    return model
+
+
+def _verify_or_fall_back(
+    model: nn.Module,
+    optimized: nn.Module,
+    inputs: tuple[Any, ...],
+    pipeline: Sequence[PassSpec],
+    cfg: OptimizeConfig,
+    strict: bool,
+    report: OptimizeReport,
+) -> nn.Module:
+    try:
+        record = compare_modules(model, optimized, inputs, cfg.verify)
+    except Exception as err:
+        if strict:
+            raise
+        # Dynamo captures (and runs our passes) during this first call.
+        return _fall_back(model, report, f"running the optimized model failed: {describe_failure(err)}")
+    report.verification = record
+    if record.passed:
+        return optimized
+    culprit = None
+    if cfg.verify.bisect and pipeline:
+        culprit = _bisect_culprit(model, inputs, pipeline, cfg)
+        record.culprit = culprit
+    where = f"pass {culprit!r} broke equivalence" if culprit else "outputs differ"
+    message = f"verification failed for {report.model}: {where}: {record.message}"
+    if strict:
+        raise VerificationError(message, culprit=culprit)
+    return _fall_back(model, report, message)
+
+
+def _bisect_culprit(
+    model: nn.Module,
+    inputs: tuple[Any, ...],
+    pipeline: Sequence[PassSpec],
+    cfg: OptimizeConfig,
+) -> str | None:
+    """Find the first pass whose prefix of the pipeline makes outputs differ (O(log n) runs)."""
+
+    def prefix_ok(k: int) -> bool:
+        quiet = dataclasses.replace(cfg, passes=None, dump_graph=None)
+        scratch = OptimizeReport(model=type(model).__qualname__, tier="")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DistoptFallbackWarning)
+            candidate = _capture_and_transform(model, inputs, pipeline[:k], quiet, True, scratch)
+        return compare_modules(model, candidate, inputs, cfg.verify).passed
+
+    lo, hi = 0, len(pipeline)  # prefix lo is fine (assumed for lo=0), prefix hi is broken
+    try:
+        if not prefix_ok(0):
+            return None  # capture alone changes results: no single pass to blame
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if prefix_ok(mid):
+                lo = mid
+            else:
+                hi = mid
+    except Exception:
+        return None
+    return pipeline[hi - 1].name
+
+

@@ -1,0 +1,33 @@
+"""Registry of blocking remote calls (parameter-server RPCs) that distopt schedules."""
+
+from distopt.remote.registry import (
+    RemoteCallSpec,
+    concrete_args,
+    effect_of,
+    is_remote_call,
+    leaf_callables,
+    lookup,
+    register_leaf_function,
+    register_read,
+    register_remote,
+    registered_specs,
+    remote,
+    resource_of,
+    unregister_remote,
+)
+
+__all__ = [
+    "RemoteCallSpec",
+    "concrete_args",
+    "effect_of",
+    "is_remote_call",
+    "leaf_callables",
+    "lookup",
+    "register_leaf_function",
+    "register_read",
+    "register_remote",
+    "registered_specs",
+    "remote",
+    "resource_of",
+    "unregister_remote",
+]

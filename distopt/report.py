@@ -1,0 +1,69 @@
+"""What distopt.optimize did: capture tier, per-pass changes and timing, verification outcome."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+from torch import nn
+
+
+@dataclass
+class PassRecord:
+    name: str
+    modified: bool
+    detail: str
+    seconds: float
+    nodes_before: int
+    nodes_after: int
+    nodes_changed: int
+    """Nodes added, removed or moved (a diff of the node sequence)."""
+
+
+@dataclass
+class GraphRecord:
+    """One captured graph (symbolic tracing gives one; Dynamo one per graph break)."""
+
+    code_before: str
+    code_after: str = ""
+    passes: list[PassRecord] = field(default_factory=list)
+    dce_removed: int = 0
+
+
+@dataclass
+class VerifyRecord:
+    passed: bool
+    max_abs_diff: float
+    rtol: float
+    atol: float
+    compared: int
+    """Number of tensors compared (outputs plus gradients)."""
+    message: str = ""
+    culprit: str | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class OptimizeReport:
+    model: str
+    tier: str
+    reason: str | None = None
+    graphs: list[GraphRecord] = field(default_factory=list)
+    verification: VerifyRecord | None = None
+    fallback: str | None = None
+    """Set when the original model was returned, with the reason."""
+    capture_seconds: float = 0.0
+    total_seconds: float = 0.0
+    pass_names: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+
+_REPORTS: weakref.WeakKeyDictionary[nn.Module, OptimizeReport] = weakref.WeakKeyDictionary()
+
+
+def attach(module: nn.Module, report: OptimizeReport) -> None:
+    _REPORTS[module] = report
+
+
+def report_of(module: nn.Module) -> OptimizeReport | None:
+    return _REPORTS.get(module)

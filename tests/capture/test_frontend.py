@@ -1,0 +1,81 @@
+import warnings
+
+import pytest
+import torch
+import torch.fx
+from torch import nn
+
+import distopt
+from distopt.report import report_of
+
+
+class Unused(nn.Module):
+    """A parameter and a buffer the forward never touches must survive capture."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.spare = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(()))
+        self.register_buffer("scratch", torch.ones(2), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:
+            return self.fc(x)
+        return -self.fc(x)
+
+
+def test_state_dict_keys_kept_even_for_unused_parameters() -> None:
+    model = Unused()
+    optimized = distopt.optimize(model, (torch.randn(2, 4),))
+    assert isinstance(optimized, torch.fx.GraphModule)
+    assert list(optimized.state_dict().keys()) == list(model.state_dict().keys())
+    # Checkpoints move freely both ways.
+    model.load_state_dict(optimized.state_dict())
+    optimized.load_state_dict(model.state_dict())
+
+
+def test_control_flow_goes_through_dynamo_and_names_the_source_line() -> None:
+    model = Branchy()
+    x = torch.randn(3, 4)
+    optimized = distopt.optimize(model, (x,))
+    report = report_of(optimized)
+    assert report is not None and report.tier == "dynamo"
+    assert "test_frontend.py" in (report.reason or "")
+    assert "if x.sum() > 0" in (report.reason or "")
+    assert list(optimized.state_dict().keys()) == list(model.state_dict().keys())
+    torch.testing.assert_close(optimized(x), model(x))
+    torch.testing.assert_close(optimized(-x.abs()), model(-x.abs()))
+
+
+def test_dynamo_disabled_falls_back_with_warning_naming_the_line() -> None:
+    model = Branchy()
+    with pytest.warns(distopt.DistoptFallbackWarning, match=r"if x.sum\(\) > 0"):
+        result = distopt.optimize(model, config={"capture": {"dynamo": False}})
+    assert result is model
+    assert report_of(model) is not None and report_of(model).tier == "eager_fallback"
+
+
+def test_strict_raises_instead_of_falling_back() -> None:
+    with pytest.raises(distopt.CaptureError, match="symbolic tracing failed"):
+        distopt.optimize(Branchy(), config={"capture": {"dynamo": False}}, strict=True)
+
+
+def test_user_model_is_not_modified() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        distopt.optimize(model, (torch.randn(8, 4),))
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert all(p.grad is None for p in model.parameters())

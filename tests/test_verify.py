@@ -1,0 +1,51 @@
+import torch
+from torch import nn
+
+from distopt.config import VerifyConfig
+from distopt.verify import compare_modules, preserved_state
+
+
+def test_identical_modules_pass_and_count_outputs_and_grads() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5))  # dropout: same RNG state in both runs
+    record = compare_modules(model, model, (torch.randn(5, 4),), VerifyConfig())
+    assert record.passed and record.compared == 3 and record.max_abs_diff == 0.0
+
+
+def test_gradient_only_difference_is_detected() -> None:
+    class StopGrad(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            y = self.inner(x)
+            return y.detach() + (y - y.detach()) * 0.5  # same values, half the gradient
+
+    inner = nn.Linear(4, 3)
+    base = nn.Sequential()
+    base.add_module("inner", inner)
+    record = compare_modules(base, StopGrad(inner), (torch.randn(5, 4),), VerifyConfig())
+    assert not record.passed
+    assert "grad of inner.weight" in record.message
+
+
+def test_tolerances_are_applied() -> None:
+    a = nn.Linear(4, 3)
+    b = nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        b.bias += 1e-4
+    x = (torch.randn(2, 4),)
+    assert not compare_modules(a, b, x, VerifyConfig(check_grads=False)).passed
+    assert compare_modules(a, b, x, VerifyConfig(check_grads=False, atol=1e-3)).passed
+
+
+def test_buffers_and_grads_restored() -> None:
+    model = nn.BatchNorm1d(3)
+    model.weight.grad = torch.ones(3)
+    mean = model.running_mean.clone()
+    with preserved_state(model):
+        model(torch.randn(8, 3) + 5)
+        model.weight.grad = None
+    assert torch.equal(model.running_mean, mean)
+    assert torch.equal(model.weight.grad, torch.ones(3))
