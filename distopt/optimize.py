@@ -164,10 +164,13 @@ def _capture_and_transform(
     backend = make_backend(pipeline, pass_options=cfg.pass_options, report=report, strict=strict)
     report.tier = Tier.DYNAMO.value
     report.capture_seconds = time.perf_counter() - start
-    if strict:
-        return dynamo_capture(model, backend)
+    try:
+        compiled = dynamo_capture(model, backend)
+    except Exception as err:
+        if strict:
+            raise CaptureError(f"{report.model}: Dynamo capture failed: {describe_failure(err)}") from err
+        return _fall_back(model, report, f"{report.reason}; Dynamo capture failed: {describe_failure(err)}")
     # Dynamo captures lazily; without inputs the graphs appear on the first call.
-    compiled = dynamo_capture(model, backend)
     if inputs is None:
         report.warnings.append("Dynamo graphs are captured on the first call (no example_inputs)")
     return compiled

@@ -131,5 +131,6 @@ def dynamo_capture(model: nn.Module, backend: Callable[..., Callable[..., object
     no ``_orig_mod.`` prefix) while the user's module itself stays uncompiled.
     """
     clone = copy.copy(model)
-    clone.compile(backend=backend, dynamic=False)
+    # Called through nn.Module: some libraries define their own ``compile`` (Keras-style).
+    nn.Module.compile(clone, backend=backend, dynamic=False)
     return clone
