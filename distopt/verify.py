@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -13,6 +13,27 @@ from torch.utils._pytree import tree_flatten
 
 from distopt.config import VerifyConfig
 from distopt.report import VerifyRecord
+
+
+_ISOLATION_HOOKS: list[Callable[[], ContextManager[Any]]] = []
+
+
+def register_isolation_hook(factory: Callable[[], ContextManager[Any]]) -> None:
+    """Wrap every verification run in ``factory()``.
+
+    For state outside the modules that a verification run must not leave behind, e.g. the
+    parameter-server client's record of fetched rows (they must not be pushed later).
+    """
+    if factory not in _ISOLATION_HOOKS:
+        _ISOLATION_HOOKS.append(factory)
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for factory in _ISOLATION_HOOKS:
+            stack.enter_context(factory())
+        yield
 
 
 @contextlib.contextmanager
@@ -74,9 +95,9 @@ def compare_modules(
     start = time.perf_counter()
     seed_state = torch.random.get_rng_state()
     # Each run starts from the same buffers and RNG state, and the user's model ends unchanged.
-    with preserved_state(original, optimized):
+    with preserved_state(original, optimized), isolated():
         ref_out, ref_flat, ref_grads = _run(original, example_inputs, seed_state, config.check_grads)
-    with preserved_state(original, optimized):
+    with preserved_state(original, optimized), isolated():
         opt_out, opt_flat, opt_grads = _run(optimized, example_inputs, seed_state, config.check_grads)
     problems: list[str] = []
     if len(ref_flat) != len(opt_flat):

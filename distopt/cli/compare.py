@@ -1,0 +1,159 @@
+"""``distopt compare RUN_A RUN_B [...]``: QPS of runs side by side, gain vs the first run.
+
+Exit status: 0 on success, 1 when ``--assert-gain`` fails, 2 on bad input (missing run, malformed
+log, configs that differ without ``--force``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from distopt.metrics.compare import (
+    DEFAULT_LEVEL,
+    DEFAULT_RESAMPLES,
+    DEFAULT_SEED,
+    DEFAULT_WARMUP,
+    Comparison,
+    compare_runs,
+    failed_gains,
+)
+from distopt.metrics.qps_log import load_run
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "compare",
+        help="compare QPS logs of runs (first run is the baseline)",
+        description=(
+            "Compare the QPS logs of two or more runs. The first run is the baseline; each other "
+            "run's gain is its median QPS over the baseline's, with a percentile-bootstrap "
+            "confidence interval (ratio of medians, seeded)."
+        ),
+    )
+    parser.add_argument(
+        "runs", nargs="+", metavar="RUN", help="run directory or qps-rank*.jsonl file"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=DEFAULT_WARMUP,
+        help=f"steps left out at the start of each run (default {DEFAULT_WARMUP})",
+    )
+    parser.add_argument("--plot", metavar="PNG", help="write QPS-over-steps and box plots here")
+    parser.add_argument("--json", metavar="PATH", help="write machine-readable results here")
+    parser.add_argument(
+        "--assert-gain",
+        type=float,
+        metavar="X",
+        help="exit 1 unless every run's gain (see --assert-stat) is >= X",
+    )
+    parser.add_argument(
+        "--assert-stat",
+        choices=("ci_low", "median"),
+        default="ci_low",
+        help="gain statistic --assert-gain checks: the CI lower bound (default) or the median",
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="compare even if configs differ beyond the variant"
+    )
+    parser.add_argument(
+        "--ci-level", type=float, default=DEFAULT_LEVEL, help=f"CI level (default {DEFAULT_LEVEL})"
+    )
+    parser.add_argument(
+        "--resamples",
+        type=int,
+        default=DEFAULT_RESAMPLES,
+        help=f"bootstrap resamples (default {DEFAULT_RESAMPLES})",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=DEFAULT_SEED, help=f"bootstrap seed (default {DEFAULT_SEED})"
+    )
+    parser.set_defaults(func=run)
+
+
+def render(comparison: Comparison, console: Console) -> None:
+    """Print the comparison table (and the config differences that ``--force`` let through)."""
+    level = f"{comparison.level:.0%}"
+    table = Table(
+        title=f"QPS after {comparison.warmup} warm-up steps (baseline: {comparison.runs[0].label})"
+    )
+    for name, justify in (
+        ("run", "left"),
+        ("variant", "left"),
+        ("world size", "right"),
+        ("steps", "right"),
+        ("median QPS", "right"),
+        ("p10", "right"),
+        ("p90", "right"),
+        (f"gain [{level} CI]", "right"),
+        ("predicted", "right"),
+    ):
+        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    gains = {g.label: g for g in comparison.gains}
+    for run in comparison.runs:
+        gain = gains.get(run.label)
+        if gain is None:
+            gain_text, predicted = "baseline", "-"
+        else:
+            gain_text = f"{gain.median:.3f}× [{gain.ci_low:.3f}, {gain.ci_high:.3f}]"
+            predicted = "-" if gain.predicted is None else f"{gain.predicted:.3f}×"
+        table.add_row(
+            run.label,
+            run.variant,
+            str(run.world_size),
+            str(run.steps),
+            f"{run.median_qps:,.1f}",
+            f"{run.p10_qps:,.1f}",
+            f"{run.p90_qps:,.1f}",
+            gain_text,
+            predicted,
+        )
+    console.print(table)
+    if comparison.config_diff:
+        console.print("[yellow]--force: configs differ in[/yellow]")
+        for key, values in comparison.config_diff.items():
+            shown = ", ".join(f"{label}={value!r}" for label, value in values.items())
+            console.print(f"  {key}: {shown}", markup=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    logs = [load_run(path) for path in args.runs]
+    comparison = compare_runs(
+        logs,
+        labels=list(args.runs),
+        warmup=args.warmup,
+        force=args.force,
+        resamples=args.resamples,
+        level=args.ci_level,
+        seed=args.seed,
+    )
+    console = Console()
+    if not console.is_terminal:
+        # Piped output (CI logs, `make demo | tee`): rich would wrap at 80 columns and fold numbers.
+        console = Console(width=200)
+    render(comparison, console)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(comparison.to_json(), indent=2) + "\n")
+    if args.plot:
+        from distopt.metrics.plot import plot_comparison  # matplotlib is optional
+
+        print(f"plot: {plot_comparison(comparison, args.plot)}")
+    if args.assert_gain is not None:
+        failed = failed_gains(comparison, args.assert_gain, stat=args.assert_stat)
+        if failed:
+            worst = min(failed, key=lambda g: getattr(g, args.assert_stat))
+            print(
+                f"distopt compare: assertion failed: gain {args.assert_stat} of {worst.label} is "
+                f"{getattr(worst, args.assert_stat):.3f}, below --assert-gain {args.assert_gain}"
+                + (f" ({len(failed)} runs below)" if len(failed) > 1 else ""),
+                file=sys.stderr,
+            )
+            return 1
+    return 0

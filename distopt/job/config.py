@@ -1,0 +1,102 @@
+"""The job config read by ``python -m distopt.train --config JOB.yaml``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from distopt.config import check
+from distopt.ps.spec import ServerOptions
+
+Variant = Literal["baseline", "optimized", "hand"]
+Parallel = Literal["none", "ddp", "fsdp"]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class JobConfig:
+    """One training job. The same file serves every variant: ``--set variant=optimized``."""
+
+    model: str
+    """Registered model name (``distopt.models.names()``) or ``package.module:factory``."""
+    model_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Keyword arguments of the model factory."""
+    hand_model: str | None = None
+    """Model built instead of ``model`` (same ``model_kwargs``) when ``variant`` is ``hand``: the
+    hand-optimized equivalent used as the practical ideal."""
+    variant: Variant = "baseline"
+    """What this run measures: the model as written, distopt-optimized, or hand-optimized."""
+    optimize: bool | None = None
+    """Run ``distopt.optimize`` on the model; ``None`` means "when variant is optimized"."""
+    optimize_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``config`` mapping passed to ``distopt.optimize`` (see ``distopt.config.OptimizeConfig``)."""
+    parallel: Parallel = "none"
+    """Data parallelism among trainers: none, DDP (gloo) or FSDP (``distopt.parallelize``)."""
+    steps: int = 100
+    """Training steps per trainer."""
+    batch_size: int = 32
+    """Samples per trainer per step; the global batch is ``batch_size × trainers``."""
+    lr: float = 0.01
+    """Learning rate of the trainer's SGD optimizer (dense parameters)."""
+    seed: int = 0
+    """Seeds parameters (same on every trainer) and synthetic data (different per trainer)."""
+    data_batches: int = 4
+    """Distinct synthetic batches generated up front and cycled (keeps data out of step time)."""
+    output_dir: str = "runs"
+    """QPS logs go to ``<output_dir>/<run_id>/qps-rank<r>.jsonl``."""
+    run_id: str | None = None
+    """Run id; default ``$DISTOPT_RUN_ID``, else ``<variant>-<time>-<random>`` chosen by rank 0."""
+    checkpoint_every: int = 0
+    """Save model and optimizer state every N steps (0: never)."""
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; default ``<output_dir>/<run_id>/checkpoints``."""
+    resume: bool = False
+    """Start from the latest checkpoint in ``checkpoint_dir`` when there is one."""
+    log_every: int = 10
+    """Without a TTY, print a progress line every N steps."""
+    num_threads: int | None = None
+    """torch intra-op threads per process; ``None`` keeps torch's default (``OMP_NUM_THREADS``)."""
+    ps: ServerOptions = dataclasses.field(default_factory=ServerOptions)
+    """Parameter-server options, used when the launcher starts ``ps`` processes. In a launched
+    job ``num_servers`` comes from ``DISTOPT_NUM_PS`` and ``host`` from ``DISTOPT_PS_ADDR``."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.model), "model", "a model name", self.model)
+        check(self.steps >= 1, "steps", "an integer >= 1", self.steps)
+        check(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
+        check(self.lr > 0, "lr", "a number > 0", self.lr)
+        check(self.data_batches >= 1, "data_batches", "an integer >= 1", self.data_batches)
+        check(
+            self.checkpoint_every >= 0, "checkpoint_every", "an integer >= 0", self.checkpoint_every
+        )
+        check(self.log_every >= 1, "log_every", "an integer >= 1", self.log_every)
+        check(
+            not (self.parallel == "fsdp" and self.checkpoint_every),
+            "checkpoint_every",
+            "0 with parallel 'fsdp' (sharded checkpoints are not written yet)",
+            self.checkpoint_every,
+        )
+        if self.num_threads is not None:
+            check(self.num_threads >= 1, "num_threads", "an integer >= 1", self.num_threads)
+        check(
+            self.variant != "hand" or self.hand_model is not None,
+            "hand_model",
+            "a model name when variant is 'hand'",
+            self.hand_model,
+        )
+        if self.run_id is not None:
+            check(
+                bool(self.run_id) and "/" not in self.run_id and self.run_id not in (".", ".."),
+                "run_id",
+                "a non-empty name without '/'",
+                self.run_id,
+            )
+
+    @property
+    def runs_optimize(self) -> bool:
+        """Whether ``distopt.optimize`` runs in this job."""
+        return self.variant == "optimized" if self.optimize is None else self.optimize
+
+    @property
+    def model_name(self) -> str:
+        """The registry name actually built for this variant."""
+        return self.hand_model if self.variant == "hand" and self.hand_model else self.model

@@ -1,0 +1,65 @@
+"""The ``distopt compare --plot`` figure: QPS over steps per run, and a box plot per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from distopt.errors import DistoptError
+from distopt.metrics.compare import Comparison
+
+
+def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
+    """Write a PNG (or any format matplotlib infers from the suffix) and return its path."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display on servers and CI
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        raise DistoptError("--plot needs matplotlib: pip install 'distopt[plot]'") from None
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, (ax_line, ax_box) = plt.subplots(
+        1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]}, constrained_layout=True
+    )
+    names = [f"{run.variant} ({Path(run.label).name})" for run in comparison.runs]
+    for run, name in zip(comparison.runs, names, strict=True):
+        ax_line.plot(run.step_numbers, run.qps, label=name, linewidth=1.2)
+    if comparison.warmup:
+        # Shade up to halfway to the first measured step so the boundary is unambiguous.
+        ax_line.axvspan(
+            min(run.step_numbers[0] for run in comparison.runs),
+            min(run.step_numbers[run.warmup] for run in comparison.runs) - 0.5,
+            color="grey",
+            alpha=0.15,
+            label=f"warm-up ({comparison.warmup} steps, excluded)",
+        )
+    ax_line.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax_line.set_xlabel("step")
+    ax_line.set_ylabel("QPS (samples/s, all trainers)")
+    ax_line.set_title("Throughput per step")
+    ax_line.grid(True, alpha=0.3)
+    ax_line.legend(loc="best", fontsize="small")
+
+    gains = {g.label: g for g in comparison.gains}
+    box_names = [
+        name
+        + ("\nbaseline" if run.label not in gains else f"\ngain ×{gains[run.label].median:.3f}")
+        for run, name in zip(comparison.runs, names, strict=True)
+    ]
+    ax_box.boxplot(
+        [run.measured_qps for run in comparison.runs],
+        whis=(10, 90),  # whiskers at p10/p90, matching the table
+        showfliers=True,
+        flierprops={"markersize": 3, "alpha": 0.5},
+    )
+    ax_box.set_xticks(range(1, len(names) + 1), box_names, fontsize="small")
+    ax_box.set_ylabel("QPS after warm-up (samples/s)")
+    ax_box.set_title("QPS distribution (whiskers p10–p90)")
+    ax_box.grid(True, axis="y", alpha=0.3)
+    fig.suptitle("distopt compare: " + " vs ".join(run.variant for run in comparison.runs))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,394 @@
+"""Trainer-side calls to the parameter servers, as users write them in model code.
+
+Blocking calls (what distopt's passes rewrite)::
+
+    rows = distopt.ps.fetch(self.table, ids)        # [*ids.shape, dim]; a leaf with requires_grad
+    distopt.ps.push(self.table, ids, grads, lr=0.1)
+
+Asynchronous counterparts (what the passes emit, or a hand-optimized model calls)::
+
+    fut = distopt.ps.fetch_async(table, ids)         # a torch.futures.Future, issued now
+    rows = distopt.ps.wait(fut)                      # inside record_function("distopt.wait:ps.fetch:T")
+    futs = distopt.ps.fetch_many_async([(t1, ids1), (t2, ids2)])   # ONE request per server
+    rows1, rows2 = distopt.ps.wait(futs)
+
+Registration (for the graph passes, see ``distopt.remote``): ``fetch`` is a read whose resource is
+``("distopt.ps", table)``, issued by ``fetch_async``, resolved by ``wait``, batchable by
+``fetch_batched`` among calls with equal ``batch_key`` (the servers holding the table). ``push`` is a
+write on the same resource, issued by ``push_async``.
+
+Ordering (so hoisting reads and deferring pushes never changes results): per table, each operation
+takes effect on the servers in the order this process issued it. A fetch is sent once the table's
+previous push has completed; a push once the previous push and every fetch issued before it have
+completed. Fetches of a table run concurrently with each other.
+
+Errors: anything raised on a server surfaces at the wait as :class:`RemoteCallError` with the
+server's name and its one-line message; a dead server fails the wait within ``rpc_timeout_s``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.autograd.profiler import record_function
+from torch.futures import Future
+
+from distopt.errors import ConfigError, RemoteCallError
+from distopt.ps import context
+from distopt.ps.futures import after, gather, rpc_call, when_all
+from distopt.ps.server import (
+    ps_server_fetch,
+    ps_server_fetch_many,
+    ps_server_load_state_dict,
+    ps_server_push,
+    ps_server_state_dict,
+    ps_server_stats,
+)
+from distopt.ps.spec import TableSpec
+
+Ids = torch.Tensor | Sequence[int] | None
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where a table lives: ``servers[s]`` holds the rows with ``id % len(servers) == s``."""
+
+    spec: TableSpec
+    servers: tuple[str, ...]
+
+
+class _Client:
+    def __init__(self, routes: dict[str, Route], timeout_s: float) -> None:
+        self.routes = routes
+        self.timeout_s = timeout_s
+        self.lock = threading.Lock()
+        self.last_write: dict[str, Future] = {}
+        self.reads: dict[str, list[Future]] = {}
+
+    def route(self, table: str) -> Route:
+        route = self.routes.get(table)
+        if route is None:
+            known = ", ".join(sorted(self.routes)) or "none"
+            raise ConfigError(f"parameter server: unknown table {table!r} (known: {known})")
+        return route
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        return tuple(sorted({s for r in self.routes.values() for s in r.servers}, key=_server_order))
+
+
+def _server_order(name: str) -> tuple[int, str]:
+    digits = name[2:] if name.startswith("ps") else ""
+    return (int(digits), name) if digits.isdigit() else (1 << 30, name)
+
+
+_CLIENT: _Client | None = None
+
+
+def connect(routes: Mapping[str, Route], *, rpc_timeout_s: float) -> None:
+    """Point this process's client at the given tables (``launch.init_trainer`` does this)."""
+    global _CLIENT
+    _CLIENT = _Client(dict(routes), rpc_timeout_s)
+
+
+def disconnect() -> None:
+    global _CLIENT
+    _CLIENT = None
+
+
+def _client() -> _Client:
+    if _CLIENT is None:
+        raise RemoteCallError("parameter server client not initialized: call distopt.ps.init_trainer(...) first")
+    return _CLIENT
+
+
+def routes() -> dict[str, Route]:
+    """The tables this trainer can reach, by name."""
+    return dict(_client().routes)
+
+
+# --- futures returned by fetches -----------------------------------------------------------------
+
+
+class FetchFuture(Future):
+    """A pending fetch of one table (``single``) or of several (a batched fetch).
+
+    Resolve it with :func:`wait`, which returns the rows as autograd leaves and records them for
+    :func:`push_gradients`; ``fut.wait()`` returns the raw rows (no recording).
+    """
+
+    def __init__(self, requests: tuple[tuple[str, torch.Tensor], ...], *, single: bool, label: str) -> None:
+        super().__init__()
+        self.requests = requests
+        self.single = single
+        self.label = label
+        self._leaves: Any = None
+        self._leaves_lock = threading.Lock()
+
+    def leaves(self, value: Any) -> Any:
+        """The fetched rows as leaves, made (and recorded) once however often this is called."""
+        with self._leaves_lock:
+            if self._leaves is None:
+                rows = [value] if self.single else list(value)
+                track = torch.is_grad_enabled()
+                made = []
+                for (table, ids), r in zip(self.requests, rows, strict=True):
+                    leaf = r.detach().requires_grad_(track)
+                    if track:
+                        context.record(table, ids, leaf)
+                    made.append(leaf)
+                self._leaves = made[0] if self.single else made
+            return self._leaves
+
+
+def wait(fut: Future) -> Any:
+    """Block until ``fut`` is done, inside ``record_function("distopt.wait:<label>")``.
+
+    For a fetch: the rows (a list for a batched fetch) as leaves with ``requires_grad`` when grad
+    mode is on, recorded for :func:`push_gradients`. For a push: ``None``. Errors raised on a server
+    are re-raised here as :class:`RemoteCallError`.
+    """
+    label = getattr(fut, "label", "remote")
+    with record_function(f"distopt.wait:{label}"):
+        value = fut.wait()
+    if isinstance(fut, FetchFuture):
+        return fut.leaves(value)
+    return value
+
+
+# --- fetch -------------------------------------------------------------------------------------
+
+
+def _as_ids(route: Route, ids: Ids) -> torch.Tensor:
+    if ids is None:
+        return torch.arange(route.spec.num_rows)
+    if not isinstance(ids, torch.Tensor):
+        ids = torch.as_tensor(ids)
+    if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise ConfigError(f"table {route.spec.name!r}: ids must be integers, got dtype {ids.dtype}")
+    return ids.to(torch.int64)
+
+
+def _split(ids: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor | None, torch.Tensor]]:
+    """``[(shard, positions_in_flat_ids or None for all, shard_ids)]`` for non-empty shards."""
+    flat = ids.reshape(-1)
+    if n == 1:
+        return [(0, None, flat)] if flat.numel() else []
+    owner = flat % n
+    parts = []
+    for shard in range(n):
+        pos = (owner == shard).nonzero().squeeze(1)
+        if pos.numel():
+            parts.append((shard, pos, flat.index_select(0, pos)))
+    return parts
+
+
+def fetch_many_async(requests: Sequence[tuple[str, Ids]]) -> FetchFuture:
+    """Fetch several ``(table, ids)`` at once: one RPC per server, results in request order."""
+    return _fetch(requests, single=False)
+
+
+def fetch_async(table: str, ids: Ids = None) -> FetchFuture:
+    """Issue a fetch of rows ``ids`` (all rows when ``None``) of ``table``; resolve with :func:`wait`."""
+    return _fetch(((table, ids),), single=True)
+
+
+def fetch(table: str, ids: Ids = None) -> torch.Tensor:
+    """Rows ``ids`` of ``table`` as a ``[*ids.shape, dim]`` leaf tensor (blocking)."""
+    return wait(fetch_async(table, ids))
+
+
+def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
+    client = _client()
+    resolved = []
+    for table, ids in requests:
+        route = client.route(table)
+        resolved.append((table, _as_ids(route, ids), route))
+    # Per server, the pieces it must answer: (request index, positions, table, shard ids).
+    per_server: dict[str, list[tuple[int, torch.Tensor | None, str, torch.Tensor]]] = {}
+    for index, (table, ids, route) in enumerate(resolved):
+        for shard, pos, shard_ids in _split(ids, len(route.servers)):
+            per_server.setdefault(route.servers[shard], []).append((index, pos, table, shard_ids))
+    tables = [t for t, _, _ in resolved]
+    label = f"ps.fetch:{tables[0]}" if single else f"ps.fetch_many:{'+'.join(tables)}"
+    out = FetchFuture(tuple((t, ids) for t, ids, _ in resolved), single=single, label=label)
+    plan = list(per_server.items())
+
+    def start() -> Future:
+        calls = []
+        for server, items in plan:
+            if len(items) == 1:
+                _, _, table, shard_ids = items[0]
+                call = rpc_call(server, ps_server_fetch, (table, shard_ids), what=f"fetch of {table!r}",
+                                timeout_s=client.timeout_s)
+            else:
+                what = "fetch of " + ", ".join(repr(it[2]) for it in items)
+                call = rpc_call(server, ps_server_fetch_many, ([(it[2], it[3]) for it in items],),
+                                what=what, timeout_s=client.timeout_s)
+            calls.append(call)
+        return gather(calls)
+
+    def finish(answers: list[Any]) -> Any:
+        results = [torch.empty(ids.numel(), route.spec.dim) for _, ids, route in resolved]
+        for (_, items), answer in zip(plan, answers, strict=True):
+            rows_list = [answer] if len(items) == 1 else answer
+            for (index, pos, _, _), rows in zip(items, rows_list, strict=True):
+                if pos is None:
+                    results[index] = rows
+                else:
+                    results[index].index_copy_(0, pos, rows)
+        shaped = [r.reshape(*ids.shape, route.spec.dim) for r, (_, ids, route) in zip(results, resolved, strict=True)]
+        return shaped[0] if single else shaped
+
+    with client.lock:
+        pending = {t: client.last_write[t] for t in tables if t in client.last_write}
+        writes = list({id(f): f for f in pending.values()}.values())
+        for table in tables:
+            live = [r for r in client.reads.get(table, []) if not r.done()]
+            client.reads[table] = [*live, out]
+    after(out, writes=writes, reads=(), start=start, finish=finish, what=label)
+    return out
+
+
+# --- push --------------------------------------------------------------------------------------
+
+
+def push_async(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> Future:
+    """Issue a sparse optimizer step on rows ``ids`` with gradient rows ``grads`` (``[*ids.shape, dim]``).
+
+    Duplicate ids accumulate on the server before the update. Resolve with :func:`wait`.
+    """
+    client = _client()
+    route = client.route(table)
+    flat = _as_ids(route, ids).reshape(-1)
+    if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
+        raise ConfigError(f"push to {table!r}: grads must be a float tensor, got {type(grads).__name__}")
+    if grads.numel() != flat.numel() * route.spec.dim:
+        raise ConfigError(
+            f"push to {table!r}: grads of shape {tuple(grads.shape)} do not match {flat.numel()} ids "
+            f"of dim {route.spec.dim}"
+        )
+    rows = grads.detach().reshape(-1, route.spec.dim)
+    label = f"ps.push:{table}"
+    out: Future = Future()
+    out.label = label  # type: ignore[attr-defined]
+    parts = [
+        (route.servers[shard], shard_ids, rows if pos is None else rows.index_select(0, pos))
+        for shard, pos, shard_ids in _split(flat, len(route.servers))
+    ]
+
+    def start() -> Future:
+        return gather([
+            rpc_call(server, ps_server_push, (table, shard_ids, shard_rows, float(lr)),
+                     what=f"push to {table!r}", timeout_s=client.timeout_s)
+            for server, shard_ids, shard_rows in parts
+        ])
+
+    with client.lock:
+        previous = client.last_write.get(table)
+        reads = [r for r in client.reads.get(table, []) if not r.done()]
+        client.reads[table] = []
+        client.last_write[table] = out
+    after(out, writes=[previous] if previous is not None else [], reads=reads, start=start,
+          finish=lambda _: None, what=label)
+    return out
+
+
+def push(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> None:
+    """Blocking :func:`push_async`."""
+    wait(push_async(table, ids, grads, lr))
+
+
+def push_gradients(*, lr: float, blocking: bool = False) -> list[Future]:
+    """Push the gradients of every row fetched in this thread's step, then clear the step.
+
+    Call after ``loss.backward()``. One push per table (ids concatenated; duplicates accumulate on
+    the server). With ``blocking=False`` the pushes overlap what follows (the next step's fetches of
+    a table are ordered after its push); returns their futures.
+    """
+    by_table: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for rec in context.take():
+        if rec.rows.grad is None:
+            continue  # fetched but unused by the loss
+        ids, grads = by_table.setdefault(rec.table, ([], []))
+        ids.append(rec.ids)
+        grads.append(rec.rows.grad.reshape(rec.ids.numel(), -1))
+    futures = [push_async(t, torch.cat(ids), torch.cat(grads), lr) for t, (ids, grads) in by_table.items()]
+    if blocking:
+        for fut in futures:
+            wait(fut)
+    return futures
+
+
+def flush() -> None:
+    """Wait for every fetch and push this process issued (before a checkpoint or shutdown)."""
+    client = _client()
+    with client.lock:
+        pending = [*client.last_write.values(), *(r for rs in client.reads.values() for r in rs)]
+    done = threading.Event()
+    when_all(pending, done.set)
+    done.wait()
+    for fut in pending:
+        try:
+            fut.wait()
+        except RemoteCallError:
+            pass  # reported to whoever waits on it; flush only orders
+
+
+# --- whole-server calls ---------------------------------------------------------------------------
+
+
+def state_dict() -> dict[str, dict[str, Any]]:
+    """Every server's shards, ``{server: {table: shard_state}}``, after pending pushes complete."""
+    client = _client()
+    flush()
+    futures = {s: rpc_call(s, ps_server_state_dict, (), what="state_dict", timeout_s=client.timeout_s)
+               for s in client.servers}
+    return {s: f.wait() for s, f in futures.items()}
+
+
+def load_state_dict(state: Mapping[str, Mapping[str, Any]]) -> None:
+    """Restore :func:`state_dict` output (same servers and sharding) on every server."""
+    client = _client()
+    flush()
+    missing = [s for s in client.servers if s not in state]
+    if missing:
+        raise ConfigError(f"parameter-server checkpoint lacks server {missing[0]!r}")
+    futures = [rpc_call(s, ps_server_load_state_dict, (dict(state[s]),), what="load_state_dict",
+                        timeout_s=client.timeout_s) for s in client.servers]
+    for fut in futures:
+        fut.wait()
+
+
+def server_stats(server: str) -> dict[str, int]:
+    """Request counts of ``server`` by operation (``fetch``, ``fetch_many``, ``push``, ``requests``)."""
+    return rpc_call(server, ps_server_stats, (), what="stats", timeout_s=_client().timeout_s).wait()
+
+
+# --- registration for the graph passes ------------------------------------------------------------
+
+
+def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def table_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
+    """Resource of a fetch/push call: ``("distopt.ps", table)``; equal resources conflict."""
+    return ("distopt.ps", _arg(args, kwargs, 0, "table"))
+
+
+def server_group(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
+    """Batch key of a fetch: the servers holding its table (unknown before ``init_trainer``)."""
+    table = _arg(args, kwargs, 0, "table")
+    route = _CLIENT.routes.get(table) if _CLIENT is not None else None
+    return ("distopt.ps", route.servers if route is not None else None)
+
+
+def fetch_batched(args_list: Sequence[Sequence[Any]], kwargs_list: Sequence[Mapping[str, Any]]) -> FetchFuture:
+    """Batched form of :func:`fetch` for the batch pass: ``wait`` of the result is a list of rows."""
+    requests = [(_arg(a, k, 0, "table"), _arg(a, k, 1, "ids")) for a, k in zip(args_list, kwargs_list, strict=True)]
+    return fetch_many_async(requests)

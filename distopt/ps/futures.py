@@ -1,0 +1,138 @@
+"""Future plumbing for the client: RPCs whose errors name the server, ordering, and joins.
+
+All callbacks here run on whichever thread completes a future (often an RPC thread), so they never
+block: they only start non-blocking RPCs and complete other futures.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed.rpc as rpc
+from torch.futures import Future
+
+from distopt.errors import RemoteCallError
+
+_WORKER_LINE = re.compile(r"On WorkerInfo\(id=\d+, name=[^)]*\):(?:\\n|\n)(.*?)(?:\\n|\n)")
+_EXC_REPR = re.compile(r"^([\w.]+)\((['\"])(.*)\2\)$")
+
+
+def remote_message(err: BaseException) -> str:
+    """The server-side exception as one line (``KeyError: ...``), without RPC framing/traceback.
+
+    torch re-raises a handler's exception as ``<Type>: On WorkerInfo(id=.., name=..):`` followed by
+    a line with the exception's ``repr`` and the remote traceback (all escaped once more for
+    ``KeyError``); the ``repr`` line is the message.
+    """
+    text = str(err)
+    match = _WORKER_LINE.search(text)
+    if match:
+        line = match.group(1).replace("\\'", "'").replace('\\"', '"')
+        exc = _EXC_REPR.match(line)
+        return f"{exc.group(1)}: {exc.group(3)}" if exc else line
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+def rpc_call(server: str, fn: Callable[..., Any], args: tuple[Any, ...], *, what: str, timeout_s: float) -> Future:
+    """``rpc_async(server, fn, args)`` whose failure is a :class:`RemoteCallError` naming ``server``."""
+    out: Future = Future()
+    try:
+        inner = rpc.rpc_async(server, fn, args=args, timeout=timeout_s)
+    except Exception as err:  # agent gone, unknown worker name: report at the wait like the rest
+        out.set_exception(RemoteCallError(f"{what} on {server} failed: {remote_message(err)}"))
+        return out
+
+    def done(fut: Future) -> None:
+        try:
+            out.set_result(fut.value())
+        except Exception as err:
+            out.set_exception(RemoteCallError(f"{what} on {server} failed: {remote_message(err)}"))
+
+    inner.add_done_callback(done)
+    return out
+
+
+def when_all(futures: Sequence[Future], callback: Callable[[], None]) -> None:
+    """Call ``callback()`` once every future in ``futures`` is done (successfully or not)."""
+    pending = [f for f in futures if not f.done()]
+    if not pending:
+        callback()
+        return
+    remaining = [len(pending)]
+    lock = threading.Lock()
+
+    def one(_: Future) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            callback()
+
+    for fut in pending:
+        fut.add_done_callback(one)
+
+
+def first_error(futures: Sequence[Future]) -> BaseException | None:
+    """The exception of the first failed (done) future, else ``None``."""
+    for fut in futures:
+        try:
+            fut.value()
+        except Exception as err:
+            return err
+    return None
+
+
+def after(
+    out: Future,
+    *,
+    writes: Sequence[Future],
+    reads: Sequence[Future],
+    start: Callable[[], Future],
+    finish: Callable[[Any], Any],
+    what: str,
+) -> None:
+    """Start ``start()`` once ``writes`` and ``reads`` are done; complete ``out`` with ``finish``.
+
+    A failed earlier write fails ``out`` too (the table's state is unknown); a failed read does not
+    matter to later operations.
+    """
+
+    def go() -> None:
+        failed = first_error(writes)
+        if failed is not None:
+            out.set_exception(RemoteCallError(f"{what}: an earlier push to the table failed: {failed}"))
+            return
+        try:
+            inner = start()
+        except Exception as err:
+            out.set_exception(err if isinstance(err, RemoteCallError) else RemoteCallError(f"{what}: {err}"))
+            return
+
+        def done(fut: Future) -> None:
+            try:
+                out.set_result(finish(fut.value()))
+            except Exception as err:
+                out.set_exception(err if isinstance(err, RemoteCallError) else RemoteCallError(f"{what}: {err}"))
+
+        inner.add_done_callback(done)
+
+    when_all([*writes, *reads], go)
+
+
+def gather(parts: Sequence[Future]) -> Future:
+    """A future of ``[part values]``, failing with the first part's error once all are done."""
+    out: Future = Future()
+
+    def done() -> None:
+        failed = first_error(parts)
+        if failed is not None:
+            out.set_exception(failed)
+        else:
+            out.set_result([p.value() for p in parts])
+
+    when_all(parts, done)
+    return out

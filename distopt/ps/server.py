@@ -1,0 +1,217 @@
+"""The parameter-server process: holds table shards and answers RPCs (TensorPipe).
+
+Run by :func:`distopt.ps.launch.start_servers` as ``python -m distopt.ps.server CONFIG_JSON``.
+Server ``i`` joins the RPC group as ``ps{i}`` with rank ``num_trainers + i``; trainer ``j`` has
+rank ``j`` (a process can hold only one RPC rank in its life, see ``launch.init_trainer``). The group's rendezvous store is hosted by the launcher (see
+``distopt.ps.rendezvous``), which outlives every member, so shutdown never loses it.
+
+The ``ps_server_*`` functions below are the RPC handlers; clients call them through
+``rpc_async(server, ps_server_fetch, args=(table, ids))``. They run on the RPC thread pool, so each
+table shard guards itself with a lock. Handlers that only read are registered with
+:func:`distopt.remote.register_read`, so a user's raw ``rpc_sync("ps0", ps_server_fetch, ...)`` is
+scheduled as a read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from distopt.errors import ConfigError, RemoteCallError
+from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
+from distopt.ps.table import ShardTable
+from distopt.remote import register_read
+
+
+class _ServerState:
+    """Shards held by this process, the injected latency, and request counters."""
+
+    def __init__(self, index: int, tables: tuple[TableSpec, ...], options: ServerOptions) -> None:
+        self.index = index
+        self.name = server_name(index)
+        self.options = options
+        self.latency_s = options.latency_ms / 1000.0
+        self.shards: dict[str, ShardTable] = {}
+        for spec in tables:
+            placement = spec.placement(options.num_servers)
+            if index in placement:
+                self.shards[spec.name] = ShardTable(
+                    spec, shard=placement.index(index), num_shards=len(placement), seed=options.seed
+                )
+        self.counts: Counter[str] = Counter()
+        self.counts_lock = threading.Lock()
+        self.num_trainers = 0
+        self.finished: set[str] = set()
+        self.stop = threading.Event()
+
+    def table(self, name: str) -> ShardTable:
+        shard = self.shards.get(name)
+        if shard is None:
+            held = ", ".join(sorted(self.shards)) or "none"
+            raise KeyError(f"{self.name} holds no table {name!r} (held: {held})")
+        return shard
+
+    def begin(self, op: str) -> None:
+        """Count the request, then emulate network/server latency before doing the work."""
+        with self.counts_lock:
+            self.counts[op] += 1
+            self.counts["requests"] += 1
+        if self.latency_s:
+            time.sleep(self.latency_s)
+
+
+_STATE: _ServerState | None = None
+
+
+def _state() -> _ServerState:
+    if _STATE is None:
+        raise RuntimeError("this process is not a distopt parameter server")
+    return _STATE
+
+
+@register_read
+def ps_server_fetch(table: str, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` (global ids held by this server) of ``table``."""
+    state = _state()
+    state.begin("fetch")
+    return state.table(table).fetch(ids)
+
+
+@register_read
+def ps_server_fetch_many(requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Several fetches in one request: one latency, one round trip, results in request order."""
+    state = _state()
+    state.begin("fetch_many")
+    return [state.table(table).fetch(ids) for table, ids in requests]
+
+
+def ps_server_push(table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+    """Apply the table's sparse optimizer step to rows ``ids``."""
+    state = _state()
+    state.begin("push")
+    state.table(table).push(ids, grads, float(lr))
+
+
+@register_read
+def ps_server_state_dict() -> dict[str, dict[str, Any]]:
+    """This server's shards: ``{table: shard_state}`` (see :meth:`ShardTable.state_dict`)."""
+    return {name: shard.state_dict() for name, shard in _state().shards.items()}
+
+
+def ps_server_load_state_dict(state: dict[str, dict[str, Any]]) -> None:
+    """Restore every shard held here from :func:`ps_server_state_dict` output."""
+    server = _state()
+    missing = sorted(set(server.shards) - set(state))
+    if missing:
+        raise KeyError(f"{server.name}: checkpoint lacks table {missing[0]!r}")
+    for name, shard_state in state.items():
+        server.table(name).load_state_dict(shard_state)
+
+
+@register_read
+def ps_server_tables() -> list[dict[str, Any]]:
+    """Specs of the tables this server holds (the client builds its routing from them)."""
+    return [dataclasses.asdict(shard.spec) for shard in _state().shards.values()]
+
+
+def ps_server_trainer_done(trainer: str) -> None:
+    """``trainer`` has finished with this server; once every trainer has, the server exits."""
+    state = _state()
+    with state.counts_lock:
+        state.finished.add(trainer)
+        if len(state.finished) >= state.num_trainers:
+            state.stop.set()
+
+
+@register_read
+def ps_server_stats() -> dict[str, int]:
+    """Request counts by operation since start (``requests`` is the total), and the PID."""
+    state = _state()
+    with state.counts_lock:
+        return {**state.counts, "pid": os.getpid()}
+
+
+def serve(config: dict[str, Any]) -> None:
+    """Join the RPC group as a parameter server and serve until every worker shuts down."""
+    global _STATE
+    from distopt.ps import rendezvous
+
+    options = ServerOptions(**config["options"])
+    tables = tuple(TableSpec(**_tuples(t)) for t in config["tables"])
+    index = int(config["index"])
+    # Handlers are small index_select/index_add calls: one intra-op thread each avoids
+    # oversubscribing the cores that trainers and other servers share.
+    torch.set_num_threads(1)
+    _exit_with_launcher(config.get("launcher_pid"))
+    _STATE = _ServerState(index, tables, options)
+    num_trainers = int(config["world_size"]) - options.num_servers
+    _STATE.num_trainers = num_trainers
+    rendezvous.meet(
+        options.host,
+        int(config["port"]),
+        me=server_name(index),
+        others=[trainer_name(j) for j in range(num_trainers)],
+        timeout_s=options.join_timeout_s,
+    )
+    rendezvous.init_rpc(
+        name=server_name(index),
+        rank=int(config["rank"]),
+        world_size=int(config["world_size"]),
+        port=int(config["port"]),
+        options=options,
+        timeout_s=options.join_timeout_s,
+    )
+    # Serve until every trainer said it is done. Not rpc.shutdown(graceful=True): its store barrier
+    # uses a process-wide counter in torch that a trainer joining its second job no longer agrees
+    # on, which stalls shutdown until the store timeout.
+    _STATE.stop.wait()
+    time.sleep(0.2)  # let the reply to the last trainer_done leave before the pipes close
+    import torch.distributed.rpc as rpc
+
+    rpc.shutdown(graceful=False)
+
+
+def _exit_with_launcher(launcher_pid: int | None) -> None:
+    """Exit when the launching process dies (crash, SIGKILL): never leave an orphan server behind."""
+    if launcher_pid is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == launcher_pid:
+            time.sleep(0.5)
+        os._exit(3)
+
+    threading.Thread(target=watch, name="distopt-ps-launcher-watch", daemon=True).start()
+
+
+def _tuples(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m distopt.ps.server CONFIG_JSON", file=sys.stderr)
+        return 2
+    try:
+        serve(json.loads(args[0]))
+    except (ConfigError, RemoteCallError) as err:
+        print(f"distopt.ps.server: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    # Run the handlers from the importable module, not ``__main__``: clients pickle them by
+    # their qualified name ``distopt.ps.server.ps_server_*``, and the state must live there.
+    from distopt.ps.server import main as _main
+
+    sys.exit(_main())

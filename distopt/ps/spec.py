@@ -1,0 +1,125 @@
+"""Validated descriptions of parameter-server tables and of the server processes that hold them.
+
+A table is a ``[num_rows, dim]`` float tensor. Row ``r`` of a table placed on servers
+``(s_0, ..., s_{n-1})`` lives on server ``s_{r % n}`` at local row ``r // n``. An embedding table is
+spread over every server by default; a dense table lives whole on one server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import zlib
+from typing import Literal
+
+from distopt.config import check
+
+Optimizer = Literal["sgd", "adagrad"]
+
+
+def server_name(index: int) -> str:
+    """RPC worker name of parameter server ``index`` (``ps0``, ``ps1``, ...)."""
+    return f"ps{index}"
+
+
+def trainer_name(index: int) -> str:
+    """RPC worker name of trainer ``index`` (``trainer0``, ...)."""
+    return f"trainer{index}"
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class TableSpec:
+    """One named table held by the parameter servers."""
+
+    name: str
+    """Table name used in ``fetch(name, ids)``; unique within a job."""
+    num_rows: int
+    """Number of rows (embedding ids ``0 .. num_rows - 1``)."""
+    dim: int
+    """Width of a row."""
+    kind: Literal["embedding", "dense"] = "embedding"
+    """``embedding``: sharded by ``row % n`` over ``servers``; ``dense``: whole on one server."""
+    optimizer: Optimizer = "sgd"
+    """Update applied by ``push``: sparse SGD or sparse Adagrad (duplicate ids accumulate first)."""
+    init_std: float = 0.01
+    """Rows start as ``normal(0, init_std)`` drawn from the job seed and the table name."""
+    adagrad_eps: float = 1e-10
+    """Adagrad denominator term: ``w -= lr * g / (sqrt(sum g^2) + eps)``."""
+    adagrad_initial: float = 0.0
+    """Initial value of the Adagrad squared-gradient accumulator."""
+    servers: tuple[int, ...] | None = None
+    """Indices of the servers holding the table; ``None``: all servers (embedding) or one chosen
+    from the name (dense)."""
+
+    def __post_init__(self) -> None:
+        key = f"tables.{self.name}" if isinstance(self.name, str) else "tables"
+        check(isinstance(self.name, str) and bool(self.name), "tables.name", "a non-empty string", self.name)
+        check(self.num_rows >= 1, f"{key}.num_rows", "an integer >= 1", self.num_rows)
+        check(self.dim >= 1, f"{key}.dim", "an integer >= 1", self.dim)
+        check(self.kind in ("embedding", "dense"), f"{key}.kind", "'embedding' or 'dense'", self.kind)
+        check(self.optimizer in ("sgd", "adagrad"), f"{key}.optimizer", "'sgd' or 'adagrad'", self.optimizer)
+        check(self.init_std >= 0, f"{key}.init_std", "a number >= 0", self.init_std)
+        check(self.adagrad_eps > 0, f"{key}.adagrad_eps", "a number > 0", self.adagrad_eps)
+        check(self.adagrad_initial >= 0, f"{key}.adagrad_initial", "a number >= 0", self.adagrad_initial)
+        if self.servers is not None:
+            ok = len(self.servers) >= 1 and len(set(self.servers)) == len(self.servers)
+            check(ok and min(self.servers) >= 0, f"{key}.servers", "distinct server indices", self.servers)
+            if self.kind == "dense":
+                check(len(self.servers) == 1, f"{key}.servers", "one server for a dense table", self.servers)
+
+    def placement(self, num_servers: int) -> tuple[int, ...]:
+        """Server indices holding shards ``0, 1, ...`` of this table in a job of ``num_servers``."""
+        if self.servers is not None:
+            check(max(self.servers) < num_servers, f"tables.{self.name}.servers",
+                  f"indices below num_servers={num_servers}", self.servers)
+            return self.servers
+        if self.kind == "dense":
+            return (zlib.crc32(self.name.encode()) % num_servers,)
+        return tuple(range(num_servers))
+
+    def table_seed(self, seed: int) -> int:
+        """Seed of this table's initial values: independent of sharding and of the other tables."""
+        return (seed * 1_000_003 + zlib.crc32(self.name.encode())) % (2**63)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class ServerOptions:
+    """How the parameter-server processes of one job run."""
+
+    num_servers: int = 1
+    """Number of server processes (``ps0 .. ps{n-1}``)."""
+    seed: int = 0
+    """Seed of every table's initial values: two jobs with the same seed start from equal tables."""
+    latency_ms: float = 0.0
+    """Sleep this long on the server before answering each fetch/push. Emulates network and server
+    latency for benchmarks on one machine; 0 in production."""
+    host: str = "127.0.0.1"
+    """Address every RPC listener binds to. Loopback by default: nothing is reachable off-host."""
+    interface: str = "lo"
+    """Network interface TensorPipe and gloo bind to (``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``);
+    must carry ``host``."""
+    num_worker_threads: int = 64
+    """RPC handler threads per server; concurrent requests beyond this queue."""
+    rpc_timeout_s: float = 30.0
+    """Deadline of every fetch/push: a dead or stuck server raises at the wait after this long."""
+    start_timeout_s: float = 30.0
+    """A trainer's deadline for the RPC group to form; an unreachable server raises after this."""
+    join_timeout_s: float = 600.0
+    """How long servers wait for every trainer to join (servers usually start first)."""
+
+    def __post_init__(self) -> None:
+        check(self.num_servers >= 1, "ps.num_servers", "an integer >= 1", self.num_servers)
+        check(self.latency_ms >= 0, "ps.latency_ms", "a number >= 0", self.latency_ms)
+        check(bool(self.host), "ps.host", "a host address", self.host)
+        check(self.num_worker_threads >= 1, "ps.num_worker_threads", "an integer >= 1", self.num_worker_threads)
+        check(self.rpc_timeout_s > 0, "ps.rpc_timeout_s", "a number > 0", self.rpc_timeout_s)
+        check(self.start_timeout_s > 0, "ps.start_timeout_s", "a number > 0", self.start_timeout_s)
+        check(self.join_timeout_s > 0, "ps.join_timeout_s", "a number > 0", self.join_timeout_s)
+
+
+def check_tables(tables: tuple[TableSpec, ...] | list[TableSpec], num_servers: int) -> None:
+    """Reject duplicate table names and placements on servers that do not exist."""
+    seen: set[str] = set()
+    for spec in tables:
+        check(spec.name not in seen, "tables", "unique table names", spec.name)
+        seen.add(spec.name)
+        spec.placement(num_servers)

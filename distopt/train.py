@@ -1,0 +1,77 @@
+"""Training entry point: ``python -m distopt.train --config configs/jobs/<job>.yaml [--set k=v ...]``.
+
+The process's role comes from the environment (see :mod:`distopt.job.env`): a trainer (default)
+trains and writes its QPS log; a ``ps`` process serves parameter-server tables until the trainers
+finish. Single process: ``python -m distopt.train --config configs/jobs/mlp.yaml``. DDP on one host:
+``torchrun --standalone --nproc-per-node 2 -m distopt.train --config configs/jobs/mlp_ddp.yaml``.
+
+Exit status 0 on success, 2 on a configuration or environment error (one line on stderr), 1 when
+training itself fails (traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from distopt.config import load_config
+from distopt.errors import DistoptError
+from distopt.job.config import JobConfig
+from distopt.job.env import JobEnv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m distopt.train", description="Run one distopt training job process."
+    )
+    parser.add_argument("--config", required=True, help="job config YAML (see configs/jobs/)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted for nested keys; value parsed as YAML); repeatable",
+    )
+    return parser
+
+
+def run(config: JobConfig, env: JobEnv) -> int:
+    """Run this process's role of the job."""
+    if config.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(config.num_threads)
+    if env.role == "ps" or env.num_ps > 0:
+        from distopt.job.ps_job import run_ps_role  # imports torch.distributed.rpc
+
+        return run_ps_role(config, env)
+    from distopt.job.dist import init_trainer_group, shutdown_trainer_group
+    from distopt.job.trainer import train
+
+    needs_group = env.num_trainers > 1 or config.parallel != "none"
+    if needs_group:
+        init_trainer_group(env)
+    try:
+        result = train(config, env)
+    finally:
+        if needs_group:
+            shutdown_trainer_group()
+    if env.rank == 0:
+        print(f"run {result.run_id}: {result.steps} steps, QPS log {result.log_path}", flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = load_config(JobConfig, args.config, args.overrides)
+        env = JobEnv.from_environ()
+        return run(config, env)
+    except DistoptError as err:
+        print(f"distopt.train: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""The client against real parameter-server processes (loopback RPC, 2 servers)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed.rpc as rpc
+
+import distopt.ps as ps
+from distopt.capture import DistoptTracer
+from distopt.errors import ConfigError, RemoteCallError
+from distopt.ps.server import ps_server_fetch
+from distopt.ps.spec import ServerOptions, TableSpec
+from distopt.ps.table import ShardTable, initial_rows
+from distopt.remote import effect_of, lookup
+
+pytestmark = pytest.mark.slow
+
+SEED = 3
+TABLES = (
+    TableSpec(name="read", num_rows=10, dim=4),
+    TableSpec(name="sgd", num_rows=10, dim=4),
+    TableSpec(name="ada", num_rows=12, dim=3, optimizer="adagrad"),
+    TableSpec(name="order", num_rows=8, dim=2),
+    TableSpec(name="ckpt", num_rows=6, dim=2, optimizer="adagrad"),
+    TableSpec(name="bag", num_rows=20, dim=4),
+    TableSpec(name="dense", num_rows=3, dim=5, kind="dense"),
+)
+
+
+@pytest.fixture(scope="module")
+def job() -> Iterator[ps.PSJob]:
+    options = ServerOptions(num_servers=2, seed=SEED, latency_ms=20, rpc_timeout_s=10, start_timeout_s=20)
+    with ps.local_job(TABLES, options) as job:
+        yield job
+
+
+def _spec(name: str) -> TableSpec:
+    return next(t for t in TABLES if t.name == name)
+
+
+def test_fetch_returns_seeded_rows_from_both_shards_as_leaves(job: ps.PSJob) -> None:
+    ids = torch.tensor([[0, 3], [7, 3]])
+    rows = ps.fetch("read", ids)
+    assert rows.shape == (2, 2, 4) and rows.is_leaf and rows.requires_grad
+    assert torch.equal(rows.detach(), initial_rows(_spec("read"), SEED)[ids])
+    assert ps.routes()["read"].servers == ("ps0", "ps1")
+    ps.discard_step()
+
+
+def test_dense_table_fetches_whole_tensor_from_one_server(job: ps.PSJob) -> None:
+    with torch.no_grad():
+        whole = ps.fetch("dense")
+    assert torch.equal(whole, initial_rows(_spec("dense"), SEED)) and not whole.requires_grad
+    assert len(ps.routes()["dense"].servers) == 1
+
+
+@pytest.mark.parametrize("table", ["sgd", "ada"])
+def test_push_applies_sparse_update_with_duplicates(job: ps.PSJob, table: str) -> None:
+    spec = _spec(table)
+    ids = torch.tensor([1, 2, 2, 5, 2])
+    grads = torch.randn(5, spec.dim)
+    expected = ShardTable(spec, shard=0, num_shards=1, seed=SEED)
+    expected.push(ids, grads, lr=0.5)
+    ps.push(table, ids, grads, lr=0.5)
+    with torch.no_grad():
+        torch.testing.assert_close(ps.fetch(table), expected.weight)
+
+
+def test_async_push_then_fetch_sees_the_push(job: ps.PSJob) -> None:
+    """The fetch is issued while the push is still in flight (20 ms server latency)."""
+    before = initial_rows(_spec("order"), SEED)
+    ids = torch.tensor([0, 1, 2, 3])
+    for step in range(3):
+        push = ps.push_async("order", ids, torch.ones(4, 2), lr=1.0)
+        assert not push.done()
+        with torch.no_grad():
+            after = ps.fetch("order", ids)
+        torch.testing.assert_close(after, before[ids] - (step + 1))
+    ps.wait(push)
+
+
+def test_batched_fetch_is_one_request_per_server(job: ps.PSJob) -> None:
+    before = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
+    ids = [torch.tensor([0, 1, 2]), torch.tensor([4, 5]), torch.tensor([9])]
+    fut = ps.fetch_many_async(list(zip(("read", "read", "bag"), ids, strict=True)))
+    rows = ps.wait(fut)
+    assert [r.shape for r in rows] == [(3, 4), (2, 4), (1, 4)]
+    assert torch.equal(rows[0].detach(), initial_rows(_spec("read"), SEED)[ids[0]])
+    assert torch.equal(rows[2].detach(), initial_rows(_spec("bag"), SEED)[ids[2]])
+    for server in ("ps0", "ps1"):
+        after = ps.server_stats(server)
+        # stats calls are not counted: the whole difference is the one batched request
+        assert after["requests"] - before[server].get("requests", 0) == 1
+        assert after["fetch_many"] - before[server].get("fetch_many", 0) == 1
+    ps.discard_step()
+
+
+def test_state_dict_round_trip(job: ps.PSJob) -> None:
+    saved = ps.state_dict()
+    assert set(saved) == {"ps0", "ps1"} and set(saved["ps1"]["ckpt"]) == {"weight", "accum", "shard", "num_shards"}
+    with torch.no_grad():
+        original = ps.fetch("ckpt")
+    ps.push("ckpt", torch.arange(6), torch.ones(6, 2), lr=0.1)
+    ps.load_state_dict(saved)
+    with torch.no_grad():
+        assert torch.equal(ps.fetch("ckpt"), original)
+
+
+def test_server_exception_surfaces_at_the_wait(job: ps.PSJob) -> None:
+    fut = ps.fetch_async("read", torch.tensor([2, 99]))  # 99 lives on ps1 and is out of range
+    with pytest.raises(RemoteCallError, match=r"fetch of 'read' on ps1 failed: .*row id 99 outside 0\.\.9"):
+        ps.wait(fut)
+    with pytest.raises(ConfigError, match="unknown table 'nope'"):  # caught before any RPC
+        ps.fetch("nope", torch.tensor([0]))
+
+
+def test_push_gradients_of_remote_embedding(job: ps.PSJob) -> None:
+    spec = _spec("bag")
+    emb = ps.RemoteEmbedding("bag", 4, pooling="mean")
+    ids = torch.tensor([[1, 2, 2], [3, 2, 19]])
+    upstream = torch.randn(2, 4)
+    (emb(ids) * upstream).sum().backward()
+    expected = ShardTable(spec, shard=0, num_shards=1, seed=SEED)
+    expected.push(ids.reshape(-1), (upstream / 3).repeat_interleave(3, dim=0), lr=0.2)
+    futures = ps.push_gradients(lr=0.2)
+    assert len(futures) == 1 and not ps.context.current()
+    with torch.no_grad():
+        torch.testing.assert_close(ps.fetch("bag"), expected.weight)
+
+
+def test_wait_is_a_profiler_range(job: ps.PSJob) -> None:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.no_grad():
+            ps.wait(ps.fetch_async("read", torch.tensor([1])))
+    assert "distopt.wait:ps.fetch:read" in {e.name for e in prof.events()}
+
+
+def test_registration_for_the_passes(job: ps.PSJob) -> None:
+    spec = lookup(ps.fetch)
+    assert spec is not None and spec.issue is ps.fetch_async and spec.wait is ps.wait
+    assert effect_of(spec, ("read", None), {}) == "read"
+    assert spec.resource(("read", None), {}) == ("distopt.ps", "read")
+    assert spec.batch_key(("read", None), {}) == ("distopt.ps", ("ps0", "ps1"))
+    with torch.no_grad():
+        rows = spec.wait(spec.batched([("read", torch.tensor([1])), ("bag", torch.tensor([2]))], [{}, {}]))
+    assert [r.shape for r in rows] == [(1, 4), (1, 4)]
+    push_spec = lookup(ps.push)
+    assert push_spec is not None and effect_of(push_spec, ("read",), {}) == "write"
+    raw = lookup(rpc.rpc_sync)
+    assert effect_of(raw, ("ps0", ps_server_fetch, ("read", torch.tensor([0]))), {}) == "read"
+
+
+def test_remote_embedding_traces_to_one_fetch_node(job: ps.PSJob) -> None:
+    graph = DistoptTracer().trace(ps.RemoteEmbedding("bag", 4, pooling="sum"))
+    fetches = [n for n in graph.nodes if n.op == "call_function" and n.target is ps.fetch]
+    assert len(fetches) == 1 and fetches[0].args[0] == "bag"

@@ -1,0 +1,60 @@
+"""Job start-up and shutdown: loopback-only listeners, clean exits, reuse of a trainer process."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import distopt.ps as ps
+from distopt.ps.launch import stop_servers
+from distopt.ps.spec import ServerOptions, TableSpec
+
+pytestmark = pytest.mark.slow
+
+TABLES = (TableSpec(name="t", num_rows=10, dim=4),)
+_LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 in /proc/net
+
+
+def _listening(pids: list[int]) -> list[str]:
+    """``addr:port`` (hex, as in /proc/net/tcp*) of every TCP listener owned by ``pids``."""
+    inodes: set[str] = set()
+    for pid in pids:
+        for fd in Path(f"/proc/{pid}/fd").iterdir():
+            target = os.readlink(fd) if fd.is_symlink() else ""
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A = LISTEN
+                found.append(fields[1])
+    return found
+
+
+def test_every_listener_of_a_job_is_on_loopback() -> None:
+    with ps.local_job(TABLES, ServerOptions(num_servers=2)) as job:
+        ps.fetch("t", torch.tensor([1]))
+        ps.discard_step()
+        listeners = _listening([os.getpid(), *job.pids])
+    assert len(listeners) >= 3  # job store + each server's TensorPipe listener(s)
+    assert [a for a in listeners if a.split(":")[0] not in _LOOPBACK] == []
+
+
+def test_servers_exit_cleanly_after_the_trainer_shuts_down() -> None:
+    with ps.ps_job(TABLES, ServerOptions(num_servers=2)) as job:
+        ps.init_trainer(job)
+        ps.push_async("t", torch.tensor([1]), torch.ones(1, 4), lr=1.0)  # flushed by shutdown
+        ps.shutdown()
+        assert stop_servers(job, timeout_s=10) == [0, 0]
+
+
+def test_a_trainer_process_can_join_consecutive_jobs() -> None:
+    for seed in (0, 1):
+        with ps.local_job(TABLES, ServerOptions(seed=seed)):
+            with torch.no_grad():
+                rows = ps.fetch("t")
+        assert rows.shape == (10, 4)

@@ -1,0 +1,46 @@
+"""Validation of table specs and server options."""
+
+from __future__ import annotations
+
+import pytest
+
+from distopt.config import from_dict
+from distopt.errors import ConfigError
+from distopt.ps.spec import ServerOptions, TableSpec, check_tables
+
+
+def test_placement_defaults() -> None:
+    assert TableSpec(name="e", num_rows=4, dim=2).placement(3) == (0, 1, 2)
+    dense = TableSpec(name="w", num_rows=4, dim=2, kind="dense").placement(3)
+    assert len(dense) == 1 and dense == TableSpec(name="w", num_rows=4, dim=2, kind="dense").placement(3)
+    assert TableSpec(name="e", num_rows=4, dim=2, servers=(1,)).placement(2) == (1,)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_rows": 0}, r"tables.t.num_rows: expected an integer >= 1, got 0"),
+        ({"dim": -2}, r"tables.t.dim: expected an integer >= 1, got -2"),
+        ({"optimizer": "adam"}, r"tables.t.optimizer: expected 'sgd' or 'adagrad', got 'adam'"),
+        ({"servers": (0, 0)}, r"tables.t.servers: expected distinct server indices, got \(0, 0\)"),
+        ({"kind": "dense", "servers": (0, 1)}, r"one server for a dense table"),
+    ],
+)
+def test_bad_table_spec_names_the_key(kwargs: dict, message: str) -> None:
+    base = {"name": "t", "num_rows": 4, "dim": 2}
+    with pytest.raises(ConfigError, match=message):
+        TableSpec(**{**base, **kwargs})
+
+
+def test_tables_checked_against_the_job() -> None:
+    with pytest.raises(ConfigError, match="unique table names"):
+        check_tables([TableSpec(name="a", num_rows=1, dim=1)] * 2, 1)
+    with pytest.raises(ConfigError, match="tables.a.servers: expected indices below num_servers=2"):
+        check_tables([TableSpec(name="a", num_rows=1, dim=1, servers=(2,))], 2)
+
+
+def test_server_options_from_yaml_dict() -> None:
+    opts = from_dict(ServerOptions, {"num_servers": 2, "latency_ms": 5})
+    assert opts.num_servers == 2 and opts.latency_ms == 5.0 and opts.host == "127.0.0.1"
+    with pytest.raises(ConfigError, match="ps.latency_ms: expected a number >= 0, got -1"):
+        ServerOptions(latency_ms=-1)
