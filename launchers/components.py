@@ -1,0 +1,342 @@
+"""TorchX components for distopt jobs: ``ps_job`` (parameter server + trainers), ``ddp``, ``fsdp``.
+
+Every component runs ``python -m distopt.train --config CONFIG [--set key=value ...]`` and tells
+the process where it stands through the environment (the contract with ``distopt.train``):
+
+==========================  ===================================================================
+``DISTOPT_ROLE``            ``ps`` or ``trainer``
+``DISTOPT_LAUNCH``          the component: ``ps``, ``ddp`` or ``fsdp``
+``REPLICA_ID``              index of this replica within its role (TorchX ``macros.replica_id``)
+``DISTOPT_NUM_PS``          parameter-server replicas (0 for ``ddp``/``fsdp``)
+``DISTOPT_NUM_TRAINERS``    trainer replicas (``ddp``/``fsdp``: torchrun's ``WORLD_SIZE`` instead)
+``RANK``, ``WORLD_SIZE``    RPC rank and world size: servers first (``RANK = REPLICA_ID``), then
+                            trainers (``RANK = DISTOPT_NUM_PS + REPLICA_ID``); torchrun's for
+                            ``ddp``/``fsdp``
+``MASTER_ADDR``             host of the first replica of the first role (``ps`` 0), from the
+                            scheduler's rank-0 variable; ``127.0.0.1`` when it has none
+``MASTER_PORT``             RPC rendezvous port on ``MASTER_ADDR`` (the TCPStore of RPC rank 0)
+``DISTOPT_PS_ADDR``         ``MASTER_ADDR:MASTER_PORT``
+``DISTOPT_DDP_PORT``        ``MASTER_PORT + 1``: rendezvous of the trainers' gloo group
+                            (hosted on ``MASTER_ADDR``, i.e. by ``ps`` 0)
+``DISTOPT_RUN_ID``          ``--run_id`` when given (``ps_job``), shared by every process
+``GLOO_SOCKET_IFNAME``,     the ``--iface`` network interface (``lo`` by default, so single-host
+``TP_SOCKET_IFNAME``        jobs stay on loopback)
+==========================  ===================================================================
+
+Overrides (``--set a.b=1,c=x``) are passed on as ``--set a.b=1 --set c=x``; ``--output_dir DIR``
+is ``--set output_dir=DIR``. The config file and the overrides are checked on the submitting
+machine, so a typo fails before anything is scheduled.
+"""
+
+# TorchX derives each flag's parser from the annotation; it understands typing's List/Dict/Optional.
+# ruff: noqa: UP006, UP007, UP035, UP045
+
+import shlex
+import sys
+from typing import Dict, List, Optional
+
+import torchx.specs as specs
+from torchx.specs.finder import ComponentValidationException
+
+from distopt.config import apply_override, load_yaml
+from distopt.errors import ConfigError
+
+TRAIN_MODULE = "distopt.train"
+
+
+class ComponentArgError(ConfigError, ComponentValidationException):
+    """A component argument is invalid; the message names the flag.
+
+    Also a TorchX ``ComponentValidationException``, so ``torchx run`` prints the one-line
+    message and exits 1 instead of showing a traceback.
+    """
+
+
+def ps_job(
+    config: str,
+    num_ps: int = 1,
+    num_trainers: int = 2,
+    set: Optional[List[str]] = None,  # noqa: A002 - the flag is `--set`, like distopt.train's
+    output_dir: Optional[str] = None,
+    name: str = "distopt-ps",
+    run_id: Optional[str] = None,
+    image: str = ".",
+    cpu: int = 1,
+    memMB: int = 1024,
+    master_port: int = 29500,
+    iface: str = "lo",
+    module: str = TRAIN_MODULE,
+    python: Optional[str] = None,
+    env: Optional[Dict[str, str]] = None,
+    max_retries: int = 0,
+) -> specs.AppDef:
+    """Parameter-server training job: a ``ps`` role and a ``trainer`` role (DDP among trainers).
+
+    Servers hold the parameters and answer the trainers' RPCs; trainers also join one gloo
+    process group so dense parameters can be averaged with DDP.
+
+    Args:
+        config: path of the job's YAML config, relative to the workspace (e.g. configs/jobs/ps.yaml)
+        num_ps: number of parameter-server replicas
+        num_trainers: number of trainer replicas
+        set: config overrides as key=value pairs, comma-separated (e.g. steps=5,variant=optimized)
+        output_dir: directory for QPS logs and checkpoints (same as --set output_dir=DIR)
+        name: job name
+        run_id: run id shared by every process (DISTOPT_RUN_ID; default: chosen by the job)
+        image: working directory or container image (workspaces replace it)
+        cpu: CPUs per replica
+        memMB: memory per replica in MB
+        master_port: RPC rendezvous port on the first server's host; the trainers' gloo group uses master_port + 1
+        iface: network interface for gloo and TensorPipe ('lo' keeps single-host jobs on loopback; '' lets them choose)
+        module: python module to run (the training entry point)
+        python: interpreter to run it with; default: the one running torchx (right for local_cwd and for clusters sharing this filesystem), pass python to use the job's PATH
+        env: extra environment variables (e.g. LOGLEVEL=INFO,FOO=bar)
+        max_retries: how many times the scheduler may retry a failed job
+
+    Returns:
+        the TorchX application
+    """
+    _check_positive("--num_ps", num_ps)
+    _check_positive("--num_trainers", num_trainers)
+    overrides = _overrides(config, set, output_dir)
+    resource = _resource(cpu, memMB)
+    _check_port("--master_port", master_port)
+    world_size = num_ps + num_trainers
+    common = {
+        "DISTOPT_LAUNCH": "ps",
+        "DISTOPT_NUM_PS": str(num_ps),
+        "DISTOPT_NUM_TRAINERS": str(num_trainers),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_PORT": str(master_port),
+        "DISTOPT_DDP_PORT": str(master_port + 1),
+        "REPLICA_ID": specs.macros.replica_id,
+        **_iface_env(iface),
+        **({"DISTOPT_RUN_ID": run_id} if run_id else {}),
+        **(env or {}),
+    }
+    roles = []
+    for role, replicas, rank_offset in (("ps", num_ps, 0), ("trainer", num_trainers, num_ps)):
+        roles.append(
+            specs.Role(
+                name=role,
+                image=image,
+                entrypoint="bash",
+                args=["-c", _shell(python, module, config, overrides, rank_offset=rank_offset)],
+                num_replicas=replicas,
+                resource=resource,
+                env={**common, "DISTOPT_ROLE": role},
+                max_retries=max_retries,
+            )
+        )
+    return specs.AppDef(name=name, roles=roles)
+
+
+def ddp(
+    config: str,
+    nnodes: int = 1,
+    nproc_per_node: int = 2,
+    set: Optional[List[str]] = None,  # noqa: A002
+    output_dir: Optional[str] = None,
+    name: str = "distopt-ddp",
+    image: str = ".",
+    cpu: int = 2,
+    memMB: int = 2048,
+    rdzv_port: int = 29500,
+    iface: str = "lo",
+    module: str = TRAIN_MODULE,
+    python: Optional[str] = None,
+    env: Optional[Dict[str, str]] = None,
+    max_retries: int = 0,
+) -> specs.AppDef:
+    """Data-parallel training job (DDP over gloo/NCCL), launched with torchrun on each node.
+
+    Args:
+        config: path of the job's YAML config, relative to the workspace
+        nnodes: number of nodes (replicas)
+        nproc_per_node: trainer processes per node
+        set: config overrides as key=value pairs, comma-separated
+        output_dir: directory for QPS logs and checkpoints (same as --set output_dir=DIR)
+        name: job name
+        image: working directory or container image (workspaces replace it)
+        cpu: CPUs per node
+        memMB: memory per node in MB
+        rdzv_port: torchrun rendezvous port on the first node (multi-node only)
+        iface: network interface for gloo ('lo' keeps single-host jobs on loopback; '' lets it choose)
+        module: python module to run (the training entry point)
+        python: interpreter to run it with; default: the one running torchx (right for local_cwd and for clusters sharing this filesystem), pass python to use the job's PATH
+        env: extra environment variables (e.g. LOGLEVEL=INFO)
+        max_retries: how many times the scheduler may retry a failed job
+
+    Returns:
+        the TorchX application
+    """
+    role = _torchrun_role(
+        "ddp", config, nnodes, nproc_per_node, set, output_dir, image, cpu, memMB,
+        rdzv_port, iface, module, python, env, max_retries,
+    )  # fmt: skip
+    return specs.AppDef(name=name, roles=[role])
+
+
+def fsdp(
+    config: str,
+    nnodes: int = 1,
+    nproc_per_node: int = 2,
+    set: Optional[List[str]] = None,  # noqa: A002
+    output_dir: Optional[str] = None,
+    name: str = "distopt-fsdp",
+    image: str = ".",
+    cpu: int = 2,
+    memMB: int = 2048,
+    rdzv_port: int = 29500,
+    iface: str = "lo",
+    module: str = TRAIN_MODULE,
+    python: Optional[str] = None,
+    env: Optional[Dict[str, str]] = None,
+    max_retries: int = 0,
+) -> specs.AppDef:
+    """Fully-sharded data-parallel training job (FSDP), launched with torchrun on each node.
+
+    Args:
+        config: path of the job's YAML config, relative to the workspace
+        nnodes: number of nodes (replicas)
+        nproc_per_node: trainer processes per node
+        set: config overrides as key=value pairs, comma-separated
+        output_dir: directory for QPS logs and checkpoints (same as --set output_dir=DIR)
+        name: job name
+        image: working directory or container image (workspaces replace it)
+        cpu: CPUs per node
+        memMB: memory per node in MB
+        rdzv_port: torchrun rendezvous port on the first node (multi-node only)
+        iface: network interface for gloo ('lo' keeps single-host jobs on loopback; '' lets it choose)
+        module: python module to run (the training entry point)
+        python: interpreter to run it with; default: the one running torchx (right for local_cwd and for clusters sharing this filesystem), pass python to use the job's PATH
+        env: extra environment variables (e.g. LOGLEVEL=INFO)
+        max_retries: how many times the scheduler may retry a failed job
+
+    Returns:
+        the TorchX application
+    """
+    role = _torchrun_role(
+        "fsdp", config, nnodes, nproc_per_node, set, output_dir, image, cpu, memMB,
+        rdzv_port, iface, module, python, env, max_retries,
+    )  # fmt: skip
+    return specs.AppDef(name=name, roles=[role])
+
+
+def _torchrun_role(
+    launch: str,
+    config: str,
+    nnodes: int,
+    nproc_per_node: int,
+    set_: Optional[List[str]],
+    output_dir: Optional[str],
+    image: str,
+    cpu: int,
+    memMB: int,
+    rdzv_port: int,
+    iface: str,
+    module: str,
+    python: Optional[str],
+    env: Optional[Dict[str, str]],
+    max_retries: int,
+) -> specs.Role:
+    """The one role of ``ddp``/``fsdp``: torchrun starting the trainers on each node."""
+    _check_positive("--nnodes", nnodes)
+    _check_positive("--nproc_per_node", nproc_per_node)
+    _check_port("--rdzv_port", rdzv_port)
+    overrides = _overrides(config, set_, output_dir)
+    resource = _resource(cpu, memMB)
+    # One node: port 0 lets torchrun pick a free port. Several: the first node hosts the store.
+    if nnodes == 1:
+        endpoint = "127.0.0.1:0"
+    else:
+        endpoint = f'"${{{specs.macros.rank0_env}:-127.0.0.1}}":{rdzv_port}'
+    torchrun = [
+        python or sys.executable, "-m", "torch.distributed.run",
+        "--rdzv_backend", "c10d", "--rdzv_id", specs.macros.app_id,
+        "--nnodes", str(nnodes), "--nproc_per_node", str(nproc_per_node),
+        "-m", module, "--config", config, *_set_args(overrides),
+    ]  # fmt: skip
+    # The endpoint needs shell expansion of the scheduler's rank-0 variable, so it is not quoted.
+    script = " ".join([*map(shlex.quote, torchrun[:3]), "--rdzv_endpoint", endpoint])
+    script += " " + " ".join(shlex.quote(arg) for arg in torchrun[3:])
+    role_env = {
+        "DISTOPT_ROLE": "trainer",
+        "DISTOPT_LAUNCH": launch,
+        "DISTOPT_NUM_PS": "0",
+        "REPLICA_ID": specs.macros.replica_id,
+        **_iface_env(iface),
+        **(env or {}),
+    }
+    return specs.Role(
+        name="trainer",
+        image=image,
+        entrypoint="bash",
+        args=["-c", f"exec {script}"],
+        num_replicas=nnodes,
+        resource=resource,
+        env=role_env,
+        max_retries=max_retries,
+    )
+
+
+def _shell(
+    python: Optional[str], module: str, config: str, overrides: List[str], *, rank_offset: int
+) -> str:
+    """The ``bash -c`` script of a ``ps_job`` replica.
+
+    Bash resolves the scheduler's rank-0 host variable (its name is ``macros.rank0_env``) and the
+    rank arithmetic; a user-supplied ``MASTER_ADDR`` (``--env``) wins.
+    """
+    rank0 = specs.macros.rank0_env
+    cmd = [python or sys.executable, "-m", module, "--config", config, *_set_args(overrides)]
+    return (
+        f'export MASTER_ADDR="${{MASTER_ADDR:-${{{rank0}:-127.0.0.1}}}}"; '
+        f'export DISTOPT_PS_ADDR="$MASTER_ADDR:$MASTER_PORT"; '
+        f"export RANK=$(({rank_offset} + {specs.macros.replica_id})); "
+        f"exec {' '.join(shlex.quote(arg) for arg in cmd)}"
+    )
+
+
+def _set_args(overrides: List[str]) -> List[str]:
+    return [arg for item in overrides for arg in ("--set", item)]
+
+
+def _overrides(config: str, items: Optional[List[str]], output_dir: Optional[str]) -> List[str]:
+    """Check the config file and the overrides; returns the overrides to pass on."""
+    if not config:
+        raise ComponentArgError("--config: a config file path is required")
+    try:
+        data = load_yaml(config)
+    except ConfigError as err:
+        raise ComponentArgError(f"--config: {err}") from None
+    overrides = [item.strip() for item in items or [] if item.strip()]
+    if output_dir:
+        overrides.append(f"output_dir={output_dir}")
+    for item in overrides:
+        try:
+            apply_override(data, item)
+        except ConfigError as err:
+            raise ComponentArgError(f"--set: {err}") from None
+    return overrides
+
+
+def _resource(cpu: int, memMB: int) -> specs.Resource:
+    _check_positive("--cpu", cpu)
+    _check_positive("--memMB", memMB)
+    return specs.Resource(cpu=cpu, gpu=0, memMB=memMB)
+
+
+def _iface_env(iface: str) -> Dict[str, str]:
+    return {"GLOO_SOCKET_IFNAME": iface, "TP_SOCKET_IFNAME": iface} if iface else {}
+
+
+def _check_positive(flag: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ComponentArgError(f"{flag}: expected an integer >= 1, got {value!r}")
+
+
+def _check_port(flag: str, value: int) -> None:
+    # ps_job also uses value + 1, so the top port is excluded.
+    if not 1 <= value < 65535:
+        raise ComponentArgError(f"{flag}: expected a port in 1..65534, got {value!r}")

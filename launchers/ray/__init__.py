@@ -1,0 +1,1 @@
+"""A local, loopback-only Ray cluster for running distopt jobs through TorchX."""

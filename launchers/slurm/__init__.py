@@ -1,0 +1,1 @@
+"""A local single-host Slurm cluster for running distopt jobs through TorchX."""

@@ -1,0 +1,437 @@
+"""Bring up and tear down a single-host Slurm cluster from Debian's packages, without systemd.
+
+Usage (as root; ``install_packages.sh`` installs the packages)::
+
+    python -m launchers.slurm.cluster up   [--state-dir DIR] [--nodes 4]
+    python -m launchers.slurm.cluster down [--state-dir DIR]
+    eval "$(python -m launchers.slurm.cluster env)"   # SLURM_CONF for sbatch/sacct/torchx
+
+Daemons, each started into ``DIR`` with its PID recorded there and stopped by that PID:
+
+* ``munged`` as user munge, socket ``DIR/munge/munge.socket.2``;
+* ``mariadbd`` as user mysql with ``--skip-networking`` (unix socket only) for accounting;
+* ``slurmdbd`` (TorchX's slurm scheduler calls ``sacct``, so accounting must work);
+* ``slurmctld``;
+* ``--nodes`` virtual nodes ``slurmd -N dnK`` (NodeAddr=127.0.0.1, one port each). Every replica
+  of every role is one component of a heterogeneous job and takes a whole node, so the cluster
+  needs as many nodes as the largest job has replicas. The node names are added to /etc/hosts
+  for 127.0.0.1 so a job can use ``$SLURM_JOB_NODELIST_HET_GROUP_0`` as its master address.
+
+``up`` is idempotent: daemons already running from ``DIR`` are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from launchers._proc import free_port, read_pid, stop_pids, tail
+
+DEFAULT_STATE_DIR = Path(os.environ.get("DISTOPT_SLURM_STATE_DIR", "/tmp/distopt-slurm"))
+CLUSTER_NAME = "distopt"
+HOSTS_MARK = "# distopt-slurm"
+REQUIRED = ("munged", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld", "slurmd",
+            "sbatch", "sacct", "sacctmgr", "sinfo", "setpriv")  # fmt: skip
+
+
+class SlurmClusterError(RuntimeError):
+    """A Slurm daemon could not be started; the message holds the tail of its log."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmCluster:
+    """A running local Slurm cluster."""
+
+    state_dir: str
+    """Directory of configs, logs, PID files and daemon state."""
+    slurm_conf: str
+    """Path of slurm.conf: export it as ``SLURM_CONF`` for sbatch, sacct, sinfo and torchx."""
+    nodes: tuple[str, ...]
+    """Names of the virtual nodes (each resolves to 127.0.0.1)."""
+
+    def env(self) -> dict[str, str]:
+        """Environment for Slurm clients (merge into ``os.environ`` for subprocesses)."""
+        return {"SLURM_CONF": self.slurm_conf}
+
+
+def missing_packages() -> list[str]:
+    """The Slurm/munge/MariaDB programs that are not installed."""
+    extra = ("/usr/sbin",)  # daemons live in sbin, which a non-login PATH may lack
+    path = os.pathsep.join([os.environ.get("PATH", ""), *extra])
+    return [prog for prog in REQUIRED if shutil.which(prog, path=path) is None]
+
+
+def _which(prog: str) -> str:
+    return shutil.which(prog, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/usr/bin") or prog
+
+
+@dataclass(frozen=True, slots=True)
+class _Layout:
+    root: Path
+
+    @property
+    def munge_dir(self) -> Path:
+        return self.root / "munge"
+
+    @property
+    def munge_socket(self) -> Path:
+        # Slurm's clients (sacctmgr among them) look for munge's default socket whatever
+        # AuthInfo says, so munged serves it there.
+        return Path("/run/munge/munge.socket.2")
+
+    @property
+    def db_dir(self) -> Path:
+        return self.root / "mysql"
+
+    @property
+    def db_socket(self) -> Path:
+        return self.root / "mysql-run" / "mysqld.sock"
+
+    @property
+    def etc(self) -> Path:
+        return self.root / "etc"
+
+    @property
+    def slurm_conf(self) -> Path:
+        return self.etc / "slurm.conf"
+
+    def pid(self, name: str) -> Path:
+        return self.root / "pids" / f"{name}.pid"
+
+    def log(self, name: str) -> Path:
+        return self.root / "logs" / f"{name}.log"
+
+
+def running(state_dir: Path = DEFAULT_STATE_DIR) -> SlurmCluster | None:
+    """The cluster recorded in ``state_dir`` if all its daemons are alive."""
+    lay = _Layout(Path(state_dir))
+    try:
+        data = json.loads((lay.root / "cluster.json").read_text())
+    except (OSError, ValueError):
+        return None
+    cluster = SlurmCluster(data["state_dir"], data["slurm_conf"], tuple(data["nodes"]))
+    daemons = [
+        "munged",
+        "mariadbd",
+        "slurmdbd",
+        "slurmctld",
+        *(f"slurmd-{n}" for n in cluster.nodes),
+    ]
+    return cluster if all(read_pid(lay.pid(d)) for d in daemons) else None
+
+
+def up(
+    state_dir: Path = DEFAULT_STATE_DIR, *, nodes: int = 4, timeout_s: float = 60.0
+) -> SlurmCluster:
+    """Start every daemon not already running from ``state_dir`` and wait until nodes are idle."""
+    missing = missing_packages()
+    if missing:
+        raise SlurmClusterError(
+            f"missing programs: {', '.join(missing)} (run launchers/slurm/install_packages.sh)"
+        )
+    lay = _Layout(Path(state_dir))
+    existing = running(lay.root)
+    if existing is not None and len(existing.nodes) >= nodes:
+        return existing
+    for sub in ("pids", "logs", "etc", "state", "spool"):
+        (lay.root / sub).mkdir(parents=True, exist_ok=True)
+    lay.root.chmod(0o755)  # munge and mysql users must traverse it
+    names = tuple(f"dn{i}" for i in range(1, nodes + 1))
+    _add_hosts(names)
+    ports = _ports(lay, names)
+    _write_configs(lay, names, ports)
+    env = dict(os.environ, SLURM_CONF=str(lay.slurm_conf), MYSQL_UNIX_PORT=str(lay.db_socket))
+
+    _start_munged(lay)
+    _start_mariadb(lay)
+    _start(lay, "slurmdbd", [_which("slurmdbd"), "-D"], env, ready=lambda: _port_up(ports["dbd"]))
+    _sacctmgr(["add", "cluster", CLUSTER_NAME], env, ok_if="already exists")
+    _start(lay, "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(lay.slurm_conf)], env,
+           ready=lambda: _port_up(ports["ctld"]))  # fmt: skip
+    for name in names:
+        (lay.root / "spool" / name).mkdir(exist_ok=True)
+        _start(lay, f"slurmd-{name}", [_which("slurmd"), "-D", "-N", name, "-f", str(lay.slurm_conf)],
+               env, ready=lambda n=name: _port_up(ports[n]))  # fmt: skip
+    cluster = SlurmCluster(str(lay.root), str(lay.slurm_conf), names)
+    _wait_idle(cluster, env, timeout_s)
+    (lay.root / "cluster.json").write_text(json.dumps(asdict(cluster)))
+    return cluster
+
+
+def down(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
+    """Stop the daemons recorded in ``state_dir`` (reverse start order); returns their names."""
+    lay = _Layout(Path(state_dir))
+    pid_dir = lay.root / "pids"
+    stopped = []
+    order = ["slurmd-", "slurmctld", "slurmdbd", "mariadbd", "munged"]
+    files = sorted(pid_dir.glob("*.pid")) if pid_dir.is_dir() else []
+    for prefix in order:
+        for path in [f for f in files if f.stem.startswith(prefix)]:
+            pid = read_pid(path)
+            if pid is not None:
+                stop_pids([pid], grace_s=15.0)
+                stopped.append(path.stem)
+            path.unlink(missing_ok=True)
+    (lay.root / "cluster.json").unlink(missing_ok=True)
+    _remove_hosts()
+    return stopped
+
+
+# --- daemons -----------------------------------------------------------------------------------
+
+
+def _start(
+    lay: _Layout,
+    name: str,
+    cmd: list[str],
+    env: dict[str, str],
+    *,
+    ready: Callable[[], bool],
+    user: str | None = None,
+) -> int:
+    """Start ``cmd`` in its own session unless ``name`` already runs; wait until ``ready()``."""
+    pid = read_pid(lay.pid(name))
+    if pid is not None:
+        return pid
+    if user is not None:  # setpriv execs, so the recorded PID is the daemon's own
+        cmd = [_which("setpriv"), f"--reuid={user}", f"--regid={user}", "--init-groups", *cmd]
+    log = lay.log(name)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True, cwd=lay.root)  # fmt: skip
+    lay.pid(name).write_text(str(proc.pid))
+    deadline = time.monotonic() + 30
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop_pids([proc.pid])
+            lay.pid(name).unlink(missing_ok=True)
+            state = (
+                f"exited with code {proc.returncode}"
+                if proc.returncode is not None
+                else "did not become ready in 30s"
+            )
+            raise SlurmClusterError(f"{name} {state}; last lines of {log}:\n{tail(log)}")
+        time.sleep(0.2)
+    return proc.pid
+
+
+def _start_munged(lay: _Layout) -> None:
+    if _socket_up(lay.munge_socket) and read_pid(lay.pid("munged")) is None:
+        return  # another munged (the system's, or another state dir's) serves the same key
+    for path in (lay.munge_dir, lay.munge_socket.parent):
+        path.mkdir(parents=True, exist_ok=True)
+        shutil.chown(path, "munge", "munge")
+        path.chmod(0o755)
+    cmd = [
+        _which("munged"), "--foreground", f"--socket={lay.munge_socket}",
+        f"--pid-file={lay.munge_dir / 'munged.pid'}", f"--log-file={lay.munge_dir / 'munged.log'}",
+        f"--seed-file={lay.munge_dir / 'munged.seed'}", "--key-file=/etc/munge/munge.key",
+    ]  # fmt: skip
+    _start(
+        lay, "munged", cmd, dict(os.environ), user="munge", ready=lambda: lay.munge_socket.exists()
+    )
+
+
+def _start_mariadb(lay: _Layout) -> None:
+    if read_pid(lay.pid("mariadbd")) is not None:
+        return
+    if not (lay.db_dir / "mysql").is_dir():
+        lay.db_dir.mkdir(exist_ok=True)
+        shutil.chown(lay.db_dir, "mysql", "mysql")
+        cmd = [_which("mariadb-install-db"), "--user=mysql", f"--datadir={lay.db_dir}",
+               "--auth-root-authentication-method=socket", "--skip-test-db"]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise SlurmClusterError(
+                f"mariadb-install-db failed: {(out.stderr or out.stdout).strip().splitlines()[-1:]}"
+            )
+    run_dir = lay.db_socket.parent  # mariadbd (user mysql) creates its socket and PID file here
+    run_dir.mkdir(exist_ok=True)
+    shutil.chown(run_dir, "mysql", "mysql")
+    cmd = [
+        _which("mariadbd"), "--no-defaults", "--user=mysql", f"--datadir={lay.db_dir}",
+        f"--socket={lay.db_socket}", "--skip-networking", f"--pid-file={run_dir / 'mysqld.pid'}",
+        "--innodb-buffer-pool-size=32M", "--performance-schema=OFF",
+    ]  # fmt: skip
+    _start(lay, "mariadbd", cmd, dict(os.environ), ready=lambda: _socket_up(lay.db_socket))
+
+
+def _sacctmgr(args: list[str], env: dict[str, str], *, ok_if: str) -> None:
+    out = subprocess.run([_which("sacctmgr"), "-i", *args], capture_output=True, text=True, env=env)
+    text = (out.stdout + out.stderr).strip()
+    if out.returncode != 0 and ok_if not in text:
+        raise SlurmClusterError(
+            f"sacctmgr {' '.join(args)} failed: {text.splitlines()[-1:] or out.returncode}"
+        )
+
+
+def _wait_idle(cluster: SlurmCluster, env: dict[str, str], timeout_s: float) -> None:
+    """Wait until every node reports idle (slurmctld has heard from each slurmd)."""
+    deadline = time.monotonic() + timeout_s
+    states: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        out = subprocess.run(
+            [_which("sinfo"), "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=env
+        )
+        states = dict(line.split() for line in out.stdout.splitlines() if line.strip())
+        if all(states.get(n, "").startswith("idle") for n in cluster.nodes):
+            return
+        down_nodes = [n for n in cluster.nodes if states.get(n, "").startswith(("down", "drain"))]
+        for node in down_nodes:  # a restarted slurmd comes back "down"; it is healthy again
+            subprocess.run([_which("scontrol"), "update", f"NodeName={node}", "State=RESUME"],
+                           capture_output=True, env=env)  # fmt: skip
+        time.sleep(0.5)
+    lay = _Layout(Path(cluster.state_dir))
+    raise SlurmClusterError(
+        f"nodes not idle after {timeout_s}s: {states}; last lines of slurmctld log:\n{tail(lay.log('slurmctld-file'))}"
+    )
+
+
+def _port_up(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.settimeout(0.3)
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _socket_up(path: Path) -> bool:
+    if not path.exists():
+        return False
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(0.3)
+        return sock.connect_ex(str(path)) == 0
+
+
+# --- configuration -----------------------------------------------------------------------------
+
+
+def _ports(lay: _Layout, names: tuple[str, ...]) -> dict[str, int]:
+    """Ports of the daemons, chosen free once and kept so a restart reuses its configs."""
+    path = lay.root / "ports.json"
+    try:
+        ports = {k: int(v) for k, v in json.loads(path.read_text()).items()}
+    except (OSError, ValueError):
+        ports = {}
+    for key in ("dbd", "ctld", *names):
+        ports.setdefault(key, free_port())
+    path.write_text(json.dumps(ports))
+    return ports
+
+
+def _write_configs(lay: _Layout, names: tuple[str, ...], ports: dict[str, int]) -> None:
+    host = socket.gethostname().split(".")[0]
+    auth = "AuthType=auth/munge\n"
+    dbd = f"""# generated by launchers/slurm/cluster.py
+{auth}DbdHost=localhost
+DbdPort={ports["dbd"]}
+SlurmUser=root
+PidFile={lay.root / "slurmdbd.pid"}
+LogFile={lay.log("slurmdbd-file")}
+StorageType=accounting_storage/mysql
+StorageHost=localhost
+StorageUser=root
+StorageLoc=slurm_acct_db
+"""
+    nodes = "\n".join(
+        f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports[n]} CPUs=2 RealMemory=4000 State=UNKNOWN"
+        for n in names
+    )
+    conf = f"""# generated by launchers/slurm/cluster.py
+ClusterName={CLUSTER_NAME}
+SlurmctldHost={host}(127.0.0.1)
+SlurmctldPort={ports["ctld"]}
+SlurmUser=root
+SlurmdUser=root
+{auth}CredType=cred/munge
+StateSaveLocation={lay.root / "state"}
+SlurmdSpoolDir={lay.root / "spool"}/%n
+SlurmctldPidFile={lay.root / "slurmctld.pid"}
+SlurmdPidFile={lay.root / "slurmd-%n.pid"}
+SlurmctldLogFile={lay.log("slurmctld-file")}
+SlurmdLogFile={lay.root / "logs"}/slurmd-%n-file.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+# Heterogeneous jobs start from the backfill pass; run it every second, not every 30 s.
+SchedulerParameters=bf_interval=1
+SlurmdParameters=config_overrides
+MpiDefault=none
+ReturnToService=2
+MinJobAge=60
+KillWait=5
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmdTimeout=60
+AccountingStorageType=accounting_storage/slurmdbd
+AccountingStorageHost=localhost
+AccountingStoragePort={ports["dbd"]}
+JobCompType=jobcomp/none
+{nodes}
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+    lay.slurm_conf.write_text(conf)
+    dbd_path = lay.etc / "slurmdbd.conf"
+    dbd_path.write_text(dbd)
+    dbd_path.chmod(0o600)  # slurmdbd refuses a readable config (it could hold a password)
+
+
+def _add_hosts(names: tuple[str, ...]) -> None:
+    """Map the node names to 127.0.0.1 in /etc/hosts (rewritten in place: it may be a mount)."""
+    hosts = Path("/etc/hosts")
+    lines = [line for line in hosts.read_text().splitlines() if HOSTS_MARK not in line]
+    lines.append(f"127.0.0.1 {' '.join(names)} {HOSTS_MARK}")
+    with open(hosts, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def _remove_hosts() -> None:
+    hosts = Path("/etc/hosts")
+    text = hosts.read_text()
+    if HOSTS_MARK in text:
+        with open(hosts, "w") as f:
+            f.write("\n".join(ln for ln in text.splitlines() if HOSTS_MARK not in ln) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="launchers.slurm.cluster", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("action", choices=["up", "down", "status", "env"])
+    parser.add_argument("--state-dir", type=Path, default=DEFAULT_STATE_DIR)
+    parser.add_argument("--nodes", type=int, default=4)
+    args = parser.parse_args(argv)
+    if args.action == "up":
+        try:
+            cluster = up(args.state_dir, nodes=args.nodes)
+        except SlurmClusterError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 1
+        print(f"slurm up: nodes {','.join(cluster.nodes)}; state in {cluster.state_dir}")
+        print(f"export SLURM_CONF={cluster.slurm_conf}")
+    elif args.action == "down":
+        stopped = down(args.state_dir)
+        print(
+            f"slurm down: stopped {', '.join(stopped)}" if stopped else "no slurm daemons running"
+        )
+    elif args.action == "env":
+        print(f"export SLURM_CONF={_Layout(args.state_dir).slurm_conf}")
+    else:
+        cluster = running(args.state_dir)
+        print(json.dumps(asdict(cluster)) if cluster else "not running")
+        return 0 if cluster else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Install what a fresh Debian 12 machine lacks for the local Slurm cluster (launchers/slurm/cluster.py).
+# Idempotent: returns at once when everything is installed. Needs root (or sudo).
+set -euo pipefail
+packages=(munge slurmctld slurmd slurm-client slurmdbd mariadb-server)
+missing=()
+for pkg in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+    echo "slurm packages already installed"
+    exit 0
+fi
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update
+$sudo apt-get install -y --no-install-recommends "${missing[@]}"

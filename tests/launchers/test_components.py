@@ -1,0 +1,182 @@
+"""Components without a cluster: AppDef fields, dry runs per scheduler, argument validation."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+from torchx.runner import get_runner
+from torchx.specs import AppDef
+
+from distopt.errors import ConfigError
+from launchers import components
+from tests.launchers.conftest import REPO, job_config, torchx
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> str:
+    return str(job_config(tmp_path, steps=3))
+
+
+def _script(app: AppDef, role: int = 0) -> str:
+    assert app.roles[role].entrypoint == "bash" and app.roles[role].args[0] == "-c"
+    return app.roles[role].args[1]
+
+
+def test_ps_job_has_server_and_trainer_roles(config: str) -> None:
+    app = components.ps_job(config, num_ps=2, num_trainers=3, set=["steps=5"], output_dir="/tmp/o")
+    ps, trainer = app.roles
+    assert (ps.name, ps.num_replicas, trainer.name, trainer.num_replicas) == ("ps", 2, "trainer", 3)
+    for role in app.roles:
+        assert role.env["DISTOPT_ROLE"] == role.name
+        assert role.env["WORLD_SIZE"] == "5"
+        assert role.env["DISTOPT_NUM_PS"] == "2" and role.env["DISTOPT_NUM_TRAINERS"] == "3"
+        assert role.env["REPLICA_ID"] == "${replica_id}"
+        assert role.env["DISTOPT_DDP_PORT"] == str(int(role.env["MASTER_PORT"]) + 1)
+        assert role.env["GLOO_SOCKET_IFNAME"] == "lo"
+    # Servers take RPC ranks 0..1, trainers 2..4.
+    assert "RANK=$((0 + ${replica_id}))" in _script(app, 0)
+    assert "RANK=$((2 + ${replica_id}))" in _script(app, 1)
+    argv = shlex.split(_script(app, 1).split("exec ", 1)[1])
+    assert argv[1:] == ["-m", "distopt.train", "--config", config,
+                        "--set", "steps=5", "--set", "output_dir=/tmp/o"]  # fmt: skip
+
+
+def test_ps_job_master_address_comes_from_scheduler_rank0_variable(config: str) -> None:
+    script = _script(components.ps_job(config))
+    assert 'MASTER_ADDR="${MASTER_ADDR:-${${rank0_env}:-127.0.0.1}}"' in script
+    assert components.ps_job(config, iface="").roles[0].env.get("GLOO_SOCKET_IFNAME") is None
+
+
+@pytest.mark.parametrize("component", [components.ddp, components.fsdp])
+def test_torchrun_components(component, config: str) -> None:
+    app = component(config, nnodes=2, nproc_per_node=3, set=["a.b=1"])
+    (role,) = app.roles
+    assert role.num_replicas == 2 and role.env["DISTOPT_NUM_PS"] == "0"
+    assert role.env["DISTOPT_LAUNCH"] == component.__name__
+    script = _script(app)
+    assert "-m torch.distributed.run" in script and "--nproc_per_node 3" in script
+    assert '--rdzv_endpoint "${${rank0_env}:-127.0.0.1}":29500' in script
+    assert script.endswith(f"-m distopt.train --config {config} --set a.b=1")
+    single = _script(component(config, nnodes=1))
+    assert "--rdzv_endpoint 127.0.0.1:0" in single
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [
+        ({"num_ps": 0}, "--num_ps"),
+        ({"num_trainers": -1}, "--num_trainers"),
+        ({"cpu": 0}, "--cpu"),
+        ({"master_port": 70000}, "--master_port"),
+        ({"set": ["novalue"]}, "--set"),
+        ({"set": ["=3"]}, "--set"),
+    ],
+)
+def test_ps_job_bad_arguments_name_the_flag(config: str, kwargs: dict, flag: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        components.ps_job(config, **kwargs)
+    assert str(err.value).startswith(f"{flag}: ") and "\n" not in str(err.value)
+
+
+def test_missing_and_malformed_config(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^--config: config file not found: .*nope\.yaml$"):
+        components.ps_job(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: [1\n")
+    with pytest.raises(ConfigError, match=r"^--config: .*bad\.yaml:\d+: "):
+        components.ddp(str(bad))
+    with pytest.raises(ConfigError, match="^--nproc_per_node: "):
+        components.fsdp(str(tmp_path / "nope.yaml"), nproc_per_node=0)
+
+
+def test_dryrun_on_each_scheduler(config: str) -> None:
+    """The runner turns the component into each scheduler's request without submitting it."""
+    with get_runner() as runner:
+        local = runner.dryrun_component(
+            "distopt.ps_job", ["--config", config], "local_cwd", cfg={"log_dir": "/tmp/x"}
+        )
+        replicas = local.request.role_params
+        assert sorted(replicas) == ["ps", "trainer"] and len(replicas["trainer"]) == 2
+        assert replicas["trainer"][1].env["REPLICA_ID"] == "1"
+        assert "TORCHX_RANK0_HOST" in replicas["trainer"][1].args[2]
+
+        slurm = runner.dryrun_component("distopt.ps_job", ["--config", config], "slurm", cfg={})
+        script = slurm.request.materialize()
+        assert script.count("#SBATCH --job-name=") == 3 and script.count("#SBATCH hetjob") == 2
+        assert "SLURM_JOB_NODELIST_HET_GROUP_0" in script
+
+        pytest.importorskip("ray")
+        ray = runner.dryrun_component(
+            "distopt.ps_job", ["--config", config], "ray", cfg={"dashboard_address": "127.0.0.1:1"}
+        )
+        actors = ray.request.actors
+        assert [a.name for a in actors] == ["ps", "trainer", "trainer"]
+        assert all(a.num_cpus == 1 for a in actors)
+
+
+def test_builtins_lists_ours_and_torchx_builtins() -> None:
+    out = torchx("builtins")
+    assert out.returncode == 0, out.stderr
+    for name in ("distopt.ps_job", "distopt.ddp", "distopt.fsdp", "dist.ddp", "utils.echo"):
+        assert f" {name}\n" in out.stdout
+    assert "_" + "torchrun" not in out.stdout and "ComponentArgError" not in out.stdout
+
+
+def test_cli_help_comes_from_docstrings() -> None:
+    out = torchx("run", "distopt.ps_job", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "Parameter-server training job" in out.stdout and "--num_trainers" in out.stdout
+
+
+def _last_error_line(text: str) -> str:
+    return [line for line in text.strip().splitlines() if line.strip()][-1].strip()
+
+
+def test_cli_dryrun_prints_both_roles(config: str) -> None:
+    out = torchx("run", "-s", "local_cwd", "--dryrun", "distopt.ps_job", "--config", config)
+    assert out.returncode == 0, out.stderr
+    assert "'ps': [" in out.stdout and "'trainer': [" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["distopt.no_such", "--config", "x.yaml"], "Component `distopt.no_such` not found"),
+        (["distopt.ps_job", "--config", "missing.yaml"], "--config: config file not found: missing.yaml"),
+        (["distopt.ps_job", "--config", "{config}", "--num_trainers", "0"],
+         "--num_trainers: expected an integer >= 1, got 0"),
+    ],
+)  # fmt: skip
+def test_cli_bad_input_is_one_line(config: str, args: list[str], expected: str) -> None:
+    args = [a.replace("{config}", config) for a in args]
+    out = torchx("run", "-s", "local_cwd", "--dryrun", *args)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr
+    assert expected in _last_error_line(out.stderr)
+
+
+def test_cli_unknown_scheduler(config: str) -> None:
+    out = torchx("run", "-s", "nosuch", "--dryrun", "distopt.ps_job", "--config", config)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "invalid choice: 'nosuch'" in _last_error_line(out.stderr)
+
+
+def test_torchxconfig_defaults_are_valid() -> None:
+    """Every key in .torchxconfig is a known scheduler option or component argument."""
+    import configparser
+    import inspect
+
+    parser = configparser.ConfigParser()
+    parser.read(REPO / ".torchxconfig")
+    with get_runner() as runner:
+        for section in parser.sections():
+            keys = set(parser[section])
+            if section.startswith("component:"):
+                fn = getattr(components, section.split(".", 1)[1])
+                assert keys <= set(inspect.signature(fn).parameters), section
+            elif section != "cli:run":
+                known = {name for name, _ in runner.scheduler_run_opts(section)}
+                assert keys <= known, section
+    assert parser["ray"]["dashboard_address"].startswith("127.0.0.1:")

@@ -1,0 +1,66 @@
+"""Integration: a local loopback Ray head and distopt.ps_job through TorchX's Ray scheduler.
+
+torchx 0.7.0's Ray scheduler runs multi-role apps on Ray 2.60: every replica of every role becomes
+one Ray actor that runs the role's command, and the job fails when any replica fails.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from distopt.metrics.qps_log import load_run
+from launchers._proc import session_members
+from tests.launchers.conftest import JOB_MODULE, free_port_pair, job_config, torchx
+
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
+
+TINY = "configs/jobs/ps_dlrm_tiny.yaml"
+
+
+def _run_on_ray(cluster, *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    out = torchx(
+        "run", "-s", "ray", "--wait", "-cfg", f"dashboard_address={cluster.dashboard_address}",
+        "distopt.ps_job", "--master_port", str(free_port_pair()), *args, timeout=180,
+    )  # fmt: skip
+    handles = [line for line in out.stdout.splitlines() if line.startswith("ray://")]
+    assert handles, out.stderr[-3000:]
+    return out, handles[-1]
+
+
+def test_ray_head_listens_on_loopback_only(ray_cluster) -> None:
+    pids = set(session_members(os.getsid(ray_cluster.pid)))
+    listeners = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    ours = [line for line in listeners.splitlines() if any(f"pid={p}," in line for p in pids)]
+    assert ours, listeners
+    for line in ours:
+        local = line.split()[3]
+        assert local.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")), line
+
+
+def test_real_ps_job_on_ray(ray_cluster, tmp_path: Path) -> None:
+    started = time.monotonic()
+    out, handle = _run_on_ray(
+        ray_cluster, "--config", TINY, "--output_dir", str(tmp_path / "runs"),
+        "--set", "steps=5", "--run_id", "ray",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    run = load_run(tmp_path / "runs" / "ray")
+    assert run.world_size == 2 and run.merged_steps()[-1].step == 4
+    status = torchx("status", handle)
+    assert "State: SUCCEEDED" in status.stdout, status.stdout + status.stderr
+    logs = torchx("log", handle)
+    assert "run ray: 5 steps" in logs.stdout, logs.stdout[-2000:]
+    print(f"ray real ps_job: {time.monotonic() - started:.1f}s")
+
+
+def test_failing_trainer_fails_the_ray_job(ray_cluster, tmp_path: Path) -> None:
+    config = job_config(tmp_path, fail_trainer=1)
+    out, handle = _run_on_ray(ray_cluster, "--config", str(config), "--module", JOB_MODULE)
+    assert out.returncode == 1, out.stderr[-3000:]
+    status = torchx("status", handle)
+    assert "State: FAILED" in status.stdout, status.stdout + status.stderr
