@@ -11,6 +11,7 @@ from distopt.errors import (
 )
 from distopt.explain import explain
 from distopt.optimize import DistoptFallbackWarning, optimize
+from distopt.parallel import ParallelizeConfig, parallelize
 from distopt.passes import PassContext, PassResult, register_pass
 from distopt.remote import register_read, register_remote, remote
 
@@ -23,6 +24,7 @@ __all__ = [
     "DistoptError",
     "DistoptFallbackWarning",
     "OptimizeConfig",
+    "ParallelizeConfig",
     "PassContext",
     "PassError",
     "PassResult",
@@ -31,6 +33,7 @@ __all__ = [
     "VerifyConfig",
     "explain",
     "optimize",
+    "parallelize",
     "register_pass",
     "register_read",
     "register_remote",

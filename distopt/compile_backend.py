@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.fx
 
-from distopt.errors import PassError
+from distopt.errors import ConfigError, PassError
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
 from distopt.report import GraphRecord, OptimizeReport
 
@@ -22,12 +22,15 @@ def make_backend(
     pass_options: dict[str, dict[str, Any]] | None = None,
     report: OptimizeReport | None = None,
     strict: bool = False,
-    inner: Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]] | None = None,
+    inner: Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]] | str | None = None,
 ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
     """A Dynamo backend applying ``pipeline`` to every captured graph, then ``inner`` (or eager).
 
-    A failing pass leaves that graph unoptimized (recorded in ``report``) unless ``strict``.
+    ``inner`` is a backend function or the name ``"eager"``/``"inductor"`` (kernel fusion; needs
+    a C++ compiler on CPU). A failing pass leaves that graph unoptimized (recorded in
+    ``report``) unless ``strict``.
     """
+    inner = _inner_backend(inner)
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         record = GraphRecord(code_before=gm.code)
@@ -46,6 +49,33 @@ def make_backend(
     return backend
 
 
-def distopt_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """``torch.compile(backend="distopt")``: the default passes on each graph, run eagerly."""
-    return make_backend(resolve_pipeline(None))(gm, example_inputs)
+def _inner_backend(
+    inner: Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]] | str | None,
+) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]] | None:
+    if inner is None or callable(inner):
+        return inner
+    if inner == "eager":
+        return None
+    if inner == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx
+    raise ConfigError(f"inner: expected 'eager', 'inductor' or a backend function, got {inner!r}")
+
+
+def distopt_backend(
+    gm: torch.fx.GraphModule, example_inputs: list[Any], *, options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
+    """``torch.compile(backend="distopt")``: distopt passes on each graph, then eager or inductor.
+
+    ``torch.compile(m, backend="distopt", options={"inner": "inductor", "passes": [...],
+    "pass_options": {...}})`` picks the passes (default: the registry's defaults) and the backend
+    that compiles the rewritten graph (default: run it eagerly).
+    """
+    opts = dict(options or {})
+    unknown = set(opts) - {"inner", "passes", "pass_options"}
+    if unknown:
+        raise ConfigError(f"options: unknown key {sorted(unknown)[0]!r} (known: inner, pass_options, passes)")
+    pipeline = resolve_pipeline(opts.get("passes"))
+    backend = make_backend(pipeline, pass_options=opts.get("pass_options"), inner=opts.get("inner"))
+    return backend(gm, example_inputs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import sys
+import traceback
 import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -133,7 +134,11 @@ class DistoptTracer(torch.fx.Tracer):
         tracer = self
 
         def remote_call_stub(*args: Any, **kwargs: Any) -> Any:
-            return tracer.create_proxy("call_function", fn, args, kwargs)
+            proxy = tracer.create_proxy("call_function", fn, args, kwargs)
+            if not proxy.node.stack_trace:
+                # The user's line of the call: errors raised at its wait quote it.
+                proxy.node.stack_trace = "".join(traceback.format_stack(sys._getframe(1), limit=1))
+            return proxy
 
         remote_call_stub.__wrapped__ = fn  # type: ignore[attr-defined]
         return remote_call_stub

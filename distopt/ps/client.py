@@ -43,8 +43,10 @@ from distopt.ps.futures import after, gather, rpc_call, when_all
 from distopt.ps.server import (
     ps_server_fetch,
     ps_server_fetch_many,
+    ps_server_load,
     ps_server_load_state_dict,
     ps_server_push,
+    ps_server_save,
     ps_server_state_dict,
     ps_server_stats,
 )
@@ -359,6 +361,30 @@ def load_state_dict(state: Mapping[str, Mapping[str, Any]]) -> None:
     if missing:
         raise ConfigError(f"parameter-server checkpoint lacks server {missing[0]!r}")
     futures = [rpc_call(s, ps_server_load_state_dict, (dict(state[s]),), what="load_state_dict",
+                        timeout_s=client.timeout_s) for s in client.servers]
+    for fut in futures:
+        fut.wait()
+
+
+def save_servers(directory: str) -> dict[str, int]:
+    """Each server writes its shards (weights, optimizer state) to ``<directory>/ps<i>.pt``.
+
+    Flushes this trainer's pending pushes first; pushes of other trainers are the caller's to
+    drain (the job's checkpoint barrier). Returns ``{file name: size}``. ``directory`` must be on a
+    filesystem the servers share with the trainers.
+    """
+    client = _client()
+    flush()
+    futures = [rpc_call(s, ps_server_save, (str(directory),), what="checkpoint save",
+                        timeout_s=client.timeout_s) for s in client.servers]
+    return dict(fut.wait() for fut in futures)
+
+
+def load_servers(directory: str) -> None:
+    """Each server restores its shards from ``<directory>/ps<i>.pt`` (see :func:`save_servers`)."""
+    client = _client()
+    flush()
+    futures = [rpc_call(s, ps_server_load, (str(directory),), what="checkpoint load",
                         timeout_s=client.timeout_s) for s in client.servers]
     for fut in futures:
         fut.wait()

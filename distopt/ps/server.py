@@ -21,10 +21,12 @@ import sys
 import threading
 import time
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from distopt.atomic import atomic_torch_save
 from distopt.errors import ConfigError, RemoteCallError
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
 from distopt.ps.table import ShardTable
@@ -51,6 +53,8 @@ class _ServerState:
         self.num_trainers = 0
         self.finished: set[str] = set()
         self.stop = threading.Event()
+        self.last_seen: dict[str, float] = {}
+        """Trainer name → ``time.monotonic()`` of its last heartbeat (see :func:`watch_trainers`)."""
 
     def table(self, name: str) -> ShardTable:
         shard = self.shards.get(name)
@@ -116,6 +120,81 @@ def ps_server_load_state_dict(state: dict[str, dict[str, Any]]) -> None:
         server.table(name).load_state_dict(shard_state)
 
 
+def shard_file(directory: str | Path, index: int) -> Path:
+    """The file server ``index`` writes its shards to in checkpoint ``directory``."""
+    return Path(directory) / f"{server_name(index)}.pt"
+
+
+def ps_server_save(directory: str) -> tuple[str, int]:
+    """Write every shard held here (weights and optimizer state) to ``<directory>/ps<i>.pt``,
+    atomically; returns the file's name and size. Each server writes its own file, so a
+    checkpoint's table data never travels through a trainer."""
+    server = _state()
+    payload = {
+        "server": server.name,
+        "num_servers": server.options.num_servers,
+        "tables": {name: shard.state_dict() for name, shard in server.shards.items()},
+    }
+    path = atomic_torch_save(payload, shard_file(directory, server.index))
+    return path.name, path.stat().st_size
+
+
+def ps_server_load(directory: str) -> None:
+    """Restore every shard held here from ``<directory>/ps<i>.pt`` (written by :func:`ps_server_save`
+    in a job with the same number of servers)."""
+    server = _state()
+    path = shard_file(directory, server.index)
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError) as err:
+        raise ConfigError(f"{server.name}: cannot load checkpoint {path}: {err}") from None
+    if payload.get("num_servers") != server.options.num_servers:
+        raise ConfigError(
+            f"{server.name}: checkpoint {path} was written by {payload.get('num_servers')} servers, "
+            f"this job has {server.options.num_servers} (resharding is not supported)"
+        )
+    ps_server_load_state_dict(payload["tables"])
+
+
+def ps_server_heartbeat(trainer: str) -> None:
+    """``trainer`` is alive (sent every ``trainer_timeout_s / 5`` by its heartbeat thread)."""
+    state = _state()
+    with state.counts_lock:
+        state.last_seen[trainer] = time.monotonic()
+
+
+def watch_trainers(state: _ServerState, timeout_s: float) -> None:
+    """Exit the process with status 1 when a trainer that has not finished goes silent.
+
+    A killed trainer never says it is done, so without this the servers would wait for it forever.
+    """
+    now = time.monotonic()
+    with state.counts_lock:
+        for j in range(state.num_trainers):
+            state.last_seen.setdefault(trainer_name(j), now)
+
+    def watch() -> None:
+        while not state.stop.wait(min(1.0, timeout_s / 4)):
+            with state.counts_lock:
+                now = time.monotonic()
+                silent = [
+                    (name, now - seen)
+                    for name, seen in sorted(state.last_seen.items())
+                    if name not in state.finished and now - seen > timeout_s
+                ]
+            if silent:
+                name, quiet = silent[0]
+                print(
+                    f"distopt.ps.server: error: {state.name}: {name} sent nothing for {quiet:.1f} s "
+                    f"(ps.trainer_timeout_s={timeout_s:g}): killed or stuck; exiting",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)
+
+    threading.Thread(target=watch, name="distopt-ps-trainer-watch", daemon=True).start()
+
+
 @register_read
 def ps_server_tables() -> list[dict[str, Any]]:
     """Specs of the tables this server holds (the client builds its routing from them)."""
@@ -169,6 +248,7 @@ def serve(config: dict[str, Any]) -> None:
         options=options,
         timeout_s=options.join_timeout_s,
     )
+    watch_trainers(_STATE, options.trainer_timeout_s)
     # Serve until every trainer said it is done. Not rpc.shutdown(graceful=True): its store barrier
     # uses a process-wide counter in torch that a trainer joining its second job no longer agrees
     # on, which stalls shutdown until the store timeout.

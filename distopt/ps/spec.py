@@ -105,6 +105,10 @@ class ServerOptions:
     """A trainer's deadline for the RPC group to form; an unreachable server raises after this."""
     join_timeout_s: float = 600.0
     """How long servers wait for every trainer to join (servers usually start first)."""
+    trainer_timeout_s: float = 60.0
+    """A server exits with an error naming the trainer when a trainer that has not finished sends
+    nothing (trainers send a heartbeat every ``trainer_timeout_s / 5``) for this long: a killed or
+    stuck trainer never keeps the servers up forever."""
 
     def __post_init__(self) -> None:
         check(self.num_servers >= 1, "ps.num_servers", "an integer >= 1", self.num_servers)
@@ -114,6 +118,7 @@ class ServerOptions:
         check(self.rpc_timeout_s > 0, "ps.rpc_timeout_s", "a number > 0", self.rpc_timeout_s)
         check(self.start_timeout_s > 0, "ps.start_timeout_s", "a number > 0", self.start_timeout_s)
         check(self.join_timeout_s > 0, "ps.join_timeout_s", "a number > 0", self.join_timeout_s)
+        check(self.trainer_timeout_s > 0, "ps.trainer_timeout_s", "a number > 0", self.trainer_timeout_s)
 
 
 def check_tables(tables: tuple[TableSpec, ...] | list[TableSpec], num_servers: int) -> None:
