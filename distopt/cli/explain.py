@@ -28,6 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--graph", metavar="PATH", help="write a graph picture (.svg/.png/.dot)")
     parser.add_argument("--eval", action="store_true", help="optimize the model in eval mode")
     parser.add_argument("--strict", action="store_true", help="raise instead of falling back")
+    parser.add_argument("--ps-latency-ms", type=float, default=None, metavar="MS",
+                        help="for parameter-server models: start local PS processes with this "
+                             "injected latency and show the cost model's prediction next to "
+                             "measured forward times")
     parser.set_defaults(func=run)
 
 
@@ -54,9 +58,51 @@ def run(args: argparse.Namespace) -> int:
     model, inputs = load_model(args.model, args.batch_size)
     if args.eval:
         model.eval()
+    tables = getattr(model, "ps_tables", None)
+    if args.ps_latency_ms is None:
+        return _explain(args, model, inputs)
+    if tables is None or inputs is None:
+        raise ConfigError(f"--ps-latency-ms: {args.model!r} is not a parameter-server model (no ps_tables())")
+    import distopt.ps as ps
+
+    with ps.local_job(tables(), ps.ServerOptions(latency_ms=args.ps_latency_ms)):
+        code = _explain(args, model, inputs)
+        _predict_and_measure(model, inputs)
+    return code
+
+
+def _explain(args: argparse.Namespace, model: nn.Module, inputs: tuple[Any, ...] | None) -> int:
     passes = [p.strip() for p in args.passes.split(",") if p.strip()] if args.passes else None
     optimized = distopt.optimize(
         model, inputs, passes=passes, verify=None if not args.no_verify else False, strict=args.strict
     )
     distopt.explain(optimized, show_code=not args.no_code, graph_path=args.graph)
     return 0
+
+
+def _predict_and_measure(model: nn.Module, inputs: tuple[Any, ...], rounds: int = 5, steps: int = 5) -> None:
+    """Cost-model prediction of the forward time before/after, next to measured medians."""
+    import statistics
+    import time
+
+    import distopt.ps as ps
+    from distopt.costmodel import measure_latency, predict
+
+    table = model.ps_tables()[0].name
+    captured = distopt.optimize(model, passes=[], verify=False)
+    optimized = distopt.optimize(model, inputs, verify=False)
+    with torch.no_grad(), ps.context.isolated_step():
+        latency = measure_latency(lambda: ps.wait(ps.fetch_async(table, torch.zeros(1, dtype=torch.long))))
+        prediction = predict(captured, optimized, inputs, latency)
+        times: dict[str, list[float]] = {"before": [], "after": []}
+        for _ in range(rounds):  # interleaved, so drift hits both alike
+            for name, module in (("before", captured), ("after", optimized)):
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    module(*inputs)
+                    times[name].append(time.perf_counter() - start)
+    before, after = (statistics.median(times[k]) for k in ("before", "after"))
+    print(f"cost model: {prediction.summary()}")
+    print(f"measured forward (median of {rounds * steps}, interleaved): {before * 1e3:.2f} ms -> "
+          f"{after * 1e3:.2f} ms ({before / after:.2f}x); predicted {prediction.before_s * 1e3:.2f} ms -> "
+          f"{prediction.after_s * 1e3:.2f} ms ({prediction.speedup:.2f}x)")
