@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
 from torch import nn
@@ -14,11 +15,10 @@ from torch.utils._pytree import tree_flatten
 from distopt.config import VerifyConfig
 from distopt.report import VerifyRecord
 
+_ISOLATION_HOOKS: list[Callable[[], AbstractContextManager[Any]]] = []
 
-_ISOLATION_HOOKS: list[Callable[[], ContextManager[Any]]] = []
 
-
-def register_isolation_hook(factory: Callable[[], ContextManager[Any]]) -> None:
+def register_isolation_hook(factory: Callable[[], AbstractContextManager[Any]]) -> None:
     """Wrap every verification run in ``factory()``.
 
     For state outside the modules that a verification run must not leave behind, e.g. the
@@ -104,7 +104,7 @@ def compare_modules(
         problems.append(f"output structure differs ({len(ref_flat)} vs {len(opt_flat)} leaves)")
     max_diff = 0.0
     compared = 0
-    pairs = [(f"output[{i}]", a, b) for i, (a, b) in enumerate(zip(ref_out, opt_out))]
+    pairs = [(f"output[{i}]", a, b) for i, (a, b) in enumerate(zip(ref_out, opt_out, strict=False))]
     for name in ref_grads:
         pairs.append((f"grad of {name}", ref_grads[name], opt_grads.get(name)))
     missing = sorted(set(ref_grads) - set(opt_grads))

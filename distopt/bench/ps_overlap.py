@@ -91,7 +91,7 @@ def _train_chunk(model, cfg: DLRMConfig, batches, opt, *, blocking_push: bool, l
         ps.push_gradients(lr=lr, blocking=blocking_push)
     ps.flush()  # the last async push belongs to this chunk
     stamps.append(time.perf_counter())
-    return [b - a for a, b in zip(stamps, stamps[1:])]
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def _point(bench: PSOverlapConfig, k: int, latency: float, compute: str, console: Console) -> dict:

@@ -15,9 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from launchers._proc import free_port
-
 from distopt.errors import DistoptError
+from launchers._proc import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -1,4 +1,8 @@
-"""Imports every built-in pass module so each registers itself (see distopt.passes.base)."""
+"""Imports every built-in pass module so each registers itself (see distopt.passes.base).
+
+The order is registration order, which breaks ties between unconstrained passes.
+"""
+# ruff: noqa: I001
 
 from distopt.passes import remove_identity  # noqa: F401
 from distopt.passes import split_remote  # noqa: F401

@@ -11,8 +11,6 @@ from torch import nn
 from distopt.passes.base import PassContext, PassResult, register_pass
 
 
-
-
 @register_pass("remove_identity")
 def remove_identity(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replace no-op module calls by their input.

@@ -11,7 +11,7 @@ from distopt.passes import PassResult, PassSpec, mark_side_effectful, run_passes
 
 class M(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        unused = x * 3  # dead: must be removed
+        x * 3  # dead: must be removed
         x.add_(0)  # in place: must stay
         return x + 1
 
