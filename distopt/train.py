@@ -6,7 +6,7 @@ finish. Single process: ``python -m distopt.train --config configs/jobs/mlp.yaml
 ``torchrun --standalone --nproc-per-node 2 -m distopt.train --config configs/jobs/mlp_ddp.yaml``.
 
 Exit status 0 on success, 2 on a configuration or environment error (one line on stderr), 1 when
-training itself fails (traceback).
+training itself fails (a parameter server lost or timed out: one line naming it; else a traceback).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import sys
 
 from distopt.config import load_config
-from distopt.errors import DistoptError
+from distopt.errors import DistoptError, RemoteCallError
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
 
@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         config = load_config(JobConfig, args.config, args.overrides)
         env = JobEnv.from_environ()
         return run(config, env)
+    except RemoteCallError as err:  # a server failed mid-run: not a configuration problem
+        print(f"distopt.train: error: {err}", file=sys.stderr)
+        return 1
     except DistoptError as err:
         print(f"distopt.train: error: {err}", file=sys.stderr)
         return 2

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from distopt.job.checkpoint import latest_checkpoint
+from distopt.job.checkpoint import latest_complete
+from distopt.job.state import read_tensors
 from distopt.metrics.compare import compare_runs
 from distopt.metrics.qps_log import load_run
 from distopt.train import main
@@ -56,17 +57,20 @@ def test_single_process_job_writes_valid_log_and_checkpoints(tmp_path: Path) -> 
     assert all(s.step_time_s > 0 and s.qps == pytest.approx(16 / s.step_time_s) for s in steps)
     assert run.ranks[0].footer is not None and run.ranks[0].footer["status"] == "ok"
     ckpt_dir = tmp_path / "smoke" / "checkpoints"
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-00000004.pt", "step-00000008.pt"]
-    state = torch.load(latest_checkpoint(ckpt_dir), weights_only=True)
-    assert state["step"] == 8 and state["run_id"] == "smoke"
-    assert set(state["model"]) == {n for n, _ in _mlp_named_tensors()}
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step-00000004", "step-00000008"]
+    found = latest_complete(ckpt_dir)
+    assert found is not None and found.step == 8 and found.job["run_id"] == "smoke"
+    tensors = read_tensors(found)
+    assert {k.removeprefix("dense/model/") for k in tensors if k.startswith("dense/model/")} == {
+        n for n, _ in _mlp_named_tensors()
+    }
 
     # Resume: continue the same run from step 8 to 12.
     more = [*sets[:3], "steps=12", "checkpoint_every=4", "batch_size=16", "resume=true"]
     assert main(["--config", MLP, *[a for s in more for a in ("--set", s)]]) == 0
     resumed = load_run(tmp_path / "smoke")
     assert [s.step for s in resumed.ranks[0].steps] == [8, 9, 10, 11]
-    assert latest_checkpoint(ckpt_dir) == ckpt_dir / "step-00000012.pt"
+    assert latest_complete(ckpt_dir).path == ckpt_dir / "step-00000012"  # type: ignore[union-attr]
 
 
 def _mlp_named_tensors() -> list[tuple[str, torch.Tensor]]:
@@ -156,8 +160,12 @@ def test_two_rank_ddp_with_torchrun(tmp_path: Path) -> None:
     assert run.header["global_batch_size"] == 2 * run.config["batch_size"]
     assert [m.step for m in run.merged_steps()] == list(range(10))
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [
-        "step-00000005.pt", "step-00000010.pt",
+        "step-00000005", "step-00000010",
     ]  # fmt: skip
+    found = latest_complete(run_dir / "checkpoints")
+    assert found is not None and sorted(found.manifest["files"]) == [
+        "dense/.metadata", "dense/__0_0.distcp", "dense/__1_0.distcp", "rank0.pt", "rank1.pt",
+    ]  # fmt: skip  -- one dense copy for both DDP ranks, one RNG file per rank
 
 
 def _ps_job(
@@ -194,9 +202,10 @@ def test_ps_dlrm_job_one_server_two_ddp_trainers(tmp_path: Path) -> None:
     assert sorted(run.ranks) == [0, 1] and run.header["num_ps"] == 1
     assert run.header["ps_latency_ms"] == 1.0 and run.config["model"] == "dlrm"
     assert [m.step for m in run.merged_steps()] == list(range(20))
-    state = torch.load(tmp_path / "ps" / "checkpoints" / "step-00000020.pt", weights_only=True)
-    assert set(state["ps_tables"]) == {"ps0"}  # the server's tables are checkpointed too
-    assert set(state["ps_tables"]["ps0"]) == {"emb0", "emb1"}
+    found = latest_complete(tmp_path / "ps" / "checkpoints")
+    assert found is not None and found.step == 20 and found.job["num_ps"] == 1
+    tables = {k for k in read_tensors(found) if k.startswith("ps0/")}  # the server wrote its shards
+    assert tables == {"ps0/emb0/weight", "ps0/emb1/weight"}
 
 
 @pytest.mark.slow

@@ -46,11 +46,19 @@ class JobConfig:
     run_id: str | None = None
     """Run id; default ``$DISTOPT_RUN_ID``, else ``<variant>-<time>-<random>`` chosen by rank 0."""
     checkpoint_every: int = 0
-    """Save model and optimizer state every N steps (0: never)."""
+    """Checkpoint every N steps and after the last one (0: never): dense model and optimizer,
+    step, RNG states and the parameter servers' tables (see ``distopt.job.checkpoint``)."""
     checkpoint_dir: str | None = None
     """Where checkpoints go; default ``<output_dir>/<run_id>/checkpoints``."""
+    keep_checkpoints: int = 0
+    """Keep only the N newest complete checkpoints (0: keep all)."""
     resume: bool = False
-    """Start from the latest checkpoint in ``checkpoint_dir`` when there is one."""
+    """Start from the newest complete checkpoint in ``checkpoint_dir`` when there is one
+    (incomplete ones, left by a job killed while writing, are ignored)."""
+    deterministic: bool = False
+    """Bitwise-reproducible parameter-server training with several trainers: each step's pushes
+    are applied in trainer-rank order and before any trainer's next fetch (costs a barrier per
+    trainer per step). A lone trainer is reproducible without it."""
     log_every: int = 10
     """Without a TTY, print a progress line every N steps."""
     num_threads: int | None = None
@@ -70,10 +78,7 @@ class JobConfig:
         )
         check(self.log_every >= 1, "log_every", "an integer >= 1", self.log_every)
         check(
-            not (self.parallel == "fsdp" and self.checkpoint_every),
-            "checkpoint_every",
-            "0 with parallel 'fsdp' (sharded checkpoints are not written yet)",
-            self.checkpoint_every,
+            self.keep_checkpoints >= 0, "keep_checkpoints", "an integer >= 0", self.keep_checkpoints
         )
         if self.num_threads is not None:
             check(self.num_threads >= 1, "num_threads", "an integer >= 1", self.num_threads)

@@ -22,17 +22,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def _loopback_store(host: str, port: int, env: JobEnv, timeout: datetime.timedelta) -> dist.Store:
+def _bound_store(host: str, port: int, env: JobEnv, timeout: datetime.timedelta) -> dist.Store:
     """The rendezvous store, its server socket bound to ``host`` only.
 
     ``TCPStore`` binds its server to every interface whatever host it is given; handing it a
-    socket we bound ourselves (``master_listen_fd``) keeps a loopback job off the network.
+    socket we bound ourselves (``master_listen_fd``) keeps the store on the rendezvous address
+    (loopback for a single-host job, the cluster network's address otherwise).
     """
     if env.rank != 0:
         return dist.TCPStore(host, port, env.num_trainers, False, timeout=timeout)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    address = "127.0.0.1" if host == "localhost" else host
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host if host != "localhost" else "127.0.0.1", port))
+    sock.bind((address, port))
     sock.listen(256)
     return dist.TCPStore(
         host,
@@ -49,8 +51,8 @@ def init_trainer_group(env: JobEnv, *, timeout_s: float = 120.0) -> None:
     """Join the gloo group of all trainers (``env.num_trainers`` ranks).
 
     Under torchrun the agent's store is reused (``env://``). Otherwise trainer 0 serves the
-    rendezvous store on ``MASTER_ADDR:MASTER_PORT`` (a free loopback port for a lone trainer). On a
-    loopback rendezvous the store and gloo are pinned to loopback; otherwise gloo would bind the
+    rendezvous store on ``MASTER_ADDR:MASTER_PORT`` only (a free loopback port for a lone trainer).
+    On a loopback rendezvous gloo is pinned to loopback too; otherwise gloo would bind the
     address the hostname resolves to. torchrun's own agent store listens on every interface: that
     is torchrun's doing, not ours.
     """
@@ -76,10 +78,7 @@ def init_trainer_group(env: JobEnv, *, timeout_s: float = 120.0) -> None:
             timeout=timeout,
         )
         return
-    if is_loopback(host):
-        store = _loopback_store(host, port, env, timeout)
-    else:
-        store = dist.TCPStore(host, port, env.num_trainers, env.rank == 0, timeout=timeout)
+    store = _bound_store(host, port, env, timeout)
     dist.init_process_group(
         "gloo", store=store, rank=env.rank, world_size=env.num_trainers, timeout=timeout
     )

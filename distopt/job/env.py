@@ -14,6 +14,9 @@ The contract with ``launchers/components.py`` (TorchX) and with ``torchrun``:
 ``DISTOPT_PS_ADDR``         ``host:port`` of the RPC group's store (hosted by ps 0)
 ``DISTOPT_DDP_PORT``        port on the RPC host of the trainers' gloo-group store (hosted by ps 0)
 ``DISTOPT_RUN_ID``          run id shared by every process of the job
+``DISTOPT_ATTEMPT``         restarts so far (``distopt.supervise``; torchrun's
+                            ``TORCHELASTIC_RESTART_COUNT`` and Slurm's ``SLURM_RESTART_COUNT`` are
+                            read too): a restarted job resumes from its newest complete checkpoint
 ==========================  ========================================================================
 """
 
@@ -73,6 +76,10 @@ class JobEnv:
     ddp_port: int | None = None
     """Port of the trainers' gloo store on the ``ps_addr`` host (jobs with servers)."""
     run_id: str | None = None
+    restarts: int = 0
+    """How often the launcher has restarted this job (``DISTOPT_ATTEMPT`` of ``distopt.supervise``,
+    torchrun's ``TORCHELASTIC_RESTART_COUNT``, Slurm's ``SLURM_RESTART_COUNT`` after a requeue):
+    a restarted job resumes from its newest complete checkpoint even without ``resume: true``."""
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str] | None = None) -> JobEnv:
@@ -121,4 +128,8 @@ class JobEnv:
             ps_addr=ps_addr,
             ddp_port=_int(env, "DISTOPT_DDP_PORT", 1),
             run_id=env.get("DISTOPT_RUN_ID") or None,
+            restarts=max(
+                _int(env, name, 0) or 0
+                for name in ("DISTOPT_ATTEMPT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")
+            ),
         )

@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ from distopt.errors import ConfigError
 from distopt.job.config import JobConfig
 from distopt.job.dist import is_loopback
 from distopt.job.env import JobEnv
+from distopt.job.state import barrier
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables
 
 _FINISHED_KEY = "distopt/trainers_finished"
@@ -158,26 +159,32 @@ def train_with_servers(config: JobConfig, env: JobEnv) -> int:
             _init_trainer_gloo(env, options)
 
         def push(_model: torch.nn.Module) -> None:
-            # Async: the pushes overlap the optimizer step and the next step's start; a table's
-            # next fetch is ordered after its push by the client.
-            ps.push_gradients(lr=config.lr)
+            if not config.deterministic:
+                # Async: the pushes overlap the optimizer step and the next step's start; a
+                # table's next fetch is ordered after its push by the client.
+                ps.push_gradients(lr=config.lr)
+                return
+            # One trainer at a time, in rank order, each push applied before the next trainer's:
+            # the servers sum the same updates in the same order on every run.
+            for turn in range(env.num_trainers):
+                if turn == env.rank:
+                    ps.push_gradients(lr=config.lr, blocking=True)
+                barrier()
 
-        def tables_state() -> dict[str, Any]:
-            # After this trainer's pending pushes (state_dict flushes); other trainers' pushes
-            # still in flight may or may not be included.
-            return {"ps_tables": ps.state_dict()}
+        def save_remote(path: Path) -> None:
+            ps.save_servers(str(path))  # every trainer's pushes drained: see distopt.job.state
 
-        def restore(state: dict[str, Any]) -> None:
-            if env.rank == 0 and "ps_tables" in state:
-                ps.load_state_dict(state["ps_tables"])
+        def load_remote(path: Path) -> None:
+            ps.load_servers(str(path))
 
         hooks = Hooks(
             # distopt.optimize's verification fetched rows (and may have backpropagated into
             # them); they belong to no training step and must not be pushed.
             before_loop=ps.discard_step,
             after_backward=push,
-            checkpoint_state=tables_state,
-            restore_state=restore,
+            before_checkpoint=ps.flush,
+            save_remote=save_remote,
+            load_remote=load_remote,
         )
         result = train(config, env, hooks=hooks, header_extra={"ps_latency_ms": options.latency_ms})
         ok = True

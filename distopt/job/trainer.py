@@ -15,8 +15,9 @@ from torch import nn
 
 from distopt import models
 from distopt.config import to_dict
-from distopt.errors import ConfigError
-from distopt.job.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from distopt.errors import ConfigError, RemoteCallError
+from distopt.job import checkpoint
+from distopt.job import state as job_state
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
 from distopt.job.progress import Progress
@@ -25,16 +26,19 @@ from distopt.metrics.qps_log import QpsLogWriter
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class Hooks:
-    """What a role adds to the plain training loop (the parameter-server trainer uses all four)."""
+    """What a role adds to the plain training loop (the parameter-server trainer uses them all)."""
 
     before_loop: Callable[[], None] | None = None
     """After the model is built, optimized and parallelized (e.g. forget verification fetches)."""
     after_backward: Callable[[nn.Module], None] | None = None
     """After ``backward`` of every step (e.g. push gradients of fetched rows)."""
-    checkpoint_state: Callable[[], dict[str, Any]] | None = None
-    """Extra entries saved in every checkpoint (e.g. the parameter-server tables)."""
-    restore_state: Callable[[dict[str, Any]], None] | None = None
-    """Called with the loaded checkpoint on resume."""
+    before_checkpoint: Callable[[], None] | None = None
+    """On every trainer before a checkpoint is cut (e.g. wait for this trainer's pushes)."""
+    save_remote: Callable[[Path], None] | None = None
+    """On trainer 0 while the others wait: write remote state into the checkpoint directory
+    (e.g. each parameter server writes its shards)."""
+    load_remote: Callable[[Path], None] | None = None
+    """On trainer 0 on resume, before any trainer starts: restore remote state from a checkpoint."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -48,6 +52,9 @@ class TrainResult:
     log_path: Path
     final_loss: float
     checkpoints: tuple[Path, ...]
+    """Checkpoint directories this trainer completed (trainer 0 only)."""
+    resumed_from: int
+    """Completed steps of the checkpoint this run resumed from (0: a fresh start)."""
 
 
 def resolve_run_id(config: JobConfig, env: JobEnv) -> str:
@@ -70,15 +77,40 @@ def _optimize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> 
     return optimize(model, example, config=config.optimize_config or None)
 
 
-def _prediction(optimized: nn.Module) -> dict[str, float]:
-    """The cost model's prediction for ``optimized``, when its optimize report carries one
-    (``report.prediction``, a :class:`distopt.costmodel.Prediction`), as QPS-log header keys."""
-    from distopt.report import report_of
+def _prediction(
+    model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]
+) -> dict[str, float]:
+    """The cost model's predicted gain of ``optimized`` over ``model``, as QPS-log header keys.
 
-    prediction = getattr(report_of(optimized), "prediction", None)
-    if prediction is None:
+    Only for parameter-server models (``model.ps_tables()``) captured as a graph: per-node costs
+    come from a profiling run, the RPC latency from timing one real single-row fetch. The
+    forward prediction is extended to a step by the usual estimate backward ≈ 2 × forward
+    compute (stated in the header as ``predicted_backward_estimate``).
+    """
+    import dataclasses
+
+    import torch.fx
+
+    tables = getattr(model, "ps_tables", None)
+    if tables is None or not isinstance(optimized, torch.fx.GraphModule):
         return {}
-    return {"predicted_gain": prediction.speedup, "predicted_step_time_s": prediction.after_s}
+    import distopt.ps as ps
+    from distopt.costmodel import measure_latency, predict
+    from distopt.optimize import optimize
+
+    table = tables()[0].name
+    one_row = torch.zeros(1, dtype=torch.long)
+    with ps.context.isolated_step(), torch.no_grad():
+        latency = measure_latency(lambda: ps.wait(ps.fetch_async(table, one_row)))
+        captured = optimize(model, passes=[], verify=False)
+        forward = predict(captured, optimized, example, latency)
+    step = dataclasses.replace(forward, fixed_s=2 * forward.before.compute_s)
+    return {
+        "predicted_gain": step.speedup,
+        "predicted_step_time_s": step.after_s,
+        "predicted_rpc_latency_s": latency,
+        "predicted_backward_estimate": "2x forward compute",
+    }
 
 
 def _parallelize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> nn.Module:
@@ -112,6 +144,8 @@ def train(
     model = models.build(name, **config.model_kwargs)
     loss_fn = models.loss_function(name, model)
     # Different data on each trainer; generated before the loop so data creation is not timed.
+    # Step s uses batch s % data_batches: the data order depends only on (seed, rank, step), so a
+    # resumed run sees exactly the batches an uninterrupted one would.
     batches = [
         models.make_inputs(
             name, model, config.batch_size, seed=config.seed * 100_003 + env.rank * 1009 + i
@@ -122,26 +156,45 @@ def train(
     trained: nn.Module = model
     if config.runs_optimize and config.parallel != "fsdp":
         trained = _optimize(model, batches[0], config)
-        header.update(_prediction(trained))
+        header.update(_prediction(model, trained, batches[0]))
     trained = _parallelize(trained, batches[0], config)
     # After wrapping: FSDP replaces parameters by shards (the optimized module shares them).
     optimizer = torch.optim.SGD(trained.parameters(), lr=config.lr)
 
     checkpoint_dir = Path(config.checkpoint_dir or Path(config.output_dir) / run_id / "checkpoints")
     hooks = hooks or Hooks()
+    saver = job_state.trainer_state(
+        model=_state_module(model, trained, optimizer),
+        optimizer=optimizer,
+        rank=env.rank,
+        parallel=config.parallel,
+        num_trainers=env.num_trainers,
+        job={
+            "run_id": run_id,
+            "model": name,
+            "seed": config.seed,
+            "num_trainers": env.num_trainers,
+            "num_ps": env.num_ps,
+            "parallel": config.parallel,
+        },
+    )
     start = 0
-    if config.resume and (found := latest_checkpoint(checkpoint_dir)) is not None:
-        state = load_checkpoint(found, model=model, optimizer=optimizer)
-        start = int(state["step"])
-        if hooks.restore_state is not None:
-            hooks.restore_state(state)
-        if start >= config.steps:
+    rng: dict[str, Any] | None = None
+    resume = config.resume or env.restarts > 0  # a restarted job always continues its run
+    if resume and (found := job_state.find(checkpoint_dir, saver)) is not None:
+        if found.step > config.steps:
             raise ConfigError(
-                f"resume: checkpoint {found} is at step {start}, steps is {config.steps}"
+                f"resume: checkpoint {found.path} is at step {found.step}, steps is {config.steps}"
             )
+        rng = job_state.restore(found, saver, load_remote=hooks.load_remote)["rng"]
+        start = found.step
 
     if hooks.before_loop is not None:
         hooks.before_loop()
+    if rng is not None:
+        # Last, so that nothing between here and the first step (model building, optimize's
+        # verification) shifts the random streams of the resumed steps.
+        job_state.set_rng_state(rng)
     global_batch = config.batch_size * env.num_trainers
     saved: list[Path] = []
     loss_value = float("nan")
@@ -172,19 +225,20 @@ def train(
                 record = writer.log_step(step, step_time)
                 progress.update(step, loss=loss_value, qps=record.qps)
                 done = step + 1
-                if (
-                    config.checkpoint_every
-                    and done % config.checkpoint_every == 0
-                    and env.rank == 0
-                ):
-                    extra = {"run_id": run_id, "variant": config.variant}
-                    if hooks.checkpoint_state is not None:
-                        extra.update(hooks.checkpoint_state())
-                    saved.append(
-                        save_checkpoint(
-                            checkpoint_dir, step=done, model=model, optimizer=optimizer, extra=extra
-                        )
+                every = config.checkpoint_every
+                if every and (done % every == 0 or done == config.steps):
+                    cut = job_state.cut(
+                        checkpoint_dir,
+                        saver,
+                        step=done,
+                        before=hooks.before_checkpoint,
+                        save_remote=hooks.save_remote,
                     )
+                    if cut is not None:
+                        saved.append(cut.path)
+                        checkpoint.prune(checkpoint_dir, keep=config.keep_checkpoints)
+    except RuntimeError as err:
+        raise peer_lost(err, env) or err from None
     finally:
         progress.close()
     return TrainResult(
@@ -194,4 +248,28 @@ def train(
         log_path=writer.path,
         final_loss=loss_value,
         checkpoints=tuple(saved),
+        resumed_from=start,
     )
+
+
+def peer_lost(err: RuntimeError, env: JobEnv) -> RemoteCallError | None:
+    """gloo's error when another trainer died mid-collective, as a one-line error naming it."""
+    text = str(err)
+    if "Connection closed by peer" not in text and "Connection reset by peer" not in text:
+        return None
+    who = f"trainer {1 - env.rank}" if env.num_trainers == 2 else "another trainer"
+    first = text.strip().splitlines()[0]
+    return RemoteCallError(
+        f"trainer {env.rank}: {who} left the trainers' process group (exited or was killed) "
+        f"during a collective: {first}"
+    )
+
+
+def _state_module(
+    model: nn.Module, trained: nn.Module, optimizer: torch.optim.Optimizer
+) -> nn.Module:
+    """The module whose parameter names key the checkpoint: the model as built (so every variant
+    writes the same keys), unless wrapping replaced its parameters (optimized FSDP)."""
+    own = {id(p) for p in model.parameters()}
+    optimized = (p for group in optimizer.param_groups for p in group["params"])
+    return model if all(id(p) in own for p in optimized) else trained

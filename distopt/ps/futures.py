@@ -37,20 +37,37 @@ def remote_message(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
+_TIMED_OUT = "ran for more than set timeout"
+_CONNECTION_LOST = ("eof", "pipe closed", "connection reset", "connection refused", "broken pipe")
+
+
+def failure_message(err: BaseException, *, timeout_s: float) -> str:
+    """:func:`remote_message`, with what a timeout or a lost connection means for the job."""
+    message = remote_message(err)
+    if _TIMED_OUT in message:
+        return (f"no answer within {timeout_s:g} s (ps.rpc_timeout_s): the server is slow, "
+                "stuck or gone")
+    if any(marker in message.lower() for marker in _CONNECTION_LOST):
+        return f"connection lost, the server process exited or was killed ({message})"
+    return message
+
+
 def rpc_call(server: str, fn: Callable[..., Any], args: tuple[Any, ...], *, what: str, timeout_s: float) -> Future:
     """``rpc_async(server, fn, args)`` whose failure is a :class:`RemoteCallError` naming ``server``."""
     out: Future = Future()
     try:
         inner = rpc.rpc_async(server, fn, args=args, timeout=timeout_s)
     except Exception as err:  # agent gone, unknown worker name: report at the wait like the rest
-        out.set_exception(RemoteCallError(f"{what} on {server} failed: {remote_message(err)}"))
+        message = failure_message(err, timeout_s=timeout_s)
+        out.set_exception(RemoteCallError(f"{what} on {server} failed: {message}"))
         return out
 
     def done(fut: Future) -> None:
         try:
             out.set_result(fut.value())
         except Exception as err:
-            out.set_exception(RemoteCallError(f"{what} on {server} failed: {remote_message(err)}"))
+            message = failure_message(err, timeout_s=timeout_s)
+            out.set_exception(RemoteCallError(f"{what} on {server} failed: {message}"))
 
     inner.add_done_callback(done)
     return out

@@ -29,9 +29,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -39,7 +41,7 @@ import torch.distributed.rpc as rpc
 from distopt.errors import RemoteCallError
 from distopt.ps import client, rendezvous
 from distopt.ps.client import Route
-from distopt.ps.server import ps_server_tables, ps_server_trainer_done
+from distopt.ps.server import ps_server_heartbeat, ps_server_tables, ps_server_trainer_done
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables, server_name, trainer_name
 
 
@@ -71,6 +73,48 @@ class PSJob:
 _PROCESSES: dict[int, subprocess.Popen[bytes]] = {}
 _STORES: dict[int, dist.TCPStore] = {}  # rendezvous stores hosted here, by port
 _SHUTDOWN_TIMEOUT_S = [30.0]  # rpc_timeout_s of the job this process joined
+_HEARTBEAT: list[tuple[threading.Event, threading.Thread, list[Any]]] = []
+
+
+def _start_heartbeat(name: str, servers: Sequence[str], timeout_s: float) -> None:
+    """Tell every server ``name`` is alive every ``timeout_s / 5`` until :func:`shutdown`.
+
+    Servers exit when a trainer stays silent for ``ServerOptions.trainer_timeout_s`` (see
+    ``distopt.ps.server.watch_trainers``). A failed heartbeat is ignored: the training calls to
+    that server report the failure with its name.
+    """
+    stop = threading.Event()
+    in_flight: list[Any] = []
+
+    def beat() -> None:
+        while True:
+            sent = []
+            for server in servers:
+                try:
+                    sent.append(
+                        rpc.rpc_async(server, ps_server_heartbeat, args=(name,), timeout=timeout_s)
+                    )
+                except RuntimeError:
+                    pass  # the agent is shutting down
+            in_flight[:] = sent
+            if stop.wait(timeout_s / 5):
+                return
+
+    thread = threading.Thread(target=beat, name="distopt-ps-heartbeat", daemon=True)
+    _HEARTBEAT.append((stop, thread, in_flight))
+    thread.start()
+
+
+def _stop_heartbeat(*, wait: bool) -> None:
+    """Stop the heartbeat thread; with ``wait``, let its last heartbeats complete (an RPC still
+    in flight when the agent shuts down would hold the shutdown for its whole timeout)."""
+    while _HEARTBEAT:
+        stop, thread, in_flight = _HEARTBEAT.pop()
+        stop.set()
+        thread.join()
+        for fut in in_flight if wait else ():
+            with contextlib.suppress(Exception):
+                fut.wait()
 
 
 def _free_port(host: str) -> int:
@@ -191,9 +235,12 @@ def init_trainer(job: PSJob, *, rank: int = 0, ddp: bool = False) -> None:
     _SHUTDOWN_TIMEOUT_S[0] = options.rpc_timeout_s
     try:
         client.connect(_discover_routes(job), rpc_timeout_s=options.rpc_timeout_s)
+        _start_heartbeat(name, [server_name(i) for i in range(job.num_servers)],
+                         options.trainer_timeout_s)
         if ddp:
             _init_ddp_group(job, rank)
     except BaseException:
+        _stop_heartbeat(wait=False)
         rpc.shutdown(graceful=False)
         raise
 
@@ -231,6 +278,7 @@ def shutdown(*, graceful: bool = True) -> None:
     A server exits once every trainer has told it so. ``graceful=False`` (after a server died)
     skips the flush and the goodbyes; :func:`stop_servers` then kills what is left.
     """
+    _stop_heartbeat(wait=graceful)
     try:
         if graceful and client._CLIENT is not None:
             client.flush()

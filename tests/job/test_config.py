@@ -49,6 +49,12 @@ def test_variant_decides_optimize_and_model() -> None:
         ({"model": "mlp", "run_id": "a/b"}, "run_id: expected a non-empty name without '/'"),
         ({"model": "mlp", "ps": {"latency_ms": -1}}, "ps.latency_ms: expected a number >= 0"),
         ({"model": "mlp", "ps": {"bogus": 1}}, "ps.bogus: unknown key"),
+        ({"model": "mlp", "keep_checkpoints": -1}, "keep_checkpoints: expected an integer >= 0"),
+        ({"model": "mlp", "deterministic": "yes"}, "deterministic: expected"),
+        (
+            {"model": "mlp", "ps": {"trainer_timeout_s": 0}},
+            "ps.trainer_timeout_s: expected a number > 0, got 0",
+        ),
         ({"steps": 3}, "JobConfig"),
     ],
 )
