@@ -1,0 +1,280 @@
+"""FSDP2 unit choices on a ≥100M-parameter GPT, 2 gloo ranks on CPU.
+
+Variants: no inner units (root only), a size-based policy, the hand-written per-block policy (the
+expert's choice) and distopt's auto-partition (``distopt.parallelize``). Each run starts fresh
+processes (so peak RSS belongs to that variant alone); the model is built on the meta device and
+materialized after sharding, so RSS measures training, not initialization. Rounds go round-robin
+over the variants (interleaved); tables quote medians.
+
+Targets (issue 4): distopt ≤ 1.0× the per-block policy's step time and ≤ 1.05× its peak memory;
+≤ 0.6× the no-inner-unit peak memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import resource
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from distopt.bench import median
+from distopt.config import check, from_dict, to_dict
+
+VARIANTS = ("no_inner_units", "size_based", "per_block", "distopt")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class FsdpPartitionConfig:
+    vocab_size: int = 8192
+    dim: int = 768
+    heads: int = 12
+    layers: int = 14
+    """14 blocks of dim 768 plus embeddings: 112M parameters."""
+    seq_len: int = 64
+    batch_size: int = 1
+    steps: int = 3
+    """Timed steps per run (after ``warmup``)."""
+    warmup: int = 1
+    rounds: int = 3
+    """Fresh-process runs per variant, round-robin."""
+    world_size: int = 2
+    threads: int = 1
+    """Intra-op threads per rank (2 ranks on 2 cores: 1)."""
+    size_min_params: int = 3_000_000
+    """Size-based policy: shard a module once its unwrapped parameters reach this many."""
+    variants: tuple[str, ...] = VARIANTS
+    cache_dir: str | None = None
+    """α–β cache for distopt's unit fusion (default ``~/.cache/distopt``)."""
+
+    def __post_init__(self) -> None:
+        check(self.layers >= 1, "layers", "an integer >= 1", self.layers)
+        check(self.dim % self.heads == 0, "dim", f"a multiple of heads ({self.heads})", self.dim)
+        check(self.steps >= 1, "steps", "an integer >= 1", self.steps)
+        check(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
+        check(self.world_size >= 2, "world_size", "an integer >= 2", self.world_size)
+        for v in self.variants:
+            check(v in VARIANTS, "variants", f"names from {list(VARIANTS)}", v)
+
+
+def _build(cfg: FsdpPartitionConfig) -> nn.Module:
+    from distopt.models.gpt import GPT
+
+    with torch.device("meta"):
+        return GPT(cfg.vocab_size, cfg.dim, cfg.heads, cfg.layers, cfg.seq_len, dropout=0.0)
+
+
+def _size_based(model: nn.Module, min_params: int) -> None:
+    """FSDP1's size-based policy, for FSDP2: post-order, shard when unwrapped params ≥ min."""
+    from torch.distributed.fsdp import fully_shard
+
+    wrapped: set[int] = set()
+
+    def visit(module: nn.Module) -> int:
+        unwrapped = sum(visit(child) for child in module.children())
+        unwrapped += sum(p.numel() for p in module.parameters(recurse=False))
+        containers = (nn.ModuleList, nn.ModuleDict)  # never called: hooks would not fire
+        if module is not model and not isinstance(module, containers) and unwrapped >= min_params:
+            fully_shard(module)
+            wrapped.add(id(module))
+            return 0
+        return unwrapped
+
+    visit(model)
+    fully_shard(model)
+
+
+def _wrap(variant: str, model: nn.Module, cfg: FsdpPartitionConfig) -> tuple[nn.Module, float]:
+    from torch.distributed.fsdp import fully_shard
+
+    import distopt
+
+    start = time.perf_counter()
+    if variant == "no_inner_units":
+        fully_shard(model)
+    elif variant == "size_based":
+        _size_based(model, cfg.size_min_params)
+    elif variant == "per_block":
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    else:
+        model = distopt.parallelize(model, "fsdp", verify=False, cache_dir=cfg.cache_dir)
+    return model, time.perf_counter() - start
+
+
+def _groups(model: nn.Module) -> tuple[int, list[int]]:
+    """Parameter bytes of the root FSDP group and of each inner group, in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    inner_ids: dict[int, set[int]] = {}
+    for m in fsdp:
+        inner_ids[id(m)] = {id(p) for p in m.parameters()}
+    sizes = []
+    for m in fsdp:
+        own = set(inner_ids[id(m)])
+        for other in fsdp:
+            if other is not m and inner_ids[id(other)] < inner_ids[id(m)]:
+                own -= inner_ids[id(other)]
+        sizes.append(sum(p.numel() * p.element_size() for p in m.parameters() if id(p) in own))
+    root_index = next(i for i, m in enumerate(fsdp) if m is model)
+    return sizes[root_index], [s for i, s in enumerate(sizes) if i != root_index]
+
+
+def analytic_peak_param_bytes(total: int, root: int, inner: list[int], world: int) -> int:
+    """Per-rank parameter memory at its peak: the shards, plus the unsharded root, plus the two
+    largest consecutive inner units (FSDP2 prefetches the next unit while one computes)."""
+    pair = max((a + b for a, b in zip(inner, inner[1:], strict=False)), default=max(inner, default=0))
+    return total // world + root + pair
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (``VmHWM``). Not ``ru_maxrss``: Linux carries that over
+    from the forking parent, so every spawned rank would report at least the driver's size."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB where /proc exists
+
+
+def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, port: int, out: str) -> None:
+    cfg = from_dict(FsdpPartitionConfig, cfg_dict)
+    torch.set_num_threads(cfg.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.world_size)
+    try:
+        model = _build(cfg)
+        total = sum(p.numel() * p.element_size() for p in model.parameters())
+        model, wrap_s = _wrap(variant, model, cfg)
+        model.to_empty(device="cpu")
+        gen = torch.Generator().manual_seed(rank)
+        with torch.no_grad():
+            for p in model.parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                local.normal_(0.0, 0.02, generator=gen)
+        root, inner = _groups(model)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        times = []
+        for step in range(cfg.warmup + cfg.steps):
+            gen.manual_seed(1000 + step)
+            idx = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=gen)
+            dist.barrier()
+            start = time.perf_counter()
+            logits = model(idx)
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            elapsed = torch.tensor([time.perf_counter() - start])
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            if step >= cfg.warmup:
+                times.append(float(elapsed))
+        rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64)
+        rss_all = [torch.zeros_like(rss) for _ in range(cfg.world_size)]
+        dist.all_gather(rss_all, rss)
+        if rank == 0:
+            Path(out).write_text(json.dumps({
+                "step_s": statistics.median(times),
+                "rss_bytes": [int(r) for r in rss_all],
+                "units": len(inner),
+                "root_bytes": root,
+                "inner_bytes": inner,
+                "total_bytes": total,
+                "analytic_peak_bytes": analytic_peak_param_bytes(total, root, inner, cfg.world_size),
+                "wrap_s": wrap_s,
+            }))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_variant(cfg: FsdpPartitionConfig, variant: str) -> dict[str, Any]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    # A fixed mmap threshold stops glibc from raising it after the first freed all-gather buffer;
+    # otherwise freed unit buffers stay in the heap and peak RSS shows allocator caching, not
+    # the memory the variant really needs. The ranks inherit the environment at spawn.
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            mp.spawn(_worker, args=(to_dict(cfg), variant, port, out), nprocs=cfg.world_size, join=True)
+            return json.loads(Path(out).read_text())
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+
+
+def run(config: dict, args: argparse.Namespace) -> int:
+    cfg = from_dict(FsdpPartitionConfig, config)
+    console = Console()
+    params = sum(p.numel() for p in _build(cfg).parameters())
+    console.print(
+        f"GPT: {cfg.layers} blocks, dim {cfg.dim}, vocab {cfg.vocab_size}: {params / 1e6:.1f}M parameters; "
+        f"{cfg.world_size} gloo ranks, batch {cfg.batch_size}×{cfg.seq_len}, {cfg.rounds} rounds × {cfg.steps} steps"
+    )
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in cfg.variants}
+    for r in range(cfg.rounds):
+        for variant in cfg.variants:
+            console.print(f"round {r + 1}/{cfg.rounds}: {variant}…")
+            runs[variant].append(_run_variant(cfg, variant))
+    rows = {}
+    for variant, results in runs.items():
+        rows[variant] = {
+            "step_s": median([x["step_s"] for x in results]),
+            "peak_rss_bytes": median([max(x["rss_bytes"]) for x in results]),
+            "analytic_peak_bytes": results[0]["analytic_peak_bytes"],
+            "units": results[0]["units"],
+            "wrap_s": median([x["wrap_s"] for x in results]),
+        }
+    table = Table(title=f"FSDP2 unit choices ({params / 1e6:.0f}M params, {cfg.world_size} ranks; medians)")
+    for col in ("variant", "inner units", "step s", "peak RSS MiB", "param peak MiB", "wrap s"):
+        table.add_column(col, justify="left" if col == "variant" else "right")
+    for variant, row in rows.items():
+        table.add_row(
+            variant, str(row["units"]), f"{row['step_s']:.2f}", f"{row['peak_rss_bytes'] / 2**20:.0f}",
+            f"{row['analytic_peak_bytes'] / 2**20:.0f}", f"{row['wrap_s']:.2f}",
+        )
+    console.print(table)
+    checks = []
+    if "distopt" in rows and "per_block" in rows:
+        ours, hand = rows["distopt"], rows["per_block"]
+        checks.append(("step time vs per-block", ours["step_s"] / hand["step_s"], 1.0))
+        checks.append(("peak RSS vs per-block", ours["peak_rss_bytes"] / hand["peak_rss_bytes"], 1.05))
+        checks.append(("param peak vs per-block", ours["analytic_peak_bytes"] / hand["analytic_peak_bytes"], 1.05))
+    if "distopt" in rows and "no_inner_units" in rows:
+        ours, flat = rows["distopt"], rows["no_inner_units"]
+        checks.append(("peak RSS vs no inner units", ours["peak_rss_bytes"] / flat["peak_rss_bytes"], 0.6))
+        checks.append(("param peak vs no inner units", ours["analytic_peak_bytes"] / flat["analytic_peak_bytes"], 0.6))
+    if checks:
+        ratio_table = Table(title="distopt ratios")
+        for col in ("ratio", "value", "target"):
+            ratio_table.add_column(col, justify="left" if col == "ratio" else "right")
+        for name, value, target in checks:
+            ratio_table.add_row(name, f"{value:.2f}×", f"≤ {target}× {'ok' if value <= target else 'MISSED'}")
+        console.print(ratio_table)
+    if getattr(args, "json", None):
+        with open(args.json, "w") as fh:
+            json.dump({"config": to_dict(cfg), "params": params, "variants": rows, "runs": runs,
+                       "ratios": {n: v for n, v, _ in checks}}, fh, indent=2)
+    return 0

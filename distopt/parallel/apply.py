@@ -1,0 +1,78 @@
+"""The data-parallel strategies, one function each; :func:`distopt.parallelize` composes them.
+
+Every function changes or wraps the module it is given (as torchtitan's ``apply_*`` do) and takes
+keyword-only options. ``units`` are the unit submodules from
+:func:`distopt.parallel.units.materialize_units`, in execution order.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def apply_compile(units: Sequence[nn.Module], *, backend: str = "inductor") -> None:
+    """``torch.compile`` each unit in place (kernel fusion inside a unit, FSDP hooks outside)."""
+    for unit in units:
+        unit.compile(backend=backend)
+
+
+def apply_fsdp(
+    root: nn.Module,
+    units: Sequence[nn.Module],
+    *,
+    mesh: object | None = None,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
+    """FSDP2: ``fully_shard`` every unit, then the root (which keeps the leftover parameters).
+
+    Inner units first: ``fully_shard(root)`` only manages parameters no inner unit claimed, and
+    the root's forward pre-hook is what schedules the inner units' prefetching.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    # FSDP2 keeps the root's own parameters unsharded after forward whatever this says (they are
+    # needed again at once by backward), so the setting only matters for the inner units.
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return root
+
+
+def apply_fsdp1(
+    root: nn.Module,
+    units: Sequence[nn.Module],
+    *,
+    process_group: object | None = None,
+) -> nn.Module:
+    """FSDP1: ``FullyShardedDataParallel`` whose auto-wrap policy wraps exactly the units."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    ids = {id(u) for u in units}
+    policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in ids)
+    return FullyShardedDataParallel(
+        root,
+        process_group=process_group,
+        auto_wrap_policy=policy,
+        # Original parameters stay visible (optimizers, torch.compile, named_parameters).
+        use_orig_params=True,
+        device_id=_device_of(root),
+    )
+
+
+def apply_ddp(root: nn.Module, *, process_group: object | None = None, bucket_cap_mb: float | None = None) -> nn.Module:
+    """``DistributedDataParallel`` over the whole (optimized) module."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    return DistributedDataParallel(root, process_group=process_group, **kwargs)
+
+
+def _device_of(module: nn.Module) -> torch.device | None:
+    for tensor in module.parameters():
+        return tensor.device if tensor.device.type != "meta" else None
+    return None

@@ -1,0 +1,117 @@
+"""Turn a partitioned GraphModule into one submodule per unit, keeping the original FQNs.
+
+FSDP1 wraps modules and ``torch.compile`` compiles them, so units must exist as modules that the
+forward actually calls. :func:`materialize_units` splits the graph with
+``torch.fx.passes.split_module`` (``submod_0``, ``submod_1``, … called in order by the root) and
+installs ``state_dict`` / ``load_state_dict`` hooks so checkpoints keep the original model's keys,
+in the original order::
+
+    split.state_dict().keys() == original.state_dict().keys()
+
+(``named_parameters()`` shows the unit-local names: ``submod_1.blocks_0_attn_qkv.weight``.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.fx.passes.split_module import split_module
+
+from distopt.capture import keep_state_names
+from distopt.errors import ConfigError
+from distopt.passes.partition import PLAN_META, PartitionPlan, unit_of
+
+UNITS_META = "distopt_unit_modules"
+"""``split.meta[UNITS_META]``: names of the unit submodules, in execution order."""
+
+
+def plan_of(gm: nn.Module) -> PartitionPlan | None:
+    meta = getattr(gm, "meta", None)
+    plan = meta.get(PLAN_META) if isinstance(meta, dict) else None
+    return plan if isinstance(plan, PartitionPlan) else None
+
+
+def materialize_units(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule whose children ``submod_<i>`` are the partition's units (shared parameters)."""
+    if plan_of(gm) is None:
+        raise ConfigError(f"{type(gm).__name__}: no partition to materialize (run the 'partition' pass)")
+    assign: dict[torch.fx.Node, int] = {}
+    previous = 0
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "output"):
+            previous = assign[node] = unit_of(node, previous)
+    split = split_module(gm, gm, lambda node: assign[node], keep_original_order=True)
+    original = {id(t): k for k, t in gm.state_dict(keep_vars=True).items()}
+    key_map: dict[str, str] = {}
+    unit_names: list[str] = []
+    for name, sub in split.named_children():
+        unit_names.append(name)
+        for local, tensor in sub.state_dict(keep_vars=True).items():
+            if id(tensor) in original:
+                key_map[f"{name}.{local}"] = original[id(tensor)]
+            else:
+                _make_non_persistent(sub, local)  # a traced constant, not model state
+    owners: dict[str, str] = {}
+    for split_key, orig_key in key_map.items():
+        if orig_key in owners:
+            raise ConfigError(
+                f"parameter {orig_key!r} is used by units {owners[orig_key].split('.')[0]} and "
+                f"{split_key.split('.')[0]}: a tensor must belong to one unit"
+            )
+        owners[orig_key] = split_key
+    order = list(gm.state_dict().keys())
+    split.register_state_dict_post_hook(_OriginalNames(key_map, order))
+    split.register_load_state_dict_pre_hook(_UnitNames(owners))
+    keep_state_names(gm, split)  # state the forward never touches stays at its original path
+    split.meta[PLAN_META] = plan_of(gm)
+    split.meta[UNITS_META] = unit_names
+    return split
+
+
+def unit_modules(split: nn.Module) -> list[nn.Module]:
+    """The unit submodules of a :func:`materialize_units` result, in execution order."""
+    names = getattr(split, "meta", {}).get(UNITS_META)
+    if names is None:
+        raise ConfigError(f"{type(split).__name__}: not a materialized partition (no {UNITS_META} meta)")
+    return [split.get_submodule(n) for n in names]
+
+
+def _make_non_persistent(module: nn.Module, key: str) -> None:
+    owner_path, _, attr = key.rpartition(".")
+    owner = module.get_submodule(owner_path) if owner_path else module
+    if attr in owner._buffers:
+        owner._non_persistent_buffers_set.add(attr)
+
+
+class _OriginalNames:
+    """``state_dict`` post-hook: ``submod_1.blocks_0_ln1.weight`` → ``blocks.0.ln1.weight``."""
+
+    def __init__(self, key_map: dict[str, str], order: list[str]):
+        self.key_map = key_map
+        self.rank = {k: i for i, k in enumerate(order)}
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        ours = [k for k in state_dict if k.startswith(prefix)]
+        entries = []
+        for key in ours:
+            rest = key[len(prefix):]
+            entries.append((self.key_map.get(rest, rest), state_dict.pop(key)))
+        entries.sort(key=lambda kv: self.rank.get(kv[0], len(self.rank)))
+        for name, value in entries:
+            state_dict[prefix + name] = value
+
+
+class _UnitNames:
+    """``load_state_dict`` pre-hook: the inverse renaming (original key → unit-local key)."""
+
+    def __init__(self, owners: dict[str, str]):
+        self.owners = owners
+
+    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            local = self.owners.get(key[len(prefix):])
+            if local is not None:
+                state_dict[prefix + local] = state_dict.pop(key)
