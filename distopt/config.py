@@ -191,7 +191,7 @@ class VerifyConfig:
     atol: float = 1e-6
     """Absolute tolerance for outputs and gradients."""
     check_grads: bool = True
-    """Also compare parameter gradients after ``backward`` of the summed outputs."""
+    """Also compare parameter gradients (training-mode models; eval-mode models compare outputs)."""
     bisect: bool = True
     """On mismatch, re-run prefixes of the pass list to name the pass that broke equivalence."""
 

@@ -94,11 +94,14 @@ def compare_modules(
     """Run both modules on the same inputs and RNG state; compare outputs and parameter grads."""
     start = time.perf_counter()
     seed_state = torch.random.get_rng_state()
+    # An eval-mode model is optimized for inference (e.g. conv-bn folding): outputs must match,
+    # gradients of parameters folded away are meaningless.
+    check_grads = config.check_grads and original.training
     # Each run starts from the same buffers and RNG state, and the user's model ends unchanged.
     with preserved_state(original, optimized), isolated():
-        ref_out, ref_flat, ref_grads = _run(original, example_inputs, seed_state, config.check_grads)
+        ref_out, ref_flat, ref_grads = _run(original, example_inputs, seed_state, check_grads)
     with preserved_state(original, optimized), isolated():
-        opt_out, opt_flat, opt_grads = _run(optimized, example_inputs, seed_state, config.check_grads)
+        opt_out, opt_flat, opt_grads = _run(optimized, example_inputs, seed_state, check_grads)
     problems: list[str] = []
     if len(ref_flat) != len(opt_flat):
         problems.append(f"output structure differs ({len(ref_flat)} vs {len(opt_flat)} leaves)")

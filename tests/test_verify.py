@@ -49,3 +49,9 @@ def test_buffers_and_grads_restored() -> None:
         model.weight.grad = None
     assert torch.equal(model.running_mean, mean)
     assert torch.equal(model.weight.grad, torch.ones(3))
+
+
+def test_eval_mode_compares_outputs_only() -> None:
+    model = nn.Linear(4, 3).eval()
+    record = compare_modules(model, model, (torch.randn(5, 4),), VerifyConfig())
+    assert record.passed and record.compared == 1

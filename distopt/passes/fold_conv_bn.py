@@ -28,6 +28,7 @@ class FoldedConv2d(nn.Module):
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, conv_path: str, bn_path: str):
         super().__init__()
         self.conv_path, self.bn_path = conv_path, bn_path
+        self.train(False)  # created for an eval graph; forward refuses training mode
         self.stride, self.padding, self.dilation, self.groups = conv.stride, conv.padding, conv.dilation, conv.groups
         if conv.padding_mode != "zeros":
             raise ConfigError(f"fold_conv_bn: {conv_path} uses padding_mode={conv.padding_mode!r}; only 'zeros' folds")
@@ -47,6 +48,12 @@ class FoldedConv2d(nn.Module):
         self.bias = b.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            # Folded weights bake in eval-mode statistics: training through them is silently wrong.
+            raise ConfigError(
+                f"{self.conv_path}+{self.bn_path} were folded for eval by distopt; call .eval(), or "
+                "optimize the training model without the fold_conv_bn pass"
+            )
         return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
 
 
