@@ -58,6 +58,11 @@ class PSOverlapConfig:
     """QPS JSON Lines logs go to ``<output_dir>/<run_id>/qps-rank0.jsonl``."""
     target_h: float = 0.95
     target_ratio_vs_hand: float = 0.98
+    batching_fetches: int = 16
+    """Concurrent fetches to one server in the batching check (0 skips it)."""
+    batching_latency_ms: float = 5.0
+    target_batching_ratio: float = 1.5
+    """Target: ``batching_fetches`` batched fetches take at most this × one fetch."""
 
     def __post_init__(self) -> None:
         check(all(k >= 1 for k in self.tables), "tables", "counts >= 1", self.tables)
@@ -141,6 +146,29 @@ def _point(bench: PSOverlapConfig, k: int, latency: float, compute: str, console
     }
 
 
+def _batching(bench: PSOverlapConfig) -> dict:
+    """One fetch vs ``n`` fetches of different tables on one server through the batched path."""
+    n = bench.batching_fetches
+    cfg = DLRMConfig(num_tables=n, batch_size=bench.batch_size, num_rows=bench.num_rows,
+                     embedding_dim=bench.embedding_dim)
+    batch = make_batch(cfg, 0)
+    requests = [(table, batch.sparse[k]) for k, table in enumerate(cfg.table_names)]
+    options = ps.ServerOptions(num_servers=1, latency_ms=bench.batching_latency_ms)
+    one: list[float] = []
+    many: list[float] = []
+    with ps.local_job(dlrm_tables(cfg), options), torch.no_grad():
+        for _ in range(30):  # interleaved
+            start = time.perf_counter()
+            ps.wait(ps.fetch_async(*requests[0]))
+            one.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            ps.wait(ps.fetch_many_async(requests))
+            many.append(time.perf_counter() - start)
+        ps.discard_step()
+    return {"fetches": n, "latency_ms": bench.batching_latency_ms, "one_fetch_s": median(one),
+            "batched_s": median(many), "ratio": median(many) / median(one)}
+
+
 def _write_logs(bench: PSOverlapConfig, point: dict, run_stamp: str) -> None:
     for name in VARIANTS:
         run_id = f"{run_stamp}-K{point['tables']}-lat{point['latency_ms']:g}-{point['compute']}-{name}"
@@ -185,6 +213,17 @@ def run(config: dict, args: argparse.Namespace) -> int:
         _write_logs(bench, point, run_stamp)
         points.append(point)
     console.print(_table(points, bench))
+    batching = None
+    if bench.batching_fetches:
+        console.print(f"batching: 1 fetch vs {bench.batching_fetches} batched fetches to one server…")
+        batching = _batching(bench)
+        ok = batching["ratio"] <= bench.target_batching_ratio
+        console.print(
+            f"batching: {batching['fetches']} fetches in one request {batching['batched_s'] * 1e3:.2f} ms vs "
+            f"one fetch {batching['one_fetch_s'] * 1e3:.2f} ms at {batching['latency_ms']:g} ms injected latency "
+            f"(median of 30, interleaved): {batching['ratio']:.2f}× (target ≤ {bench.target_batching_ratio}×: "
+            f"{'ok' if ok else 'MISSED'})"
+        )
     scored = [p for p in points if p["hidden_fraction"] is not None]
     missed = [p for p in scored if p["hidden_fraction"] < bench.target_h]
     slow = [p for p in points if p["opt_vs_hand_qps"] < bench.target_ratio_vs_hand]
@@ -194,5 +233,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
         f"QPS logs: {Path(bench.output_dir).resolve()}/{run_stamp}-*"
     )
     if args.json:
-        Path(args.json).write_text(json.dumps({"kind": "ps_overlap", "config": to_dict(bench), "points": points}, indent=2))
-    return 0 if not missed and not slow else 1
+        Path(args.json).write_text(json.dumps({"kind": "ps_overlap", "config": to_dict(bench), "points": points,
+                                               "batching": batching}, indent=2))
+    batching_ok = batching is None or batching["ratio"] <= bench.target_batching_ratio
+    return 0 if not missed and not slow and batching_ok else 1
