@@ -24,7 +24,7 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     fig, (ax_line, ax_box) = plt.subplots(
         1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]}, constrained_layout=True
     )
-    names = [f"{run.variant} ({Path(run.label).name})" for run in comparison.runs]
+    names = [f"{i + 1}: {run.variant} ({Path(run.label).name})" for i, run in enumerate(comparison.runs)]
     for run, name in zip(comparison.runs, names, strict=True):
         ax_line.plot(run.step_numbers, run.qps, label=name, linewidth=1.2)
     if comparison.warmup:
@@ -44,10 +44,11 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     ax_line.legend(loc="best", fontsize="small")
 
     gains = {g.label: g for g in comparison.gains}
+    # Run ids are in the line plot's legend; the box labels stay short so they never overlap.
     box_names = [
-        name
+        f"{index + 1}: {run.variant}"
         + ("\nbaseline" if run.label not in gains else f"\ngain ×{gains[run.label].median:.3f}")
-        for run, name in zip(comparison.runs, names, strict=True)
+        for index, run in enumerate(comparison.runs)
     ]
     ax_box.boxplot(
         [run.measured_qps for run in comparison.runs],
