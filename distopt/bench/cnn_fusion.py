@@ -22,6 +22,7 @@ from torch import nn
 import distopt
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
+from distopt.console import console as make_console
 from distopt.models.resnet import ResNet
 
 
@@ -151,7 +152,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
     cfg = from_dict(CnnFusionConfig, config)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    console = Console()
+    console = make_console()
     params = sum(p.numel() for p in _model(cfg).parameters())
     console.print(
         f"ResNet-50-shaped CNN: blocks {list(cfg.blocks)}, width {cfg.width}, {params / 1e6:.1f}M params, "

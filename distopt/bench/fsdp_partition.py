@@ -26,12 +26,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from rich.console import Console
 from rich.table import Table
 from torch import nn
 
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
+from distopt.console import console as make_console
 
 VARIANTS = ("no_inner_units", "size_based", "per_block", "distopt")
 
@@ -227,7 +227,7 @@ def _run_variant(cfg: FsdpPartitionConfig, variant: str) -> dict[str, Any]:
 
 def run(config: dict, args: argparse.Namespace) -> int:
     cfg = from_dict(FsdpPartitionConfig, config)
-    console = Console()
+    console = make_console()
     params = sum(p.numel() for p in _build(cfg).parameters())
     console.print(
         f"GPT: {cfg.layers} blocks, dim {cfg.dim}, vocab {cfg.vocab_size}: {params / 1e6:.1f}M parameters; "
@@ -277,4 +277,4 @@ def run(config: dict, args: argparse.Namespace) -> int:
         with open(args.json, "w") as fh:
             json.dump({"config": to_dict(cfg), "params": params, "variants": rows, "runs": runs,
                        "ratios": {n: v for n, v, _ in checks}}, fh, indent=2)
-    return 0
+    return 0 if all(value <= target for _, value, target in checks) else 1

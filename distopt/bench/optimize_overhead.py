@@ -12,12 +12,12 @@ import time
 import warnings
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 import distopt
 from distopt.bench import median
 from distopt.config import check, from_dict
+from distopt.console import console as make_console
 from distopt.models.mlp import MLP
 
 
@@ -61,7 +61,7 @@ def _measure(nodes: int, cfg: OverheadConfig) -> dict[str, float]:
 
 def run(config: dict, args: argparse.Namespace) -> int:
     cfg = from_dict(OverheadConfig, config)
-    console = Console()
+    console = make_console()
     rows = []
     for nodes in cfg.node_counts:
         console.print(f"optimize(): measuring a {nodes}-node graph ({cfg.repeats} runs)…")

@@ -29,6 +29,7 @@ import distopt
 import distopt.ps as ps
 from distopt.bench import median, quantile
 from distopt.config import check, from_dict, to_dict
+from distopt.console import console as make_console
 from distopt.costmodel import measure_latency, predict
 from distopt.metrics import QpsLogWriter
 from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm_tables, make_batch
@@ -202,7 +203,7 @@ def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
 
 def run(config: dict, args: argparse.Namespace) -> int:
     bench = from_dict(PSOverlapConfig, config)
-    console = Console()
+    console = make_console()
     run_stamp = time.strftime("%Y%m%d-%H%M%S")
     points = []
     sweep = list(itertools.product(bench.tables, bench.latency_ms, bench.compute))

@@ -14,6 +14,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from distopt.console import console as make_console
 from distopt.metrics.compare import (
     DEFAULT_LEVEL,
     DEFAULT_RESAMPLES,
@@ -133,10 +134,7 @@ def run(args: argparse.Namespace) -> int:
         level=args.ci_level,
         seed=args.seed,
     )
-    console = Console()
-    if not console.is_terminal:
-        # Piped output (CI logs, `make demo | tee`): rich would wrap at 80 columns and fold numbers.
-        console = Console(width=200)
+    console = make_console()
     render(comparison, console)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

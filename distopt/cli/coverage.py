@@ -6,9 +6,9 @@ import argparse
 import dataclasses
 import json
 
-from rich.console import Console
 from rich.table import Table
 
+from distopt.console import console as make_console
 from distopt.coverage import corpus, run_corpus
 from distopt.errors import ConfigError
 
@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    console = Console(width=150) if not Console().is_terminal else Console()
+    console = make_console()
     entries = corpus()
     known = {e.name for e in entries}
     for name in args.only:

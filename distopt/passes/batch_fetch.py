@@ -18,10 +18,10 @@ from distopt.passes.remote_nodes import (
     batch_key_of_call,
     conflicts,
     is_pure_movable,
-    is_wait,
     must_keep_order,
     remote_ops,
 )
+from distopt.passes.remote_wait import is_wait
 from distopt.passes.side_effects import mark_side_effectful
 
 _OPTIONS = ("max_batch_requests", "max_batch_bytes")

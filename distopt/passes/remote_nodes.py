@@ -1,5 +1,6 @@
 """What the remote-call scheduling passes share: which nodes are remote operations, which pairs of
-nodes must keep their order, the wait helper the graphs call, and how to reorder a graph.
+nodes must keep their order, and how to reorder a graph (the wait helper the graphs call is in
+:mod:`distopt.passes.remote_wait`).
 
 A *remote operation* is a blocking call node, or an issue node (single or batched) together with
 its waits. Its effect (read/write) and resources come from the registry
@@ -28,88 +29,15 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.autograd.profiler import record_function
 from torch.fx import Node
 
-from distopt.errors import RemoteCallError
-from distopt.passes.side_effects import is_impure, mark_side_effectful
+from distopt.passes.side_effects import is_impure
 from distopt.remote import registry
+from distopt.remote.graph_args import MISSING, attr_value
 from distopt.remote.registry import Effect, RemoteCallSpec
 
 SCHEDULE_NOTES = "remote_schedule"
 """``PassContext.notes`` key: options of each scheduling pass that ran (``sink_wait`` reruns them)."""
-
-# --------------------------------------------------------------------------- the wait helper
-
-
-def _find_spec(call: str) -> RemoteCallSpec | None:
-    # The most recent registration wins when two functions share a qualified name.
-    found = None
-    for spec in registry.registered_specs():
-        if spec.name == call:
-            found = spec
-    return found
-
-
-def _server_message(err: BaseException) -> str:
-    """One line of the remote error: RPC prefixes ``On WorkerInfo(...):`` and appends a traceback."""
-    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
-    if not lines:
-        return type(err).__name__
-    if lines[0].endswith(":") and len(lines) > 1:
-        return f"{lines[0]} {lines[1]}"
-    return lines[0]
-
-
-def remote_wait(future: Any, call: str, where: str, item: int | None = None) -> Any:
-    """Wait for an issued remote call inside a profiler range; failures become RemoteCallError.
-
-    Args:
-        future: what the issue returned (a single call's future, or a batched call's future).
-        call: qualified name of the blocking function (``RemoteCallSpec.name``); its registered
-            ``wait`` turns the future into the value the blocking call returns.
-        where: the user's source line of the original blocking call, quoted in errors.
-        item: for a batched issue, which result this wait stands for: the registered ``wait``
-            of a batched future returns the list of results, in request order.
-    """
-    short = call.rsplit(".", 1)[-1]
-    with record_function(f"distopt.wait:{short}"):
-        try:
-            spec = _find_spec(call)
-            value = spec.wait(future) if spec is not None else future.wait()
-            return value if item is None else value[item]
-        except Exception as err:
-            if getattr(err, "where", None) is not None:
-                raise  # already names a source line
-            message = _server_message(err)
-            error = RemoteCallError(f"remote call {short} failed: {message} (called at {where})")
-            error.server_message = str(err)  # type: ignore[attr-defined]
-            error.where = where  # type: ignore[attr-defined]
-            raise error from err
-
-
-mark_side_effectful(remote_wait)
-registry.register_leaf_function(remote_wait)
-
-
-def is_wait(node: Node) -> bool:
-    return node.op == "call_function" and node.target is remote_wait
-
-
-_FRAME = re.compile(
-    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n[ \t]*(?P<code>[^\n]*)'
-)
-
-
-def source_line(node: Node) -> str:
-    """``file:line: code`` of the user's call that created ``node`` (its innermost traced frame)."""
-    trace = node.stack_trace or node.meta.get("stack_trace") or ""
-    matches = list(_FRAME.finditer(trace))
-    if not matches:
-        return f"graph node {node.name}"
-    last = matches[-1]
-    return f"{last['file']}:{last['line']}: {last['code'].strip()}"
-
 
 # --------------------------------------------------------------------------- remote operations
 
@@ -138,22 +66,6 @@ def _contains_unknown(value: Any) -> bool:
     return False
 
 
-_MISSING = object()
-
-
-def attr_value(node: Node) -> Any:
-    """The object a ``get_attr`` node reads from its GraphModule (``_MISSING`` if unavailable)."""
-    module = node.graph.owning_module
-    if node.op != "get_attr" or module is None:
-        return _MISSING
-    value: Any = module
-    for part in str(node.target).split("."):
-        value = getattr(value, part, _MISSING)
-        if value is _MISSING:
-            break
-    return value
-
-
 def _hide_nodes(args: Any) -> Any:
     """Arguments as the registry sees them: constants (also those read by get_attr, such as the
     function passed to ``rpc_sync``) stay; values computed by the graph become ``_UNKNOWN``."""
@@ -162,7 +74,7 @@ def _hide_nodes(args: Any) -> Any:
         if not isinstance(a, Node):
             return a
         value = attr_value(a)
-        return _UNKNOWN if value is _MISSING or isinstance(value, torch.Tensor) else value
+        return _UNKNOWN if value is MISSING or isinstance(value, torch.Tensor) else value
 
     return torch.fx.node.map_aggregate(args, constant)
 
@@ -301,7 +213,7 @@ def is_stateful(node: Node) -> bool:
         # Buffers may be updated by modules (BatchNorm statistics); functions and parameters
         # are constant during a forward pass.
         value = attr_value(node)
-        return value is _MISSING or (
+        return value is MISSING or (
             isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter)
         )
     if node.op in ("call_function", "call_method"):

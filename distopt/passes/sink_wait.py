@@ -12,11 +12,11 @@ from distopt.passes.batch_fetch import batch_fetch
 from distopt.passes.hoist_issue import hoist_issue
 from distopt.passes.remote_nodes import (
     SCHEDULE_NOTES,
-    is_wait,
     issue_cone,
     must_keep_order,
     remote_ops,
 )
+from distopt.passes.remote_wait import is_wait
 
 _MAX_ROUNDS = 8
 

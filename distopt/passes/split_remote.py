@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch.fx
 
 from distopt.passes.base import PassContext, PassResult, register_pass
-from distopt.passes.remote_nodes import remote_ops, remote_wait, source_line
+from distopt.passes.remote_nodes import remote_ops
+from distopt.passes.remote_wait import remote_wait, source_line
 from distopt.passes.side_effects import mark_side_effectful
 
 

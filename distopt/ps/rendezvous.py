@@ -142,6 +142,7 @@ def init_rpc(
         init_method=f"tcp://{options.host}:{port}",
         rpc_timeout=timeout_s,
         num_worker_threads=options.num_worker_threads,
+        _transports=list(options.transports),
     )
     _fresh_process_rpc_state()
     with _agent_store_mode():

@@ -1,8 +1,8 @@
 """Registry of blocking remote calls (parameter-server RPCs) that distopt schedules."""
 
+from distopt.remote.graph_args import concrete_args
 from distopt.remote.registry import (
     RemoteCallSpec,
-    concrete_args,
     effect_of,
     is_remote_call,
     leaf_callables,

@@ -218,27 +218,3 @@ register_remote(
     resource=_rpc_resource,
     aliases=((vars(rpc), "rpc_sync"),),
 )
-
-
-def concrete_args(node: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """``node``'s args and kwargs with ``get_attr`` nodes replaced by the attribute's value.
-
-    The tracer stores functions passed as arguments (``rpc_sync(to, fetch_rows, ...)``) as
-    GraphModule attributes; effect and resource functions need the real function to decide.
-    Other graph nodes stay as nodes.
-    """
-    import torch.fx
-
-    owner = node.graph.owning_module
-
-    def value(arg: Any) -> Any:
-        if isinstance(arg, torch.fx.Node) and arg.op == "get_attr" and owner is not None:
-            obj: Any = owner
-            for part in str(arg.target).split("."):
-                obj = getattr(obj, part)
-            return obj
-        return arg
-
-    args = torch.fx.node.map_aggregate(node.args, value)
-    kwargs = torch.fx.node.map_aggregate(node.kwargs, value)
-    return tuple(args), dict(kwargs)

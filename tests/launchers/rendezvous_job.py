@@ -23,6 +23,9 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import yaml
 
+from distopt.ps import rendezvous
+from distopt.ps.spec import ServerOptions
+
 TIMEOUT_S = 10
 _received: list[float] = []
 
@@ -61,17 +64,18 @@ def main(argv: list[str]) -> int:
     )
     started = time.time()
 
-    store = None
+    stores = []
     if role == "ps" and replica == 0:
-        # The first server hosts the trainers' gloo store so it lives on MASTER_ADDR.
-        store = dist.TCPStore(
-            addr, int(os.environ["DISTOPT_DDP_PORT"]), None, True,
-            timedelta(seconds=TIMEOUT_S), wait_for_workers=False,
-        )  # fmt: skip
-    options = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://{addr}:{port}", rpc_timeout=TIMEOUT_S
-    )
-    rpc.init_rpc(f"{role}{replica}", rank=rank, world_size=world, rpc_backend_options=options)
+        # The first server hosts the RPC store and the trainers' gloo store on MASTER_ADDR only
+        # (a plain TCPStore server would listen on every interface).
+        stores = [
+            rendezvous.host_store(addr, port, TIMEOUT_S),
+            rendezvous.host_store(addr, int(os.environ["DISTOPT_DDP_PORT"]), TIMEOUT_S),
+        ]
+    rendezvous.init_rpc(
+        name=f"{role}{replica}", rank=rank, world_size=world, port=port,
+        options=ServerOptions(host=addr), timeout_s=TIMEOUT_S,
+    )  # fmt: skip
     total: float | None = None
     if role == "trainer":
         if replica == config.get("fail_trainer", -1):
@@ -91,6 +95,7 @@ def main(argv: list[str]) -> int:
         dist.destroy_process_group()
     # A bounded shutdown: a crashed peer must fail this replica, not hang it.
     rpc.shutdown(graceful=True, timeout=TIMEOUT_S)
+    del stores  # kept alive until the group is gone
     out = Path(config.get("output_dir", "out"))
     out.mkdir(parents=True, exist_ok=True)
     record = {

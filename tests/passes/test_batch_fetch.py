@@ -5,7 +5,7 @@ from torch import nn
 import distopt
 from distopt.passes import run_passes
 from distopt.passes.base import resolve_pipeline
-from distopt.passes.remote_nodes import remote_wait
+from distopt.passes.remote_wait import remote_wait
 from tests.passes import inprocess_server as ps
 from tests.passes.inprocess_server import STORE, fetch, fetch_async, fetch_many_async, push
 

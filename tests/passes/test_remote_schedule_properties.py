@@ -20,7 +20,8 @@ import distopt
 from distopt.capture.tracer import DistoptTracer
 from distopt.passes import run_passes
 from distopt.passes.base import resolve_pipeline
-from distopt.passes.remote_nodes import is_wait, remote_ops
+from distopt.passes.remote_nodes import remote_ops
+from distopt.passes.remote_wait import is_wait
 from tests.passes import inprocess_server as ps
 from tests.passes.inprocess_server import STORE, fetch, push, restart
 

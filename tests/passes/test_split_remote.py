@@ -7,7 +7,7 @@ import distopt
 from distopt.capture.tracer import DistoptTracer
 from distopt.passes import run_passes
 from distopt.passes.base import resolve_pipeline
-from distopt.passes.remote_nodes import remote_wait
+from distopt.passes.remote_wait import remote_wait
 from distopt.remote import register_remote, unregister_remote
 from tests.passes import inprocess_server as ps
 from tests.passes.inprocess_server import STORE, fetch, fetch_async, push, push_async
@@ -173,14 +173,17 @@ class RpcModel(nn.Module):
 
 @pytest.fixture(scope="module")
 def rpc_agent():
-    from tests.conftest import free_port
+    from distopt.ps import rendezvous
+    from distopt.ps.spec import ServerOptions
 
-    options = rpc.TensorPipeRpcBackendOptions(init_method=f"tcp://127.0.0.1:{free_port()}")
-    rpc.init_rpc("worker0", rank=0, world_size=1, rpc_backend_options=options)
+    # Our loopback store: init_rpc's own (tcp:// init) would listen on every interface.
+    store = rendezvous.host_store("127.0.0.1", 0, 30.0)
+    rendezvous.init_rpc(name="worker0", rank=0, world_size=1, port=store.port, options=ServerOptions(), timeout_s=30.0)
     try:
         yield
     finally:
         rpc.shutdown()
+        del store
 
 
 def test_rpc_sync_is_split_and_its_registered_reads_hoisted(rpc_agent: None) -> None:

@@ -44,3 +44,10 @@ def test_server_options_from_yaml_dict() -> None:
     assert opts.num_servers == 2 and opts.latency_ms == 5.0 and opts.host == "127.0.0.1"
     with pytest.raises(ConfigError, match="ps.latency_ms: expected a number >= 0, got -1"):
         ServerOptions(latency_ms=-1)
+
+
+def test_transports_are_checked() -> None:
+    assert ServerOptions().transports == ("uv",)
+    assert from_dict(ServerOptions, {"transports": ["shm", "uv"]}).transports == ("shm", "uv")
+    with pytest.raises(ConfigError, match=r"ps.transports: expected a non-empty list of 'uv', 'shm', 'ibv'"):
+        ServerOptions(transports=("tcp",))
