@@ -61,7 +61,7 @@ def _train(model: nn.Module, rank: int) -> list[float]:
     return losses
 
 
-def _worker(rank: int, world: int, port: int, strategy: str, cache_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, strategy: str, cache_dir: str, memory_slack: float) -> None:
     torch.set_num_threads(1)  # two ranks share two cores: more threads only oversubscribe
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -71,10 +71,16 @@ def _worker(rank: int, world: int, port: int, strategy: str, cache_dir: str) -> 
         example = make_inputs("gpt", original, 2)
         ref = _reference(strategy, original)
         ours = distopt.parallelize(
-            ours_model, strategy, example_inputs=example, num_units=3, min_unit_bytes=4096, cache_dir=cache_dir
+            ours_model, strategy, example_inputs=example, num_units=3, min_unit_bytes=4096, cache_dir=cache_dir,
+            memory_slack=memory_slack,
         )
         if strategy != "ddp":
             assert timing_of(ours) is not None and timing_of(ours).units >= 2, timing_of(ours)
+        if strategy == "fsdp" and memory_slack > 1:
+            # Unbounded memory: every unit is gathered once per step (held by the root or kept
+            # from forward into backward), so training runs on the no-reshard path throughout.
+            schedule = timing_of(ours).schedule
+            assert len(schedule.root_held | schedule.keep_after_forward) == timing_of(ours).units, schedule
         ref_losses, our_losses = _train(ref, rank), _train(ours, rank)
         torch.testing.assert_close(our_losses, ref_losses, rtol=RTOL, atol=ATOL)
         ref_state, our_state = ref.state_dict(), ours.state_dict()
@@ -91,9 +97,11 @@ def _worker(rank: int, world: int, port: int, strategy: str, cache_dir: str) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp1", "ddp"])
-def test_training_matches_plain_wrapper(strategy: str, tmp_path) -> None:
-    mp.spawn(_worker, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize(
+    ("strategy", "memory_slack"), [("fsdp", 0.2), ("fsdp", 100.0), ("fsdp1", 0.2), ("ddp", 0.2)]
+)
+def test_training_matches_plain_wrapper(strategy: str, memory_slack: float, tmp_path) -> None:
+    mp.spawn(_worker, args=(2, free_port(), strategy, str(tmp_path), memory_slack), nprocs=2, join=True)
 
 
 def test_config_rejects_unknown_strategy() -> None:

@@ -192,4 +192,4 @@ def run(config: dict, args: argparse.Namespace) -> int:
         }
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)
-    return 0
+    return 0 if ok else 1

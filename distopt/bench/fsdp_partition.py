@@ -107,16 +107,27 @@ def _wrap(variant: str, model: nn.Module, cfg: FsdpPartitionConfig) -> tuple[nn.
     elif variant == "size_based":
         _size_based(model, cfg.size_min_params)
     elif variant == "per_block":
-        for block in model.blocks:
-            fully_shard(block)
+        # torchtitan's apply_fsdp: the last block is not resharded after forward (backward
+        # needs it at once).
+        for index, block in enumerate(model.blocks):
+            fully_shard(block, reshard_after_forward=index < len(model.blocks) - 1)
         fully_shard(model)
     else:
         model = distopt.parallelize(model, "fsdp", verify=False, cache_dir=cfg.cache_dir)
     return model, time.perf_counter() - start
 
 
-def _groups(model: nn.Module) -> tuple[int, list[int]]:
-    """Parameter bytes of the root FSDP group and of each inner group, in module order."""
+def _kept_after_forward(module: nn.Module) -> bool:
+    """Whether FSDP2 keeps ``module``'s parameters unsharded after forward (private state, read
+    defensively: unknown means resharded, the cheaper assumption for the variant)."""
+    state = getattr(module, "_get_fsdp_state", lambda: None)()
+    group = getattr(state, "_fsdp_param_group", None)
+    return group is not None and getattr(group, "post_forward_mesh_info", object()) is None
+
+
+def _groups(model: nn.Module) -> tuple[int, list[int], list[bool]]:
+    """Parameter bytes of the root FSDP group and of each inner group (module order), and which
+    inner groups stay unsharded after forward."""
     from torch.distributed.fsdp import FSDPModule
 
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
@@ -131,14 +142,17 @@ def _groups(model: nn.Module) -> tuple[int, list[int]]:
                 own -= inner_ids[id(other)]
         sizes.append(sum(p.numel() * p.element_size() for p in m.parameters() if id(p) in own))
     root_index = next(i for i, m in enumerate(fsdp) if m is model)
-    return sizes[root_index], [s for i, s in enumerate(sizes) if i != root_index]
+    inner = [i for i in range(len(fsdp)) if i != root_index]
+    return sizes[root_index], [sizes[i] for i in inner], [_kept_after_forward(fsdp[i]) for i in inner]
 
 
-def analytic_peak_param_bytes(total: int, root: int, inner: list[int], world: int) -> int:
-    """Per-rank parameter memory at its peak: the shards, plus the unsharded root, plus the two
-    largest consecutive inner units (FSDP2 prefetches the next unit while one computes)."""
+def analytic_peak_param_bytes(total: int, root: int, inner: list[int], world: int, kept: list[bool] | None = None) -> int:
+    """Per-rank parameter memory at its peak: the shards, plus the unsharded root, plus the larger
+    of the two largest consecutive inner units (FSDP2 prefetches the next unit while one computes)
+    and the units kept unsharded from forward into backward (all held at the turn)."""
     pair = max((a + b for a, b in zip(inner, inner[1:], strict=False)), default=max(inner, default=0))
-    return total // world + root + pair
+    held = sum(b for b, k in zip(inner, kept or [], strict=False) if k)
+    return total // world + root + max(pair, held)
 
 
 def peak_rss_bytes() -> int:
@@ -167,7 +181,7 @@ def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, port: int, out: s
             for p in model.parameters():
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.normal_(0.0, 0.02, generator=gen)
-        root, inner = _groups(model)
+        root, inner, kept = _groups(model)
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         times = []
         for step in range(cfg.warmup + cfg.steps):
@@ -195,7 +209,8 @@ def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, port: int, out: s
                 "root_bytes": root,
                 "inner_bytes": inner,
                 "total_bytes": total,
-                "analytic_peak_bytes": analytic_peak_param_bytes(total, root, inner, cfg.world_size),
+                "kept_after_forward": sum(kept),
+                "analytic_peak_bytes": analytic_peak_param_bytes(total, root, inner, cfg.world_size, kept),
                 "wrap_s": wrap_s,
             }))
     finally:
@@ -245,14 +260,15 @@ def run(config: dict, args: argparse.Namespace) -> int:
             "peak_rss_bytes": median([max(x["rss_bytes"]) for x in results]),
             "analytic_peak_bytes": results[0]["analytic_peak_bytes"],
             "units": results[0]["units"],
+            "kept_after_forward": results[0].get("kept_after_forward", 0),
             "wrap_s": median([x["wrap_s"] for x in results]),
         }
     table = Table(title=f"FSDP2 unit choices ({params / 1e6:.0f}M params, {cfg.world_size} ranks; medians)")
-    for col in ("variant", "inner units", "step s", "peak RSS MiB", "param peak MiB", "wrap s"):
+    for col in ("variant", "inner units", "kept after fwd", "step s", "peak RSS MiB", "param peak MiB", "wrap s"):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for variant, row in rows.items():
         table.add_row(
-            variant, str(row["units"]), f"{row['step_s']:.2f}", f"{row['peak_rss_bytes'] / 2**20:.0f}",
+            variant, str(row["units"]), str(row["kept_after_forward"]), f"{row['step_s']:.2f}", f"{row['peak_rss_bytes'] / 2**20:.0f}",
             f"{row['analytic_peak_bytes'] / 2**20:.0f}", f"{row['wrap_s']:.2f}",
         )
     console.print(table)

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from distopt.parallel.fsdp_schedule import FsdpSchedule
+
 
 def apply_compile(units: Sequence[nn.Module], *, backend: str = "inductor") -> None:
     """``torch.compile`` each unit in place (kernel fusion inside a unit, FSDP hooks outside)."""
@@ -26,19 +28,34 @@ def apply_fsdp(
     *,
     mesh: object | None = None,
     reshard_after_forward: bool = True,
+    schedule: FsdpSchedule | None = None,
+    prefetch: bool = True,
 ) -> nn.Module:
     """FSDP2: ``fully_shard`` every unit, then the root (which keeps the leftover parameters).
 
     Inner units first: ``fully_shard(root)`` only manages parameters no inner unit claimed, and
     the root's forward pre-hook is what schedules the inner units' prefetching.
+
+    ``units`` are in execution order (the partition knows it from the graph). ``schedule`` (see
+    :mod:`distopt.parallel.fsdp_schedule`) leaves some units to the root and keeps the last ones
+    gathered from forward into backward; without it only the last unit is kept (backward needs it
+    at once; torchtitan does the same for its last block). With ``prefetch`` each unit's forward
+    issues the next unit's all-gather (FSDP2 prefetches implicitly only in backward). None of this
+    changes numerics.
     """
     from torch.distributed.fsdp import fully_shard
 
-    for unit in units:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    held = schedule.root_held if schedule is not None else frozenset()
+    kept = schedule.keep_after_forward if schedule is not None else frozenset({len(units) - 1})
+    sharded = [(i, unit) for i, unit in enumerate(units) if i not in held]
+    for index, unit in sharded:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and index not in kept)
     # FSDP2 keeps the root's own parameters unsharded after forward whatever this says (they are
     # needed again at once by backward), so the setting only matters for the inner units.
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    if prefetch:
+        for (_, unit), (_, following) in zip(sharded, sharded[1:], strict=False):
+            unit.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
     return root
 
 

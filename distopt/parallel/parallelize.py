@@ -15,6 +15,7 @@ from torch import nn
 from distopt.config import from_dict
 from distopt.errors import ConfigError
 from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
+from distopt.parallel.fsdp_schedule import FsdpSchedule, plan_fsdp_schedule
 from distopt.parallel.units import materialize_units, plan_of, unit_modules
 from distopt.passes import resolve_pipeline
 
@@ -42,7 +43,14 @@ class ParallelizeConfig:
     compile_backend: str = "inductor"
     """Backend for ``compile``."""
     reshard_after_forward: bool = True
-    """FSDP2: free unsharded unit parameters after forward (re-gathered in backward)."""
+    """FSDP2: free unsharded unit parameters after forward (re-gathered in backward), except the
+    last units, which the schedule keeps because backward needs them at once."""
+    prefetch: bool = True
+    """FSDP2: each unit's forward issues the next unit's all-gather (explicit forward prefetch)."""
+    memory_slack: float = 0.2
+    """FSDP2: extra per-rank parameter memory (fraction of the leanest schedule's) that may be
+    spent to save all-gathers — edge units left to the root, the last units kept gathered from
+    forward into backward (:mod:`distopt.parallel.fsdp_schedule`). 0 keeps only the last unit."""
     passes: tuple[str, ...] | None = None
     """Graph passes before partitioning; default: the registry's default passes."""
     verify: bool | None = None
@@ -51,6 +59,8 @@ class ParallelizeConfig:
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", "fsdp", "fsdp1"):
             raise ConfigError(f"strategy: expected 'ddp', 'fsdp' or 'fsdp1', got {self.strategy!r}")
+        if self.memory_slack < 0:
+            raise ConfigError(f"memory_slack: expected a number >= 0, got {self.memory_slack!r}")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -59,6 +69,8 @@ class ParallelizeTiming:
     materialize_seconds: float = 0.0
     wrap_seconds: float = 0.0
     units: int = 0
+    schedule: FsdpSchedule | None = None
+    """FSDP2: the units left to the root and kept from forward into backward."""
 
 
 _TIMINGS: weakref.WeakKeyDictionary[nn.Module, ParallelizeTiming] = weakref.WeakKeyDictionary()
@@ -158,7 +170,13 @@ def parallelize(
     if cfg.compile:
         apply_compile(units or [root], backend=cfg.compile_backend)
     if cfg.strategy == "fsdp":
-        result = apply_fsdp(root, units, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward)
+        schedule = plan_fsdp_schedule(
+            [sum(p.numel() * p.element_size() for p in u.parameters()) for u in units],
+            world_size=_world_size(mesh), memory_slack=cfg.memory_slack,
+        )
+        timing.schedule = schedule
+        result = apply_fsdp(root, units, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
+                            schedule=schedule, prefetch=cfg.prefetch)
     elif cfg.strategy == "fsdp1":
         result = apply_fsdp1(root, units, process_group=process_group)
     else:
@@ -166,3 +184,11 @@ def parallelize(
     timing.wrap_seconds = time.perf_counter() - start
     _TIMINGS[result] = timing
     return result
+
+
+def _world_size(mesh: Any) -> int:
+    if mesh is not None and hasattr(mesh, "size"):
+        return int(mesh.size())
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

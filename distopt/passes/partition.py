@@ -229,7 +229,8 @@ def _choose_cuts_by_budget(node_bytes: list[int], candidates: list[int], budget:
 @dataclasses.dataclass(kw_only=True, slots=True)
 class PartitionOptions:
     num_units: int | None = None
-    """Target number of units; default: one per repeated block (``blocks.N``) plus one."""
+    """Target number of units; default: one per repeated block (``blocks.N``), plus one for the
+    parameters before the blocks and one for those after them."""
     max_unit_bytes: int | None = None
     """Memory budget: parameter bytes per unit (overrides ``num_units``)."""
     cost: str = "auto"
@@ -246,6 +247,18 @@ class PartitionOptions:
             raise ConfigError(f"partition.cost: expected 'auto', 'profile' or 'estimate', got {self.cost!r}")
         if not 0.0 <= self.compute_weight <= 1.0:
             raise ConfigError(f"partition.compute_weight: expected a number in [0, 1], got {self.compute_weight!r}")
+
+
+def _default_unit_count(keys: list[str | None], node_bytes: list[int], num_candidates: int) -> int:
+    """One unit per repeated block, plus one for the parameters before the first block and one
+    for those after the last (embeddings; final norm and head) when there are any."""
+    in_block = [bool(k and _NUMBERED.match(k.rsplit(".", 1)[-1])) for k in keys]
+    if not any(in_block):
+        return min(8, num_candidates + 1)
+    first = in_block.index(True)
+    last = len(in_block) - 1 - in_block[::-1].index(True)
+    blocks = {k for k, b in zip(keys, in_block, strict=True) if b}
+    return len(blocks) + (sum(node_bytes[:first]) > 0) + (sum(node_bytes[last + 1:]) > 0)
 
 
 def plan_partition(
@@ -303,8 +316,7 @@ def plan_partition(
     else:
         k = options.num_units
         if k is None:
-            numbered = {k_ for k_ in keys if k_ and _NUMBERED.match(k_.rsplit(".", 1)[-1])}
-            k = len(numbered) + 1 if numbered else min(8, len(candidates) + 1)
+            k = _default_unit_count(keys, node_bytes, len(candidates))
         cuts = _choose_cuts_by_count(prefix, candidates, k)
 
     bounds = [0, *sorted(set(cuts)), len(nodes)]

@@ -38,6 +38,38 @@ def test_ps_overlap_runs_and_logs(tmp_path) -> None:
     assert logs == ["baseline", "hand", "optimized"]
 
 
+@pytest.mark.slow
+def test_fsdp_partition_runs_every_variant(tmp_path) -> None:
+    config = tmp_path / "fsdp.yaml"
+    config.write_text(
+        "kind: fsdp_partition\nvocab_size: 128\ndim: 32\nheads: 2\nlayers: 3\nseq_len: 8\n"
+        f"steps: 1\nwarmup: 0\nrounds: 1\nsize_min_params: 5000\ncache_dir: {tmp_path / 'cache'}\n"
+    )
+    out = tmp_path / "out.json"
+    main(["bench", str(config), "--json", str(out)])
+    result = json.loads(out.read_text())
+    rows = result["variants"]
+    assert set(rows) == {"no_inner_units", "size_based", "per_block", "distopt"}
+    assert rows["no_inner_units"]["units"] == 0 and rows["per_block"]["units"] == 3
+    assert rows["distopt"]["units"] >= 1
+    assert all(r["step_s"] > 0 and r["peak_rss_bytes"] > 0 for r in rows.values())
+    assert set(result["ratios"]) >= {"step time vs per-block", "peak RSS vs no inner units"}
+
+
+def test_cnn_fusion_runs_and_reports_setup_time(tmp_path) -> None:
+    config = tmp_path / "cnn.yaml"
+    config.write_text(
+        "kind: cnn_fusion\nwidth: 4\nblocks: [1, 1, 1, 1]\nimage_size: 32\nbatch_size: 2\n"
+        "num_classes: 10\nrounds: 1\nwarmup: 0\ncompile: false\n"
+    )
+    out = tmp_path / "out.json"
+    main(["bench", str(config), "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert {"eager", "fx fuse", "distopt (fold + channels-last)"} <= set(result["eval_s"])
+    assert all(t > 0 for t in result["eval_s"].values())
+    assert len(result["train_s"]) == 2 and result["setup_s"]
+
+
 def test_unknown_kind_is_a_one_line_error(tmp_path, capsys) -> None:
     config = tmp_path / "x.yaml"
     config.write_text("kind: nope\n")

@@ -48,7 +48,7 @@ def test_units_are_contiguous_and_cover_every_node() -> None:
 def test_default_cuts_at_block_boundaries_one_unit_per_block() -> None:
     gm = _partitioned(_gpt(layers=4))
     plan = gm.meta[PLAN_META]
-    assert len(plan.units) == 5  # four blocks plus the embedding/head rest
+    assert len(plan.units) == 6  # four blocks, the embeddings before them, the norm and head after
     # No block is split across units.
     owner: dict[str, int] = {}
     for unit in plan.units:
