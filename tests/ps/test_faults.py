@@ -26,7 +26,7 @@ def test_unreachable_job_store_fails_within_start_timeout() -> None:
     start = time.monotonic()
     with pytest.raises(RemoteCallError, match=f"127.0.0.1:{port} unreachable after 1.5 s"):
         ps.init_trainer(job)
-    assert time.monotonic() - start < 1.5 + 3.0
+    assert time.monotonic() - start < 1.5 + 1.0  # our deadline, not TCPStore's retry back-off
 
 
 def test_servers_that_never_join_are_named_within_start_timeout() -> None:
