@@ -174,8 +174,8 @@ def _write_logs(bench: PSOverlapConfig, point: dict, run_stamp: str) -> None:
     for name in VARIANTS:
         run_id = f"{run_stamp}-K{point['tables']}-lat{point['latency_ms']:g}-{point['compute']}-{name}"
         config = {**to_dict(bench), "point": {k: point[k] for k in ("tables", "latency_ms", "compute")}}
-        extra = {"predicted_gain": point["predicted_forward_before_s"] / point["predicted_forward_after_s"]} \
-            if name == "optimized" else None
+        extra = {"predicted_gain": point["predicted_forward_before_s"] / point["predicted_forward_after_s"],
+                 "predicted_saving_s": point["predicted_saving_s"]} if name == "optimized" else None
         writer = QpsLogWriter.create(bench.output_dir, run_id=run_id, variant=name, rank=0, world_size=1,
                                      global_batch_size=bench.batch_size, config=config, extra=extra)
         with writer:

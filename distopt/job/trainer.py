@@ -84,7 +84,8 @@ def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]
     predicts the forward time before and after the passes (per-node costs from a profiling run,
     RPC latency from timing one real single-row fetch); the saving is subtracted from a measured
     forward+backward of the baseline. Gradient pushes and DDP all-reduce are not modelled, so the
-    prediction is an upper bound on the step-level gain.
+    gain is an upper bound; ``distopt compare`` subtracts ``predicted_saving_s`` from the baseline
+    run's measured step instead.
     """
     import statistics
     import time
@@ -116,6 +117,7 @@ def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]
     return {
         "predicted_gain": step_before / step_after,
         "predicted_step_time_s": step_after,
+        "predicted_saving_s": forward.before_s - forward.after_s,
         "predicted_rpc_latency_s": latency,
     }
 

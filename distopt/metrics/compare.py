@@ -58,8 +58,12 @@ class RunSummary:
     """All merged step numbers (warm-up included), for plotting."""
     qps: tuple[float, ...]
     """Merged QPS of each step in ``step_numbers``."""
+    median_step_time_s: float
+    """Median job step time after warm-up (the slowest rank's, per step)."""
     predicted_step_time_s: float | None
     predicted_gain: float | None
+    predicted_saving_s: float | None
+    """The cost model's per-step saving over the unoptimized model, when the header has one."""
 
     @property
     def measured_qps(self) -> np.ndarray:
@@ -149,6 +153,7 @@ def summarize(run: RunLog, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSu
         )
     qps = np.asarray([m.qps for m in merged], dtype=float)
     measured = qps[warmup:]
+    step_times = np.asarray([m.step_time_s for m in merged[warmup:]], dtype=float)
     return RunSummary(
         label=label,
         run_id=run.run_id,
@@ -161,8 +166,10 @@ def summarize(run: RunLog, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSu
         p90_qps=float(np.percentile(measured, 90)),
         step_numbers=tuple(m.step for m in merged),
         qps=tuple(float(q) for q in qps),
+        median_step_time_s=float(np.median(step_times)),
         predicted_step_time_s=_optional_float(run.header, "predicted_step_time_s"),
         predicted_gain=_optional_float(run.header, "predicted_gain"),
+        predicted_saving_s=_optional_float(run.header, "predicted_saving_s"),
     )
 
 
@@ -277,9 +284,16 @@ def compare_runs(
 def predicted_gain(base: RunSummary, run: RunSummary) -> float | None:
     """The cost model's gain of ``run`` over ``base``.
 
-    A header's ``predicted_gain`` wins (the optimizer states its gain over the unoptimized model);
-    otherwise the ratio of predicted step times when both runs have one.
+    Preferred: the run's predicted per-step saving subtracted from the baseline run's *measured*
+    median step time. That step includes everything the cost model does not see (gradient pushes,
+    all-reduce, other processes on the host), which a prediction made inside the trainer from a
+    lone forward+backward overstates the gain by. Then a header's ``predicted_gain``; then the
+    ratio of predicted step times when both runs have one.
     """
+    if run.predicted_saving_s is not None and run is not base:
+        after = base.median_step_time_s - run.predicted_saving_s
+        # A saving as large as the whole step cannot be right; say nothing rather than infinity.
+        return base.median_step_time_s / after if after > 0 else None
     if run.predicted_gain is not None:
         return run.predicted_gain
     if run.predicted_step_time_s is not None and base.predicted_step_time_s is not None:

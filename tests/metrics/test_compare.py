@@ -105,6 +105,17 @@ def test_predicted_gain_from_header(write_run: WriteRun) -> None:
     assert predicted == {"o": pytest.approx(1.6), "s": 1.25, "p": None}
 
 
+def test_predicted_saving_is_taken_off_the_measured_baseline_step(write_run: WriteRun) -> None:
+    base = load_run(write_run("base", 1000.0, extra={"predicted_step_time_s": 0.08}))
+    saving = load_run(write_run("saving", 1500.0, extra={"predicted_saving_s": 0.02, "predicted_gain": 9.0}))
+    absurd = load_run(write_run("absurd", 1500.0, extra={"predicted_saving_s": 100.0}))
+    result = compare_runs([base, saving, absurd], labels=["b", "s", "a"])
+    t_base = result.runs[0].median_step_time_s
+    predicted = {g.label: g.predicted for g in result.gains}
+    assert predicted["s"] == pytest.approx(t_base / (t_base - 0.02))  # not the header's 9.0
+    assert predicted["a"] is None
+
+
 def test_failed_gains_uses_lower_bound_or_median(write_run: WriteRun) -> None:
     base = load_run(write_run("base", 1000.0, seed=1))
     fast = load_run(write_run("fast", 1100.0, seed=2))
