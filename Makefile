@@ -24,6 +24,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check distopt launchers tests examples
+	$(VENV)/bin/mypy distopt
 
 bench: $(STAMP)
 	$(VENV)/bin/distopt bench configs/bench/optimize_overhead.yaml

@@ -16,6 +16,7 @@ import socket
 import statistics
 import time
 from pathlib import Path
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -153,7 +154,8 @@ def alpha_beta(
         cached = None if refresh else _load(path)
         missing = torch.tensor([0 if cached else 1])
         dist.all_reduce(missing, group=group)  # any rank without a cache → all measure
-        model = measure(group) if int(missing) else cached
+        # missing == 0 after the all-reduce: every rank, this one included, has a cached model.
+        model = measure(group) if int(missing) else cast(AlphaBeta, cached)
         box = [model]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         model = box[0]

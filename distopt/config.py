@@ -58,7 +58,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         val_tp = args[1] if len(args) == 2 else Any
         return {str(k): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
         if not isinstance(value, Mapping):

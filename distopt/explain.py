@@ -6,6 +6,7 @@ import difflib
 import io
 import shutil
 from pathlib import Path
+from typing import cast
 
 import torch.fx
 from rich.console import Console
@@ -32,7 +33,8 @@ def draw_graph(gm: torch.fx.GraphModule, path: str | Path) -> list[str]:
     if suffix != "dot" and shutil.which("dot") is None:
         return [f"graph picture {path}: needs Graphviz's `dot` on PATH (apt-get install graphviz)"]
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = dot.create(format=suffix) if suffix != "dot" else dot.to_string().encode()
+    # pydot annotates Dot.create as returning str, but it returns the image bytes.
+    data = cast(bytes, dot.create(format=suffix)) if suffix != "dot" else dot.to_string().encode()
     path.write_bytes(data)
     return []
 

@@ -6,7 +6,7 @@ import contextlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -79,7 +79,8 @@ def _run(module: nn.Module, inputs: tuple[Any, ...], seed_state: torch.Tensor, c
                 (t * torch.randn(t.shape, generator=gen, dtype=t.dtype).to(t.device)).sum()
                 for t in differentiable
             )
-            loss.backward()
+            # differentiable is not empty, so the sum is a tensor (never the start value 0).
+            cast(torch.Tensor, loss).backward()
         names = {id(p): n for n, p in module.named_parameters()}
         grads = {names[id(p)]: (None if p.grad is None else p.grad.detach().clone()) for p in params}
     return [t.detach().clone() for t in tensors], flat_out, grads

@@ -107,7 +107,10 @@ def _eval_variants(cfg: CnnFusionConfig, console: Console) -> tuple[dict[str, fl
     with torch.no_grad():
         ref = model(x)
         for name, fn in variants.items():
-            torch.testing.assert_close(fn(), ref, rtol=1e-3, atol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+            def msg(m: str, n: str = name) -> str:
+                return f"{n}: {m}"
+
+            torch.testing.assert_close(fn(), ref, rtol=1e-3, atol=1e-3, msg=msg)
         console.print(f"eval: timing {len(variants)} variants × {cfg.rounds} rounds…")
         return _interleaved(variants, cfg.rounds, cfg.warmup), setup
 

@@ -22,7 +22,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -109,8 +109,9 @@ def _wrap(variant: str, model: nn.Module, cfg: FsdpPartitionConfig) -> tuple[nn.
     elif variant == "per_block":
         # torchtitan's apply_fsdp: the last block is not resharded after forward (backward
         # needs it at once).
-        for index, block in enumerate(model.blocks):
-            fully_shard(block, reshard_after_forward=index < len(model.blocks) - 1)
+        blocks = cast(nn.ModuleList, model.blocks)  # _build makes a GPT
+        for index, block in enumerate(blocks):
+            fully_shard(block, reshard_after_forward=index < len(blocks) - 1)
         fully_shard(model)
     else:
         model = distopt.parallelize(model, "fsdp", verify=False, cache_dir=cfg.cache_dir)

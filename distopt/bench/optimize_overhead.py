@@ -12,12 +12,14 @@ import time
 import warnings
 
 import torch
+import torch.fx
 from rich.table import Table
 
 import distopt
 from distopt.bench import median
 from distopt.config import check, from_dict
 from distopt.console import console as make_console
+from distopt.errors import CaptureError
 from distopt.models.mlp import MLP
 
 
@@ -49,6 +51,10 @@ def _measure(nodes: int, cfg: OverheadConfig) -> dict[str, float]:
             warnings.simplefilter("error", distopt.DistoptFallbackWarning)
             optimized = distopt.optimize(model, inputs, verify=cfg.verify)
         times.append(time.perf_counter() - start)
+        if not isinstance(optimized, torch.fx.GraphModule):
+            raise CaptureError(
+                f"optimize_overhead: expected a torch.fx graph, got {type(optimized).__name__}"
+            )
         graph_nodes = len(optimized.graph.nodes)
     seconds = median(times)
     return {

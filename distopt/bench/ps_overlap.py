@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Literal
 
 import torch
+import torch.fx
 from rich.console import Console
 from rich.table import Table
 
@@ -31,6 +32,7 @@ from distopt.bench import median, quantile
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.costmodel import measure_latency, predict
+from distopt.errors import CaptureError
 from distopt.metrics import QpsLogWriter
 from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm_tables, make_batch
 
@@ -100,7 +102,10 @@ def _train_chunk(model, cfg: DLRMConfig, batches, opt, *, blocking_push: bool, l
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
-def _point(bench: PSOverlapConfig, k: int, latency: float, compute: str, console: Console) -> dict:
+def _point(
+    bench: PSOverlapConfig, k: int, latency: float, compute: Literal["light", "heavy"],
+    console: Console,
+) -> dict:
     cfg = DLRMConfig(num_tables=k, compute=compute, batch_size=bench.batch_size,
                      num_rows=bench.num_rows, embedding_dim=bench.embedding_dim)
     options = ps.ServerOptions(num_servers=bench.num_servers, latency_ms=latency)
@@ -115,6 +120,12 @@ def _point(bench: PSOverlapConfig, k: int, latency: float, compute: str, console
             optimize_s = time.perf_counter() - optimize_start
             captured = distopt.optimize(baseline, passes=[], verify=False)
         rpc_latency = measure_latency(lambda: ps.wait(ps.fetch_async(cfg.table_names[0], batches[0].sparse[0])))
+        if not (isinstance(captured, torch.fx.GraphModule)
+                and isinstance(optimized, torch.fx.GraphModule)):
+            raise CaptureError(
+                f"cost model: needs torch.fx graphs, got {type(captured).__name__} (captured) "
+                f"and {type(optimized).__name__} (optimized)"
+            )
         with torch.no_grad():
             prediction = predict(captured, optimized, example, rpc_latency)
         ps.discard_step()

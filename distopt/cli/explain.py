@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.fx
 from torch import nn
 
 import distopt
 from distopt import models
-from distopt.errors import ConfigError
+from distopt.errors import CaptureError, ConfigError
+
+if TYPE_CHECKING:
+    from distopt.ps.spec import TableSpec
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -88,11 +93,18 @@ def _predict_and_measure(model: nn.Module, inputs: tuple[Any, ...], rounds: int 
     import distopt.ps as ps
     from distopt.costmodel import measure_latency, predict
 
-    table = model.ps_tables()[0].name
+    # run() only calls this for models with a ps_tables() method.
+    table = cast("Callable[[], tuple[TableSpec, ...]]", model.ps_tables)()[0].name
     captured = distopt.optimize(model, passes=[], verify=False)
     optimized = distopt.optimize(model, inputs, verify=False)
     with torch.no_grad(), ps.context.isolated_step():
         latency = measure_latency(lambda: ps.wait(ps.fetch_async(table, torch.zeros(1, dtype=torch.long))))
+        if not (isinstance(captured, torch.fx.GraphModule)
+                and isinstance(optimized, torch.fx.GraphModule)):
+            raise CaptureError(
+                f"cost model: needs torch.fx graphs, got {type(captured).__name__} (captured) "
+                f"and {type(optimized).__name__} (optimized)"
+            )
         prediction = predict(captured, optimized, inputs, latency)
         times: dict[str, list[float]] = {"before": [], "after": []}
         for _ in range(rounds):  # interleaved, so drift hits both alike

@@ -105,6 +105,8 @@ def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]
         with torch.no_grad():
             latency = measure_latency(lambda: ps.wait(ps.fetch_async(table, one_row)))
             captured = optimize(model, passes=[], verify=False)
+            if not isinstance(captured, torch.fx.GraphModule):
+                return {}  # the prediction is optional: no graph, no prediction (never a failed job)
             forward = predict(captured, optimized, example, latency)
         samples = []
         for _ in range(3):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -29,7 +31,7 @@ class SmallCNN(nn.Module):
 
 
 def _inputs(model: nn.Module, batch_size: int, seed: int) -> tuple[torch.Tensor]:
-    size = model.image_size
+    size = cast(int, model.image_size)  # a plain int attribute of SmallCNN
     return (torch.randn(batch_size, 3, size, size, generator=torch.Generator().manual_seed(seed)),)
 
 

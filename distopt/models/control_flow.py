@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -24,7 +26,8 @@ class GatedMLP(nn.Module):
 
 
 def _inputs(model: nn.Module, batch_size: int, seed: int) -> tuple[torch.Tensor]:
-    return (torch.randn(batch_size, model.features, generator=torch.Generator().manual_seed(seed)),)
+    features = cast(int, model.features)  # a plain int attribute of GatedMLP
+    return (torch.randn(batch_size, features, generator=torch.Generator().manual_seed(seed)),)
 
 
 @register_model("control_flow", inputs=_inputs)

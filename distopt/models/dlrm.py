@@ -126,6 +126,9 @@ def make_batch(config: DLRMConfig, step: int, *, rank: int = 0) -> DLRMBatch:
 class DLRM(nn.Module):
     """The DLRM reference model as written: blocking fetch right before each use."""
 
+    pair_rows: torch.Tensor  # buffers registered in _build
+    pair_cols: torch.Tensor
+
     def __init__(self, config: DLRMConfig) -> None:
         super().__init__()
         with torch.random.fork_rng():  # same seed → same dense parameters in every variant

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 from torch import nn
@@ -78,7 +79,9 @@ class GPT(nn.Module):
 
 
 def _inputs(model: nn.Module, batch_size: int, seed: int) -> tuple[torch.Tensor]:
-    return (torch.randint(0, model.vocab_size, (batch_size, model.seq_len), generator=torch.Generator().manual_seed(seed)),)
+    vocab_size, seq_len = cast(int, model.vocab_size), cast(int, model.seq_len)  # plain ints of GPT
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randint(0, vocab_size, (batch_size, seq_len), generator=gen),)
 
 
 @register_model("gpt", inputs=_inputs)

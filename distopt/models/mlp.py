@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -25,7 +27,8 @@ class MLP(nn.Module):
 
 
 def _inputs(model: nn.Module, batch_size: int, seed: int) -> tuple[torch.Tensor]:
-    return (torch.randn(batch_size, model.in_features, generator=torch.Generator().manual_seed(seed)),)
+    in_features = cast(int, model.in_features)  # a plain int attribute of MLP
+    return (torch.randn(batch_size, in_features, generator=torch.Generator().manual_seed(seed)),)
 
 
 @register_model("mlp", inputs=_inputs)

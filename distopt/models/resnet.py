@@ -7,6 +7,8 @@ stride on the 3×3 convolution ("ResNet v1.5").
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -79,7 +81,7 @@ class ResNet(nn.Module):
 
 
 def _inputs(model: nn.Module, batch_size: int, seed: int) -> tuple[torch.Tensor]:
-    size = model.image_size
+    size = cast(int, model.image_size)  # a plain int attribute of ResNet
     return (torch.randn(batch_size, 3, size, size, generator=torch.Generator().manual_seed(seed)),)
 
 

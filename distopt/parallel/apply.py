@@ -9,11 +9,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from distopt.parallel.fsdp_schedule import FsdpSchedule
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def apply_compile(units: Sequence[nn.Module], *, backend: str = "inductor") -> None:
@@ -26,7 +31,7 @@ def apply_fsdp(
     root: nn.Module,
     units: Sequence[nn.Module],
     *,
-    mesh: object | None = None,
+    mesh: DeviceMesh | None = None,
     reshard_after_forward: bool = True,
     schedule: FsdpSchedule | None = None,
     prefetch: bool = True,
@@ -63,7 +68,7 @@ def apply_fsdp1(
     root: nn.Module,
     units: Sequence[nn.Module],
     *,
-    process_group: object | None = None,
+    process_group: ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None = None,
 ) -> nn.Module:
     """FSDP1: ``FullyShardedDataParallel`` whose auto-wrap policy wraps exactly the units."""
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -85,7 +90,7 @@ def apply_ddp(root: nn.Module, *, process_group: object | None = None, bucket_ca
     """``DistributedDataParallel`` over the whole (optimized) module."""
     from torch.nn.parallel import DistributedDataParallel
 
-    kwargs = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
+    kwargs: dict[str, Any] = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
     return DistributedDataParallel(root, process_group=process_group, **kwargs)
 
 

@@ -11,6 +11,8 @@ loading a checkpoint re-folds (a ``load_state_dict`` post-hook).
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.fx
 from torch import nn
@@ -25,6 +27,9 @@ FOLDED = "distopt_folded"
 class FoldedConv2d(nn.Module):
     """``conv`` followed by eval ``bn``, as one convolution; weights recomputed by :meth:`refold`."""
 
+    weight: torch.Tensor  # non-persistent buffers registered in __init__
+    bias: torch.Tensor
+
     def __init__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d, conv_path: str, bn_path: str):
         super().__init__()
         self.conv_path, self.bn_path = conv_path, bn_path
@@ -38,8 +43,10 @@ class FoldedConv2d(nn.Module):
 
     @torch.no_grad()
     def refold(self, conv: nn.Conv2d, bn: nn.BatchNorm2d) -> None:
+        # fold_conv_bn only folds BatchNorms that track running stats: both are tensors.
+        mean, var = cast(torch.Tensor, bn.running_mean), cast(torch.Tensor, bn.running_var)
         w, b = torch.nn.utils.fusion.fuse_conv_bn_weights(
-            conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.eps, bn.weight, bn.bias
+            conv.weight, conv.bias, mean, var, bn.eps, bn.weight, bn.bias
         )
         # Keep the layout the channels-last pass chose when re-folding after a checkpoint load.
         nhwc = self.weight.dim() == 4 and not self.weight.is_contiguous()
@@ -64,7 +71,10 @@ def _refold_all(module: nn.Module, incompatible_keys: object) -> None:
         return
     for sub in folded.children():
         assert isinstance(sub, FoldedConv2d)
-        sub.refold(module.get_submodule(sub.conv_path), module.get_submodule(sub.bn_path))
+        # The paths name the Conv2d and BatchNorm2d that fold_conv_bn folded.
+        conv = cast(nn.Conv2d, module.get_submodule(sub.conv_path))
+        bn = cast(nn.BatchNorm2d, module.get_submodule(sub.bn_path))
+        sub.refold(conv, bn)
 
 
 @register_pass("fold_conv_bn", default=False)

@@ -296,7 +296,7 @@ def plan_partition(
     for w in weights:
         prefix.append(prefix[-1] + w)
 
-    blocked = set()
+    blocked: set[int] = set()
     for a, b in _forbidden_intervals(nodes, touched):
         blocked.update(range(a + 1, b + 1))
     allowed = [i for i in range(1, len(nodes)) if i not in blocked]

@@ -181,7 +181,7 @@ def _split(ids: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor | None, to
     if n == 1:
         return [(0, None, flat)] if flat.numel() else []
     owner = flat % n
-    parts = []
+    parts: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []
     for shard in range(n):
         pos = (owner == shard).nonzero().squeeze(1)
         if pos.numel():
