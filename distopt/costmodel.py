@@ -29,7 +29,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from distopt.errors import ConfigError
+from distopt.errors import CaptureError, ConfigError
 from distopt.passes.remote_nodes import RemoteOp, remote_ops
 
 
@@ -157,8 +157,8 @@ class Prediction:
 
 
 def predict(
-    gm_before: torch.fx.GraphModule,
-    gm_after: torch.fx.GraphModule,
+    gm_before: torch.nn.Module,
+    gm_after: torch.nn.Module,
     example_inputs: tuple[Any, ...],
     rpc_latency_s: float,
     *,
@@ -174,7 +174,15 @@ def predict(
         rpc_latency_s: measured round-trip time of one remote request, in seconds.
         repeats: timed repetitions per node (the median is used).
         fixed_s: time outside the graph (backward, optimizer step) added to both predictions.
+
+    Both models must be torch.fx graphs (a model that fell back to eager or Dynamo has no nodes
+    to cost): anything else is a one-line :class:`CaptureError`.
     """
+    if not (isinstance(gm_before, torch.fx.GraphModule) and isinstance(gm_after, torch.fx.GraphModule)):
+        raise CaptureError(
+            f"cost model: needs torch.fx graphs, got {type(gm_before).__name__} (captured) "
+            f"and {type(gm_after).__name__} (optimized)"
+        )
     if not rpc_latency_s >= 0:
         raise ConfigError(f"rpc_latency_s: expected seconds >= 0, got {rpc_latency_s!r}")
     if not isinstance(example_inputs, tuple):

@@ -136,3 +136,9 @@ def test_bad_latency_is_rejected() -> None:
     before, after, inputs = _graphs()
     with pytest.raises(distopt.ConfigError, match="rpc_latency_s"):
         predict(before, after, inputs, rpc_latency_s=-1.0)
+
+
+def test_a_model_without_a_graph_is_a_one_line_error() -> None:
+    before, _, inputs = _graphs()
+    with pytest.raises(distopt.CaptureError, match=r"needs torch.fx graphs, got .* and Linear \(optimized\)$"):
+        predict(before, nn.Linear(ps.DIM, ps.DIM), inputs, rpc_latency_s=0.001)

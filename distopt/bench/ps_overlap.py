@@ -32,7 +32,6 @@ from distopt.bench import median, quantile
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.costmodel import measure_latency, predict
-from distopt.errors import CaptureError
 from distopt.metrics import QpsLogWriter
 from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm_tables, make_batch
 
@@ -120,12 +119,6 @@ def _point(
             optimize_s = time.perf_counter() - optimize_start
             captured = distopt.optimize(baseline, passes=[], verify=False)
         rpc_latency = measure_latency(lambda: ps.wait(ps.fetch_async(cfg.table_names[0], batches[0].sparse[0])))
-        if not (isinstance(captured, torch.fx.GraphModule)
-                and isinstance(optimized, torch.fx.GraphModule)):
-            raise CaptureError(
-                f"cost model: needs torch.fx graphs, got {type(captured).__name__} (captured) "
-                f"and {type(optimized).__name__} (optimized)"
-            )
         with torch.no_grad():
             prediction = predict(captured, optimized, example, rpc_latency)
         ps.discard_step()

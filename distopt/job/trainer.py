@@ -103,10 +103,10 @@ def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]
     one_row = torch.zeros(1, dtype=torch.long)
     with ps.context.isolated_step():
         with torch.no_grad():
-            latency = measure_latency(lambda: ps.wait(ps.fetch_async(table, one_row)))
             captured = optimize(model, passes=[], verify=False)
             if not isinstance(captured, torch.fx.GraphModule):
                 return {}  # the prediction is optional: no graph, no prediction (never a failed job)
+            latency = measure_latency(lambda: ps.wait(ps.fetch_async(table, one_row)))
             forward = predict(captured, optimized, example, latency)
         samples = []
         for _ in range(3):
