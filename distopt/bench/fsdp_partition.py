@@ -32,6 +32,7 @@ from torch import nn
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
+from distopt.parallel.fsdp_schedule import peak_param_bytes
 
 VARIANTS = ("no_inner_units", "size_based", "per_block", "distopt")
 
@@ -147,15 +148,6 @@ def _groups(model: nn.Module) -> tuple[int, list[int], list[bool]]:
     return sizes[root_index], [sizes[i] for i in inner], [_kept_after_forward(fsdp[i]) for i in inner]
 
 
-def analytic_peak_param_bytes(total: int, root: int, inner: list[int], world: int, kept: list[bool] | None = None) -> int:
-    """Per-rank parameter memory at its peak: the shards, plus the unsharded root, plus the larger
-    of the two largest consecutive inner units (FSDP2 prefetches the next unit while one computes)
-    and the units kept unsharded from forward into backward (all held at the turn)."""
-    pair = max((a + b for a, b in zip(inner, inner[1:], strict=False)), default=max(inner, default=0))
-    held = sum(b for b, k in zip(inner, kept or [], strict=False) if k)
-    return total // world + root + max(pair, held)
-
-
 def peak_rss_bytes() -> int:
     """This process's peak resident set (``VmHWM``). Not ``ru_maxrss``: Linux carries that over
     from the forking parent, so every spawned rank would report at least the driver's size."""
@@ -211,7 +203,7 @@ def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, port: int, out: s
                 "inner_bytes": inner,
                 "total_bytes": total,
                 "kept_after_forward": sum(kept),
-                "analytic_peak_bytes": analytic_peak_param_bytes(total, root, inner, cfg.world_size, kept),
+                "analytic_peak_bytes": peak_param_bytes(total, root, inner, kept, cfg.world_size),
                 "wrap_s": wrap_s,
             }))
     finally:

@@ -38,20 +38,32 @@ class FsdpSchedule:
     """Per-rank parameter memory at the peak: shards plus what is unsharded at once."""
 
 
+def peak_param_bytes(
+    total: int, root: int, units: Sequence[int], kept: Sequence[bool], world_size: int
+) -> int:
+    """Per-rank parameter memory at its peak: the shards, the unsharded root, and the larger of
+    two consecutive units (forward and backward prefetch both hold a unit and the next one) and
+    the units kept from forward into backward (all held at the turn).
+
+    ``units`` are the sharded units' bytes in execution order; ``kept[i]`` says unit i is kept.
+    """
+    pair = max((a + b for a, b in zip(units, units[1:], strict=False)), default=max(units, default=0))
+    held = sum(b for b, k in zip(units, kept, strict=True) if k)
+    return total // world_size + root + max(pair, held)
+
+
 def _evaluate(sizes: Sequence[int], held: tuple[int, ...], tail: int, world_size: int) -> FsdpSchedule:
     sharded = [i for i in range(len(sizes)) if i not in held]
     kept = sharded[len(sharded) - tail:] if tail else []
     held_bytes = sum(sizes[i] for i in held)
-    # Forward prefetch and backward prefetch both hold two consecutive units at once.
-    pair = max((sizes[a] + sizes[b] for a, b in zip(sharded, sharded[1:], strict=False)),
-               default=max((sizes[i] for i in sharded), default=0))
-    unsharded = held_bytes + max(pair, sum(sizes[i] for i in kept))
     gathered = held_bytes + sum(sizes[i] * (1 if i in kept else 2) for i in sharded)
     return FsdpSchedule(
         root_held=frozenset(held),
         keep_after_forward=frozenset(kept),
         gathered_bytes=gathered,
-        memory_bytes=sum(sizes) // world_size + unsharded,
+        memory_bytes=peak_param_bytes(
+            sum(sizes), held_bytes, [sizes[i] for i in sharded], [i in kept for i in sharded], world_size
+        ),
     )
 
 
