@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from distopt.config import check
+from distopt.rendezvous import free_port
 
 SIZES = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 """Bytes of the gathered tensor per measurement point."""
@@ -112,9 +113,7 @@ def measure_local(world_size: int = 2) -> AlphaBeta:
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "alpha_beta.json")
         mp.spawn(_local_worker, args=(world_size, port, out), nprocs=world_size, join=True)

@@ -30,7 +30,7 @@ import torch.fx
 from torch.fx import Node
 
 from distopt.errors import CaptureError, ConfigError
-from distopt.passes.remote_nodes import RemoteOp, remote_ops
+from distopt.passes.remote.nodes import RemoteOp, remote_ops
 
 
 class _TimingInterpreter(torch.fx.Interpreter):

@@ -39,6 +39,7 @@ from distopt.config import load_config
 from distopt.errors import ConfigError, DistoptError
 from distopt.job.checkpoint import latest_complete
 from distopt.job.config import JobConfig
+from distopt.rendezvous import free_port
 
 _JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DISTOPT_ROLE",
             "DISTOPT_NUM_PS", "DISTOPT_NUM_TRAINERS", "REPLICA_ID", "DISTOPT_REPLICA_ID",
@@ -76,16 +77,6 @@ class SuperviseOptions:
             raise ConfigError(f"--max-restarts: expected an integer >= 0, got {self.max_restarts}")
         if self.grace_s < 0:
             raise ConfigError(f"--grace-s: expected a number >= 0, got {self.grace_s}")
-
-
-def _free_port(host: str) -> int:
-    from distopt.ps.rendezvous import bind_store_socket
-
-    sock = bind_store_socket(host)
-    try:
-        return int(sock.getsockname()[1])
-    finally:
-        sock.close()
 
 
 def _die_with_parent() -> None:
@@ -144,14 +135,14 @@ class Supervisor:
             DISTOPT_NUM_TRAINERS=str(self.options.num_trainers),
             DISTOPT_ATTEMPT=str(attempt),
             MASTER_ADDR=host,
-            MASTER_PORT=str(_free_port(host)),
+            MASTER_PORT=str(free_port(host)),
         )
         if self.options.iface:
             env.update(GLOO_SOCKET_IFNAME=self.options.iface, TP_SOCKET_IFNAME=self.options.iface)
         if self.options.num_ps:
             env.update(
                 DISTOPT_PS_ADDR=f"{host}:{env['MASTER_PORT']}",
-                DISTOPT_DDP_PORT=str(_free_port(host)),
+                DISTOPT_DDP_PORT=str(free_port(host)),
             )
         else:
             env["WORLD_SIZE"] = str(self.options.num_trainers)

@@ -14,12 +14,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from distopt.rendezvous import free_port
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now (bind port 0, then release)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["alive", "free_port", "port_open", "read_pid", "session_members", "stop_pids", "tail"]
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

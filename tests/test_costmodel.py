@@ -8,8 +8,8 @@ import distopt
 from distopt.capture import symbolic_capture
 from distopt.config import CaptureConfig
 from distopt.costmodel import measure_latency, predict, profile_nodes, simulate
-from tests.passes import inprocess_server as ps
-from tests.passes.inprocess_server import STORE, fetch
+from tests.passes.remote import inprocess_server as ps
+from tests.passes.remote.inprocess_server import STORE, fetch
 
 PASSES = ["split_remote", "hoist_issue", "batch_fetch", "sink_wait"]
 

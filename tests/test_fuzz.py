@@ -13,7 +13,7 @@ import distopt
 from distopt.config import from_dict
 from distopt.errors import ConfigError
 from distopt.job.config import JobConfig
-from distopt.passes.base import resolve_pipeline
+from distopt.passes.core.base import resolve_pipeline
 from distopt.report import report_of
 
 JOB_KEYS = ["model", "model_kwargs", "variant", "optimize", "parallel", "steps", "batch_size", "lr",

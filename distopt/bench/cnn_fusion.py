@@ -121,7 +121,7 @@ def _train_variants(cfg: CnnFusionConfig, console: Console) -> tuple[dict[str, f
     eager = _model(cfg)
     start = time.perf_counter()
     # Not verified here: training BatchNorm amplifies NHWC round-off past any fixed tolerance
-    # (eager PyTorch shows the same); tests/passes/test_channels_last.py checks it against NHWC eager.
+    # (eager PyTorch shows the same); tests/passes/local/test_channels_last.py checks it against NHWC eager.
     ours = distopt.optimize(_model(cfg), x, passes=["channels_last"], verify=False, strict=True)
     setup = {"distopt optimize() (train)": time.perf_counter() - start}
 

@@ -17,7 +17,6 @@ import dataclasses
 import json
 import os
 import resource
-import socket
 import statistics
 import tempfile
 import time
@@ -33,6 +32,7 @@ from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.parallel.fsdp_schedule import peak_param_bytes
+from distopt.rendezvous import free_port
 
 VARIANTS = ("no_inner_units", "size_based", "per_block", "distopt")
 
@@ -213,9 +213,7 @@ def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, port: int, out: s
 def _run_variant(cfg: FsdpPartitionConfig, variant: str) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     # A fixed mmap threshold stops glibc from raising it after the first freed all-gather buffer;
     # otherwise freed unit buffers stay in the heap and peak RSS shows allocator caching, not
     # the memory the variant really needs. The ranks inherit the environment at spawn.

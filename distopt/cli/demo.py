@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from distopt.errors import DistoptError
-from launchers._proc import free_port
+from distopt.rendezvous import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 

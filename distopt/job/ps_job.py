@@ -67,7 +67,8 @@ def job_tables(config: JobConfig) -> tuple[TableSpec, ...]:
 
 def serve(config: JobConfig, env: JobEnv) -> int:
     """Run parameter server ``env.rank`` until every trainer has finished."""
-    from distopt.ps import rendezvous, server
+    from distopt import rendezvous
+    from distopt.ps import server
 
     options = server_options(config, env)
     tables = job_tables(config)

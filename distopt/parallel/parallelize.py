@@ -16,7 +16,7 @@ from distopt.config import from_dict
 from distopt.errors import ConfigError
 from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
 from distopt.parallel.fsdp_schedule import FsdpSchedule, plan_fsdp_schedule
-from distopt.parallel.units import materialize_units, plan_of, unit_modules
+from distopt.parallel.units import agree_across_ranks, materialize_units, plan_of, unit_modules
 from distopt.passes import resolve_pipeline
 
 Strategy = Literal["ddp", "fsdp", "fsdp1"]
@@ -136,7 +136,7 @@ def parallelize(
         options["partition"] = {"num_units": cfg.num_units, "max_unit_bytes": cfg.max_unit_bytes}
         if cfg.fuse:
             passes.append("fuse_units")
-            options["fuse_units"] = {"min_unit_bytes": cfg.min_unit_bytes, "cache_dir": cfg.cache_dir}
+            options["fuse_units"] = {"min_unit_bytes": _min_unit_bytes(cfg)}
     # NHWC kernels sum in another order: compare with float32 round-off tolerances, not 1e-6.
     verify = {"rtol": 1e-4, "atol": 1e-4} if cfg.channels_last else {}
     optimized = optimize(
@@ -150,6 +150,7 @@ def parallelize(
     units: list[nn.Module] = []
     if needs_units:
         if isinstance(optimized, torch.fx.GraphModule) and plan_of(optimized) is not None:
+            agree_across_ranks(optimized)
             root = materialize_units(optimized)
             units = unit_modules(root)
         else:
@@ -184,6 +185,16 @@ def parallelize(
     timing.wrap_seconds = time.perf_counter() - start
     _TIMINGS[result] = timing
     return result
+
+
+def _min_unit_bytes(cfg: ParallelizeConfig) -> int:
+    """The configured minimum, else the one the measured α–β model of the group gives (every rank
+    agrees on one model: see :func:`distopt.collectives.alpha_beta`)."""
+    if cfg.min_unit_bytes is not None:
+        return cfg.min_unit_bytes
+    from distopt.collectives import alpha_beta, min_unit_bytes
+
+    return min_unit_bytes(alpha_beta(cache_dir=cfg.cache_dir))
 
 
 def _world_size(mesh: Any) -> int:

@@ -22,7 +22,7 @@ from torch.fx.passes.split_module import split_module
 
 from distopt.capture import keep_state_names
 from distopt.errors import ConfigError
-from distopt.passes.partition import PLAN_META, PartitionPlan, unit_of
+from distopt.passes.fsdp.partition import PLAN_META, PartitionPlan, apply_plan, unit_of
 
 UNITS_META = "distopt_unit_modules"
 """``split.meta[UNITS_META]``: names of the unit submodules, in execution order."""
@@ -32,6 +32,24 @@ def plan_of(gm: nn.Module) -> PartitionPlan | None:
     meta = getattr(gm, "meta", None)
     plan = meta.get(PLAN_META) if isinstance(meta, dict) else None
     return plan if isinstance(plan, PartitionPlan) else None
+
+
+def agree_across_ranks(gm: torch.fx.GraphModule) -> None:
+    """Make every rank use rank 0's partition of ``gm`` (a collective when a group is up).
+
+    Profiled costs differ slightly between processes, and a rank-local plan could deadlock FSDP.
+    Every rank traced the same model, so node names (which the plan refers to) agree.
+    """
+    import torch.distributed as dist
+
+    plan = plan_of(gm)
+    if plan is None or not (dist.is_available() and dist.is_initialized()):
+        return
+    if dist.get_world_size() == 1:
+        return
+    box: list[Any] = [plan if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    apply_plan(gm, box[0])
 
 
 def materialize_units(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

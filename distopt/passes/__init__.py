@@ -1,6 +1,6 @@
 """Graph passes: registry, runner and the built-in passes."""
 
-from distopt.passes.base import (
+from distopt.passes.core.base import (
     PassContext,
     PassFn,
     PassResult,
@@ -10,8 +10,8 @@ from distopt.passes.base import (
     resolve_pipeline,
     unregister_pass,
 )
-from distopt.passes.runner import run_passes
-from distopt.passes.side_effects import eliminate_dead_code, is_impure, mark_side_effectful
+from distopt.passes.core.runner import run_passes
+from distopt.passes.core.side_effects import eliminate_dead_code, is_impure, mark_side_effectful
 
 __all__ = [
     "PassContext",

@@ -1,15 +1,10 @@
-"""Imports every built-in pass module so each registers itself (see distopt.passes.base).
+"""Imports every built-in pass module so each registers itself (see distopt.passes.core.base).
 
 The order is registration order, which breaks ties between unconstrained passes.
 """
-# ruff: noqa: I001
+# ruff: noqa: I001, F401
 
-from distopt.passes import remove_identity  # noqa: F401
-from distopt.passes import split_remote  # noqa: F401
-from distopt.passes import hoist_issue  # noqa: F401
-from distopt.passes import batch_fetch  # noqa: F401
-from distopt.passes import sink_wait  # noqa: F401
-from distopt.passes import partition  # noqa: F401
-from distopt.passes import fuse_units  # noqa: F401
-from distopt.passes import fold_conv_bn  # noqa: F401
-from distopt.passes import channels_last  # noqa: F401
+from distopt.passes.local import remove_identity
+from distopt.passes.remote import split, hoist, batch, sink
+from distopt.passes.fsdp import partition, fuse_units
+from distopt.passes.local import fold_conv_bn, channels_last

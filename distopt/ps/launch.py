@@ -38,8 +38,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from distopt import rendezvous
 from distopt.errors import RemoteCallError
-from distopt.ps import client, rendezvous
+from distopt.ps import client
 from distopt.ps.client import Route
 from distopt.ps.server import ps_server_heartbeat, ps_server_tables, ps_server_trainer_done
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables, server_name, trainer_name
@@ -117,14 +118,6 @@ def _stop_heartbeat(*, wait: bool) -> None:
                 fut.wait()
 
 
-def _free_port(host: str) -> int:
-    sock = rendezvous.bind_store_socket(host)
-    try:
-        return int(sock.getsockname()[1])
-    finally:
-        sock.close()
-
-
 def start_servers(
     tables: Sequence[TableSpec],
     options: ServerOptions | None = None,
@@ -178,7 +171,7 @@ def start_servers(
         port=port,
         num_trainers=num_trainers,
         options=options,
-        ddp_port=_free_port(options.host),
+        ddp_port=rendezvous.free_port(options.host),
         pids=tuple(pids),
         logs=tuple(logs),
     )

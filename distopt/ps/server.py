@@ -221,7 +221,7 @@ def ps_server_stats() -> dict[str, int]:
 def serve(config: dict[str, Any]) -> None:
     """Join the RPC group as a parameter server and serve until every worker shuts down."""
     global _STATE
-    from distopt.ps import rendezvous
+    from distopt import rendezvous
 
     options = ServerOptions(**config["options"])
     tables = tuple(TableSpec(**_tuples(t)) for t in config["tables"])

@@ -15,10 +15,13 @@ from distopt.remote.registry import (
     resource_of,
     unregister_remote,
 )
+from distopt.remote.wait import is_wait, source_line
 
 __all__ = [
     "RemoteCallSpec",
     "concrete_args",
+    "is_wait",
+    "source_line",
     "effect_of",
     "is_remote_call",
     "leaf_callables",

@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch.distributed.rpc as rpc
+import torch.fx
 from torch.futures import Future
 
 from distopt.errors import ConfigError
+from distopt.remote.wait import WaitOp, make_wait_op
 
 Effect = Literal["read", "write"]
 EffectFn = Callable[[Sequence[Any], Mapping[str, Any]], Effect]
@@ -47,6 +49,8 @@ class RemoteCallSpec:
         batch_key: function of ``(args, kwargs)`` grouping calls that ``batched`` may combine.
         aliases: extra ``(module_dict, name)`` places where ``fn`` is reachable and must be
             patched while tracing (for functions re-exported by a package).
+        wait_op: the graph op the passes insert to wait for an issued call (made from ``wait``
+            when the spec is created; see :mod:`distopt.remote.wait`).
     """
 
     fn: Callable[..., Any]
@@ -57,6 +61,10 @@ class RemoteCallSpec:
     batched: Callable[..., Future] | None = None
     batch_key: ResourceFn | None = None
     aliases: tuple[tuple[dict[str, Any], str], ...] = field(default=(), compare=False)
+    wait_op: WaitOp = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "wait_op", make_wait_op(self.name, self.wait))
 
     @property
     def name(self) -> str:
@@ -96,6 +104,10 @@ def register_remote(
         batch_key=batch_key,
         aliases=tuple(aliases),
     )
+    # The issue (and batched issue) of a call must survive dead-code elimination, like the call.
+    for effectful in (fn, issue, batched):
+        if effectful is not None:
+            torch.fx.node.has_side_effect(effectful)
     with _LOCK:
         _SPECS[id(fn)] = spec
     return spec
@@ -175,7 +187,7 @@ def leaf_callables() -> tuple[Callable[..., Any], ...]:
     with _LOCK:
         found: dict[int, Callable[..., Any]] = dict(_EXTRA_LEAVES)
         for spec in _SPECS.values():
-            for fn in (spec.fn, spec.issue, spec.wait, spec.batched):
+            for fn in (spec.fn, spec.issue, spec.wait, spec.batched, spec.wait_op):
                 if fn is not None:
                     found.setdefault(id(fn), fn)
         return tuple(found.values())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from distopt.rendezvous import free_port
 from launchers._proc import alive
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,19 +43,7 @@ def require(missing: list[str], what: str) -> None:
 
 def free_port_pair() -> int:
     """A port ``p`` with ``p`` and ``p + 1`` free (ps_job uses MASTER_PORT and MASTER_PORT + 1)."""
-    for _ in range(100):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return port
-    raise RuntimeError("no free port pair")
+    return free_port(consecutive=2)
 
 
 def torchx(*args: str, cwd: Path = REPO, env: dict[str, str] | None = None,

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import yaml
 
-from distopt.ps import rendezvous
+from distopt import rendezvous
 from distopt.ps.spec import ServerOptions
 
 TIMEOUT_S = 10

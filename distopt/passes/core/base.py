@@ -1,0 +1,152 @@
+"""Pass interface and the registry that orders passes by declared constraints.
+
+A pass is a small function ``fn(gm, ctx) -> PassResult``. It is registered once with the passes it
+must run after/before; the registry, not list order, decides the order, so "split before hoist" is
+stated where the hoist pass is defined. Passes that enable each other (sinking a wait lets an issue
+move up) share a ``fixed_point`` group: the runner repeats the group until a round changes nothing,
+so no pass ever runs another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx
+
+from distopt.errors import ConfigError
+
+
+@dataclass
+class PassContext:
+    """What a pass may read besides the graph: example inputs and its options.
+
+    Passes never talk to other processes: what must be measured on the cluster (the α–β model of
+    the collectives) or agreed among ranks (the partition plan) is done by the caller
+    (:func:`distopt.parallelize`) and reaches a pass as an option.
+    """
+
+    example_inputs: tuple[Any, ...] | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    """Options of the pass being run (``OptimizeConfig.pass_options[name]``)."""
+    training: bool = True
+
+
+@dataclass
+class PassResult:
+    modified: bool
+    detail: str = ""
+    """One line for the explain report, e.g. ``"split 4 remote calls"``."""
+
+
+PassFn = Callable[[torch.fx.GraphModule, PassContext], PassResult]
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    name: str
+    fn: PassFn
+    after: tuple[str, ...] = ()
+    before: tuple[str, ...] = ()
+    default: bool = True
+    """Part of the default pipeline (``passes=None``)."""
+    options: tuple[str, ...] = ()
+    """Option names the pass accepts in ``pass_options``."""
+    fixed_point: str | None = None
+    """Group name: adjacent passes of one group are repeated until a whole round changes nothing."""
+
+    @property
+    def summary(self) -> str:
+        doc = (self.fn.__doc__ or "").strip()
+        return doc.splitlines()[0] if doc else ""
+
+
+_REGISTRY: dict[str, PassSpec] = {}
+
+
+def register_pass(
+    name: str,
+    *,
+    after: Iterable[str] = (),
+    before: Iterable[str] = (),
+    default: bool = True,
+    options: Iterable[str] = (),
+    fixed_point: str | None = None,
+) -> Callable[[PassFn], PassFn]:
+    """Register ``fn`` under ``name``; ``after``/``before`` name passes it must follow/precede.
+
+    ``options`` are the keys the pass accepts in ``pass_options[name]`` (others are a
+    :class:`ConfigError` before anything runs); ``fixed_point`` names a repeat group (module doc).
+    """
+
+    def decorate(fn: PassFn) -> PassFn:
+        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
+            raise ConfigError(f"pass {name!r} is already registered by {_REGISTRY[name].fn!r}")
+        _REGISTRY[name] = PassSpec(
+            name, fn, tuple(after), tuple(before), default, tuple(options), fixed_point
+        )
+        return fn
+
+    return decorate
+
+
+def unregister_pass(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def registered_passes() -> dict[str, PassSpec]:
+    _load_builtin_passes()
+    return dict(_REGISTRY)
+
+
+def resolve_pipeline(names: Iterable[str | PassSpec] | None) -> list[PassSpec]:
+    """The passes to run, in an order satisfying every constraint among them.
+
+    ``None`` selects the default passes. Ties keep registration (or the caller's) order.
+    """
+    passes = registered_passes()
+    if names is None:
+        chosen = [spec for spec in passes.values() if spec.default]
+    else:
+        chosen = []
+        for item in names:
+            if isinstance(item, PassSpec):
+                chosen.append(item)
+                continue
+            if not isinstance(item, str):
+                raise ConfigError(f"passes: expected pass names, got {item!r}")
+            if item not in passes:
+                known = ", ".join(sorted(passes))
+                raise ConfigError(f"passes: unknown pass {item!r} (known passes: {known})")
+            chosen.append(passes[item])
+    seen: set[str] = set()
+    for spec in chosen:
+        if spec.name in seen:
+            raise ConfigError(f"passes: {spec.name!r} listed twice")
+        seen.add(spec.name)
+    position = {spec.name: i for i, spec in enumerate(chosen)}
+    preds: dict[str, set[str]] = {spec.name: set() for spec in chosen}
+    for spec in chosen:
+        preds[spec.name].update(a for a in spec.after if a in position)
+        for b in spec.before:
+            if b in position:
+                preds[b].add(spec.name)
+    # Kahn's algorithm, always taking the earliest-listed ready pass: deterministic and stable.
+    ordered: list[str] = []
+    remaining = dict(preds)
+    while remaining:
+        ready = [n for n, p in remaining.items() if not p - set(ordered)]
+        if not ready:
+            cycle = ", ".join(sorted(remaining))
+            raise ConfigError(f"passes: ordering constraints form a cycle among {cycle}")
+        first = min(ready, key=position.__getitem__)
+        ordered.append(first)
+        del remaining[first]
+    by_name = {spec.name: spec for spec in chosen}
+    return [by_name[n] for n in ordered]
+
+
+def _load_builtin_passes() -> None:
+    # Importing the package registers the built-in passes (each module decorates its pass).
+    import distopt.passes.builtin  # noqa: F401

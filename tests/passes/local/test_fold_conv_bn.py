@@ -1,0 +1,103 @@
+"""fold_conv_bn: eval graphs get one convolution per conv+BN pair; training mode is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx
+from torch import nn
+
+import distopt
+from distopt.errors import ConfigError, PassError
+from distopt.models import build, make_inputs
+from distopt.passes import PassContext
+from distopt.passes.local.fold_conv_bn import FoldedConv2d, fold_conv_bn
+
+NO_GRADS = {"verify": {"check_grads": False}}
+
+
+def _resnet() -> nn.Module:
+    model = build("resnet50", width=4, image_size=32, num_classes=10, blocks=(1, 1, 1, 1))
+    with torch.no_grad():  # non-trivial BN statistics so folding has something to fold
+        for m in model.modules():
+            if isinstance(m, nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    return model.eval()
+
+
+def test_folds_every_conv_bn_pair_and_matches_eager() -> None:
+    model = _resnet()
+    x = make_inputs("resnet50", model, 2)
+    gm = distopt.optimize(model, x, passes=["fold_conv_bn"], config=NO_GRADS, strict=True)
+    modules = dict(gm.named_modules())
+    called = [modules[str(n.target)] for n in gm.graph.nodes if n.op == "call_module"]
+    assert not any(isinstance(m, nn.BatchNorm2d) for m in called)
+    convs = sum(isinstance(m, nn.Conv2d) for m in model.modules())
+    assert sum(isinstance(m, FoldedConv2d) for m in called) == convs
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*x), model(*x), rtol=1e-4, atol=1e-5)
+
+
+def test_state_dict_keys_kept_and_loading_refolds() -> None:
+    model = _resnet()
+    x = make_inputs("resnet50", model, 2)
+    gm = distopt.optimize(model, x, passes=["fold_conv_bn"], config=NO_GRADS, strict=True)
+    assert list(gm.state_dict().keys()) == list(model.state_dict().keys())
+    other = _resnet()
+    for m in other.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.add_(0.3)
+    gm.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*x), other(*x), rtol=1e-4, atol=1e-5)
+
+
+def test_refuses_training_mode_naming_the_mode() -> None:
+    model = _resnet().train()
+    with pytest.raises(PassError, match="fold_conv_bn.*training mode"):
+        distopt.optimize(model, make_inputs("resnet50", model, 2), passes=["fold_conv_bn"], strict=True)
+    gm = torch.fx.symbolic_trace(model)
+    with pytest.raises(ConfigError, match="training mode"):
+        fold_conv_bn(gm, PassContext(training=True))
+
+
+def test_non_strict_refusal_falls_back_with_the_reason() -> None:
+    model = _resnet().train()
+    with pytest.warns(distopt.DistoptFallbackWarning, match="training mode"):
+        result = distopt.optimize(model, passes=["fold_conv_bn"])
+    assert result is model
+
+
+def test_conv_with_other_users_is_left_alone() -> None:
+    class TwoUsers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.conv(x)
+            return self.bn(y) + y  # folding would lose the unnormalized y
+
+    gm = torch.fx.symbolic_trace(TwoUsers().eval())
+    result = fold_conv_bn(gm, PassContext(training=False))
+    assert not result.modified
+
+
+def test_folded_model_refuses_to_train() -> None:
+    """Switching a folded model back to train() must fail loudly, never train on frozen stats."""
+    import pytest
+    import torch
+    from torch import nn
+
+    import distopt
+    from distopt.errors import ConfigError
+
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
+    folded = distopt.optimize(model, (torch.randn(1, 3, 8, 8),), passes=["fold_conv_bn"],
+                              config={"verify": {"check_grads": False}})
+    folded.train()
+    with pytest.raises(ConfigError, match="folded for eval"):
+        folded(torch.randn(1, 3, 8, 8))
