@@ -6,10 +6,16 @@ point; :func:`distopt.optimize` uses :func:`make_backend` for its Dynamo capture
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import types
+import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
+import torch
 import torch.fx
+from torch import nn
 
 from distopt.errors import ConfigError, PassError
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
@@ -64,6 +70,58 @@ def _inner_backend(
     raise ConfigError(f"inner: expected 'eager', 'inductor' or a backend function, got {inner!r}")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    """One graph the ``distopt`` backend compiled, and how to tell which module it came from."""
+
+    record: GraphRecord
+    code: types.CodeType | None
+    """Code of the frame Dynamo compiled (a ``forward`` or a resume function after a break)."""
+    params: tuple[weakref.ref[torch.Tensor], ...]
+    """The module parameters the graph reads (Dynamo passes them as graph inputs)."""
+
+
+_COMPILED: collections.deque[_Compiled] = collections.deque(maxlen=512)
+"""Graphs the ``distopt`` backend compiled (the newest 512), so ``distopt.explain`` can report on
+a ``torch.compile(backend="distopt")`` module."""
+
+
+def _frame_code() -> types.CodeType | None:
+    """The code object Dynamo is compiling right now (None if this torch does not say)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx().f_code
+    except Exception:  # a private API: explain then reports on every graph it compiled
+        return None
+
+
+def compiled_report(module: nn.Module) -> OptimizeReport | None:
+    """The graphs the ``distopt`` backend compiled for ``torch.compile(module, backend="distopt")``:
+    frames of the module's (and its submodules') ``forward`` and Dynamo's resume functions after
+    their graph breaks. ``None`` when ``module`` is not such a compiled module."""
+    original = getattr(module, "_orig_mod", None)
+    if not isinstance(original, nn.Module) or not hasattr(module, "dynamo_ctx"):
+        return None
+    codes = {type(m).forward.__code__ for m in original.modules()}
+    files = {code.co_filename for code in codes}
+    params = {id(p) for p in original.parameters()}
+
+    def ours(graph: _Compiled) -> bool:
+        if graph.params:  # a graph that reads parameters belongs to the module that owns them
+            return any(id(p) in params for ref in graph.params if (p := ref()) is not None)
+        code = graph.code
+        if code is None or code in codes:
+            return True
+        return code.co_filename in files and code.co_name.startswith("torch_dynamo_resume_in_")
+
+    report = OptimizeReport(model=type(original).__qualname__, tier="dynamo (torch.compile backend='distopt')")
+    report.graphs = [graph.record for graph in _COMPILED if ours(graph)]
+    if not report.graphs:
+        report.warnings.append("no graph compiled yet: call the module once, then explain it")
+    return report
+
+
 def distopt_backend(
     gm: torch.fx.GraphModule, example_inputs: list[Any], *, options: dict[str, Any] | None = None
 ) -> Callable[..., Any]:
@@ -78,5 +136,15 @@ def distopt_backend(
     if unknown:
         raise ConfigError(f"options: unknown key {sorted(unknown)[0]!r} (known: inner, pass_options, passes)")
     pipeline = resolve_pipeline(opts.get("passes"))
-    backend = make_backend(pipeline, pass_options=opts.get("pass_options"), inner=opts.get("inner"))
-    return backend(gm, example_inputs)
+    report = OptimizeReport(model="", tier="dynamo", pass_names=[s.name for s in pipeline])
+    backend = make_backend(
+        pipeline, pass_options=opts.get("pass_options"), report=report, inner=opts.get("inner")
+    )
+    compiled = backend(gm, example_inputs)
+    params = tuple(
+        weakref.ref(cast(torch.Tensor, t))
+        for t in (*example_inputs, *gm.parameters())
+        if isinstance(t, nn.Parameter)
+    )
+    _COMPILED.extend(_Compiled(record, _frame_code(), params) for record in report.graphs)
+    return compiled

@@ -103,9 +103,23 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     except TypeError as err:  # a required field is missing
         raise ConfigError(f"{prefix or cls.__name__}: {err}") from None
     except ConfigError as err:
-        if prefix and not str(err).startswith(prefix):
-            raise ConfigError(f"{dotted}{err}") from None
+        if prefix:
+            raise ConfigError(_qualify(prefix, str(err))) from None
         raise
+
+
+def _qualify(prefix: str, message: str) -> str:
+    """``message`` with its leading key placed under ``prefix``, without repeating the parts the
+    key already names: a check written as ``verify.rtol`` under ``config.verify`` gives
+    ``config.verify.rtol``, not ``config.verify.verify.rtol``."""
+    key, sep, rest = message.partition(": ")
+    if not sep or " " in key:
+        return f"{prefix}: {message}"
+    outer, inner = prefix.split("."), key.split(".")
+    for overlap in range(min(len(outer), len(inner)), 0, -1):
+        if outer[-overlap:] == inner[:overlap]:
+            return ".".join(outer + inner[overlap:]) + sep + rest
+    return f"{prefix}.{key}{sep}{rest}"
 
 
 def to_dict(config: Any) -> dict[str, Any]:

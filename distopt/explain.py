@@ -10,12 +10,13 @@ from typing import cast
 
 import torch.fx
 from rich.console import Console
+from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 from torch import nn
 
 from distopt.errors import DistoptError
-from distopt.report import OptimizeReport, report_of
+from distopt.report import OptimizeReport, ParallelRecord, report_of
 
 
 def draw_graph(gm: torch.fx.GraphModule, path: str | Path) -> list[str]:
@@ -48,12 +49,14 @@ def code_diff(before: str, after: str) -> str:
 
 def render(report: OptimizeReport, *, show_code: bool = True, console: Console) -> None:
     verdict = "optimized" if report.fallback is None else "returned unoptimized"
-    console.print(f"[bold]distopt[/bold] {report.model}: {verdict}")
-    console.print(f"  capture tier: [cyan]{report.tier}[/cyan]")
+    # Everything taken from the user's code (source lines such as ``ps.fetch(self.tables[k], ids)``,
+    # error messages, pass details) is escaped: rich would read ``[k]`` as markup and drop it.
+    console.print(f"[bold]distopt[/bold] {escape(report.model)}: {verdict}")
+    console.print(f"  capture tier: [cyan]{escape(report.tier)}[/cyan]")
     if report.reason:
-        console.print(f"  note: {report.reason}")
+        console.print(f"  note: {escape(report.reason)}")
     if report.fallback:
-        console.print(f"  [red]fallback:[/red] {report.fallback}")
+        console.print(f"  [red]fallback:[/red] {escape(report.fallback)}")
     console.print(
         f"  capture {report.capture_seconds * 1e3:.1f} ms, total {report.total_seconds * 1e3:.1f} ms, "
         f"passes: {', '.join(report.pass_names) or 'none'}"
@@ -64,11 +67,11 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
             table.add_column(column, justify="right" if column in ("nodes", "time (ms)") else "left")
         for rec in graph.passes:
             table.add_row(
-                rec.name,
+                escape(rec.name),
                 f"{rec.nodes_changed} nodes" if rec.modified else "no",
                 f"{rec.nodes_before}→{rec.nodes_after}",
                 f"{rec.seconds * 1e3:.2f}",
-                rec.detail,
+                escape(rec.detail),
             )
         console.print(table)
         if show_code and graph.code_after:
@@ -78,18 +81,54 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
             else:
                 console.print("  generated code unchanged by the passes")
     for warning in report.warnings:
-        console.print(f"  [yellow]warning:[/yellow] {warning}")
+        console.print(f"  [yellow]warning:[/yellow] {escape(warning)}")
+    if report.parallel is not None:
+        _render_parallel(report.parallel, console)
     v = report.verification
     if v is not None:
         status = "[green]passed[/green]" if v.passed else "[red]FAILED[/red]"
         console.print(
             f"  verification {status}: {v.compared} tensors (outputs + grads), max abs diff "
             f"{v.max_abs_diff:.3g}, rtol={v.rtol:g} atol={v.atol:g}, {v.seconds * 1e3:.0f} ms"
-            + (f"; {v.message}" if v.message else "")
+            + (f"; {escape(v.message)}" if v.message else "")
             + (f"; culprit pass: {v.culprit}" if v.culprit else "")
         )
     elif report.fallback is None:
         console.print("  verification: not run (no example_inputs)")
+
+
+def _render_parallel(record: ParallelRecord, console: Console) -> None:
+    sizes = ", ".join(f"{b / 2**20:.2f}" for b in record.unit_bytes) or "none"
+    console.print(f"  parallelize: [cyan]{record.strategy}[/cyan], {record.units} units (MiB: {sizes})")
+    schedule = record.schedule
+    if schedule is not None:
+        console.print(
+            f"  FSDP2 schedule: units left to the root {sorted(schedule.root_held) or 'none'}, "
+            f"kept from forward into backward {sorted(schedule.keep_after_forward) or 'none'}; "
+            f"{schedule.gathered_bytes / 2**20:.1f} MiB gathered per step, "
+            f"{schedule.memory_bytes / 2**20:.1f} MiB parameter peak per rank"
+        )
+    console.print(
+        f"  parallelize time: optimize {record.optimize_seconds * 1e3:.0f} ms, units "
+        f"{record.materialize_seconds * 1e3:.0f} ms, wrap {record.wrap_seconds * 1e3:.0f} ms"
+    )
+
+
+def _report(module: nn.Module) -> OptimizeReport:
+    """The report of ``module``: from distopt.optimize or distopt.parallelize, or gathered from the
+    graphs the ``distopt`` backend compiled for a ``torch.compile(backend="distopt")`` module."""
+    report = report_of(module)
+    if report is not None:
+        return report
+    from distopt.compile_backend import compiled_report
+
+    report = compiled_report(module)
+    if report is None:
+        raise DistoptError(
+            f"{type(module).__name__}: not a module returned by distopt.optimize, distopt.parallelize "
+            'or torch.compile(backend="distopt")'
+        )
+    return report
 
 
 def explain(
@@ -102,13 +141,12 @@ def explain(
     """Print (and return) the report of ``distopt.optimize`` for ``module``.
 
     Args:
-        module: a module returned by :func:`distopt.optimize`.
+        module: a module returned by :func:`distopt.optimize` or :func:`distopt.parallelize`, or
+            ``torch.compile(model, backend="distopt")`` after its first call.
         show_code: include the generated-code diff of each graph.
         graph_path: also write a picture of the graph (``.svg``/``.png``/``.dot``).
     """
-    report = report_of(module)
-    if report is None:
-        raise DistoptError(f"{type(module).__name__}: not a module returned by distopt.optimize")
+    report = _report(module)
     if graph_path is not None and isinstance(module, torch.fx.GraphModule):
         report.warnings.extend(draw_graph(module, graph_path))
     buffer = io.StringIO()

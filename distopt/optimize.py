@@ -61,6 +61,19 @@ def _normalize_inputs(model: nn.Module, example_inputs: Any) -> tuple[Any, ...] 
     return inputs
 
 
+def check_pass_options(pipeline: Sequence[PassSpec], options: Mapping[str, Mapping[str, Any]]) -> None:
+    """Every ``pass_options`` entry names a pass of the pipeline and options that pass declares."""
+    by_name = {spec.name: spec for spec in pipeline}
+    for name, values in options.items():
+        spec = by_name.get(name)
+        if spec is None:
+            raise ConfigError(f"pass_options.{name}: {name!r} is not a pass in this pipeline")
+        unknown = sorted(set(values) - set(spec.options))
+        if unknown:
+            known = f"known options: {', '.join(spec.options)}" if spec.options else "it takes no options"
+            raise ConfigError(f"pass_options.{name}.{unknown[0]}: unknown option ({known})")
+
+
 def optimize(
     model: nn.Module,
     example_inputs: Any = None,
@@ -93,12 +106,15 @@ def optimize(
         if isinstance(passes, str):
             raise ConfigError(f"passes: expected a list of pass names, got the string {passes!r}")
         passes = list(passes)
+        if cfg.passes is not None:
+            raise ConfigError(
+                f"passes: given twice, as passes={passes!r} and as config passes={list(cfg.passes)!r} "
+                "(give one)"
+            )
     elif cfg.passes is not None:
         passes = list(cfg.passes)
     pipeline = resolve_pipeline(passes)
-    unknown = set(cfg.pass_options) - {spec.name for spec in pipeline}
-    if unknown:
-        raise ConfigError(f"pass_options: {sorted(unknown)[0]!r} is not a pass in this pipeline")
+    check_pass_options(pipeline, cfg.pass_options)
     inputs = _normalize_inputs(model, example_inputs)
     if verify is None:
         verify = inputs is not None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -44,6 +45,22 @@ class VerifyRecord:
 
 
 @dataclass
+class ParallelRecord:
+    """What :func:`distopt.parallelize` did after optimizing: the wrapper, its units, the time."""
+
+    strategy: str
+    units: int = 0
+    unit_bytes: list[int] = field(default_factory=list)
+    """Parameter bytes of each unit, in execution order."""
+    schedule: Any = None
+    """FSDP2: the :class:`~distopt.parallel.fsdp_schedule.FsdpSchedule` (units left to the root
+    and kept from forward into backward)."""
+    optimize_seconds: float = 0.0
+    materialize_seconds: float = 0.0
+    wrap_seconds: float = 0.0
+
+
+@dataclass
 class OptimizeReport:
     model: str
     tier: str
@@ -56,6 +73,8 @@ class OptimizeReport:
     total_seconds: float = 0.0
     pass_names: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    parallel: ParallelRecord | None = None
+    """Set on the result of :func:`distopt.parallelize`."""
 
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, OptimizeReport] = weakref.WeakKeyDictionary()

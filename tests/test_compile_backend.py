@@ -58,3 +58,23 @@ def test_unknown_option_is_named() -> None:
     gm = torch.fx.symbolic_trace(build("mlp"))
     with pytest.raises(ConfigError, match="'fast'"):
         distopt_backend(gm, [], options={"fast": True})
+
+
+def test_explain_reports_the_graphs_the_backend_compiled() -> None:
+    import distopt
+
+    model = build("control_flow")
+    inputs = make_inputs("control_flow", model, 2)
+    compiled = torch.compile(model, backend="distopt")
+    compiled(*inputs)
+    text = distopt.explain(compiled, show_code=False)
+    assert "dynamo (torch.compile backend='distopt')" in text
+    assert "graph 1/" in text and "remove_identity" in text
+    assert "no graph compiled yet" not in text
+
+
+def test_explain_before_the_first_call_says_so() -> None:
+    import distopt
+
+    compiled = torch.compile(build("mlp"), backend="distopt")
+    assert "no graph compiled yet: call the module once" in distopt.explain(compiled, show_code=False)

@@ -36,5 +36,45 @@ def test_graph_picture_reports_missing_tools_or_writes_file(tmp_path) -> None:
 def test_explain_rejects_foreign_modules() -> None:
     import pytest
 
-    with pytest.raises(distopt.DistoptError, match="not a module returned by distopt.optimize"):
+    with pytest.raises(distopt.DistoptError) as err:
         distopt.explain(nn.Linear(2, 2))
+    assert str(err.value) == (
+        "Linear: not a module returned by distopt.optimize, distopt.parallelize "
+        'or torch.compile(backend="distopt")'
+    )
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tables = nn.ModuleList([nn.Linear(2, 2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tables[0](x)[0].sum() > 0:  # brackets the report must keep
+            return x
+        return -x
+
+
+def test_source_excerpts_keep_their_brackets() -> None:
+    result = distopt.optimize(Branchy(), config={"capture": {"dynamo": False}})
+    text = distopt.explain(result, show_code=False)
+    assert "if self.tables[0](x)[0].sum() > 0:" in text
+
+
+def test_explain_reports_what_parallelize_did() -> None:
+    import torch.distributed as dist
+
+    from distopt.rendezvous import host_store
+
+    store = host_store("127.0.0.1", 0, timeout_s=30)  # listens on loopback only
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = models.build("gpt", layers=2, dropout=0.0)
+        inputs = models.make_inputs("gpt", model, 2)
+        wrapped = distopt.parallelize(model, "fsdp", example_inputs=inputs, min_unit_bytes=0)
+        text = distopt.explain(wrapped, show_code=False)
+    finally:
+        dist.destroy_process_group()
+    assert "capture tier: symbolic_trace" in text and "verification passed" in text
+    assert "parallelize: fsdp, 4 units (MiB: " in text
+    assert "FSDP2 schedule: units left to the root" in text

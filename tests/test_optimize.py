@@ -108,23 +108,66 @@ def test_no_inputs_means_no_verification() -> None:
     assert report_of(optimized).verification is None
 
 
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x))
+
+
+_LINEAR = nn.Linear(2, 2)
+
+
 @pytest.mark.parametrize(
-    "call,match",
+    "call,message",
     [
-        (lambda: distopt.optimize([nn.Linear(2, 2)]), "model: expected a torch.nn.Module, got list"),
-        (lambda: distopt.optimize(nn.Linear(2, 2), (torch.randn(1, 2), torch.randn(1, 2))),
-         r"example_inputs: Linear.forward takes 1 positional input\(s\), got 2"),
-        (lambda: distopt.optimize(nn.Linear(2, 2), "x"), "example_inputs: expected a tensor"),
-        (lambda: distopt.optimize(nn.Linear(2, 2), passes=["nope"]), "unknown pass 'nope'"),
-        (lambda: distopt.optimize(nn.Linear(2, 2), passes="remove_identity"), "expected a list of pass names"),
-        (lambda: distopt.optimize(nn.Linear(2, 2), config={"verify": {"rtol": -1}}), "verify.rtol: expected a number >= 0, got -1"),
-        (lambda: distopt.optimize(nn.Linear(2, 2), config={"verfy": {}}), "config.verfy: unknown key"),
-        (lambda: distopt.optimize(nn.Linear(2, 2), config={"capture": {"dynamo": "yes"}}), "config.capture.dynamo: expected true or false, got 'yes'"),
-        (lambda: distopt.optimize(nn.Linear(2, 2), verify=True), "verify=True needs example_inputs"),
-        (lambda: distopt.optimize(nn.Linear(2, 2), config={"pass_options": {"nope": {}}}), "pass_options: 'nope'"),
+        (lambda: distopt.optimize([_LINEAR]), "model: expected a torch.nn.Module, got list"),
+        (lambda: distopt.optimize(_LINEAR, (torch.randn(1, 2), torch.randn(1, 2))),
+         "example_inputs: Linear.forward takes 1 positional input(s), got 2 (too many positional arguments)"),
+        (lambda: distopt.optimize(_LINEAR, "x"),
+         "example_inputs: expected a tensor or a tuple of positional inputs, got str"),
+        (lambda: distopt.optimize(_LINEAR, passes="remove_identity"),
+         "passes: expected a list of pass names, got the string 'remove_identity'"),
+        (lambda: distopt.optimize(_LINEAR, config={"verify": {"rtol": -1}}),
+         "config.verify.rtol: expected a number >= 0, got -1.0"),
+        (lambda: distopt.optimize(_LINEAR, config={"verfy": {}}),
+         "config.verfy: unknown key (known keys: capture, dump_graph, pass_options, passes, verify)"),
+        (lambda: distopt.optimize(_LINEAR, config={"capture": {"dynamo": "yes"}}),
+         "config.capture.dynamo: expected true or false, got 'yes'"),
+        (lambda: distopt.optimize(_LINEAR, verify=True), "verify=True needs example_inputs to run both models"),
+        (lambda: distopt.optimize(_LINEAR, config={"pass_options": {"nope": {}}}),
+         "pass_options.nope: 'nope' is not a pass in this pipeline"),
+        (lambda: distopt.optimize(_LINEAR, config={"pass_options": {"batch_fetch": {"max_batch_request": 2}}}),
+         "pass_options.batch_fetch.max_batch_request: unknown option (known options: max_batch_requests, max_batch_bytes)"),
+        (lambda: distopt.optimize(_LINEAR, config={"pass_options": {"sink_wait": {"depth": 2}}}),
+         "pass_options.sink_wait.depth: unknown option (it takes no options)"),
+        (lambda: distopt.optimize(_LINEAR, passes=["remove_identity"], config={"passes": ["sink_wait"]}),
+         "passes: given twice, as passes=['remove_identity'] and as config passes=['sink_wait'] (give one)"),
+        (lambda: distopt.optimize(_TwoLayers(), config={"capture": {"leaf_modules": ["torch.nn.Linaer"]}}),
+         "capture.leaf_modules: 'torch.nn.Linaer': module 'torch.nn' has no attribute 'Linaer'"),
+        (lambda: distopt.optimize(_TwoLayers(), config={"capture": {"leaf_modules": ["block.0"]}}),
+         "capture.leaf_modules: 'block.0' is neither a submodule of _TwoLayers nor an importable "
+         "nn.Module class ('package.module.Class')"),
+        (lambda: distopt.optimize(_TwoLayers(), config={"capture": {"leaf_functions": ["math.sqrtt"]}}),
+         "capture.leaf_functions: 'math.sqrtt': module 'math' has no attribute 'sqrtt'"),
     ],
 )
-def test_bad_input_is_a_one_line_error(call, match: str) -> None:
-    with pytest.raises(ConfigError, match=match) as err:
+def test_bad_input_is_a_one_line_error(call, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
         call()
+    assert str(err.value) == message
+
+
+def test_unknown_pass_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError) as err:
+        distopt.optimize(_LINEAR, passes=["nope"])
+    assert str(err.value).startswith("passes: unknown pass 'nope' (known passes: batch_fetch, ")
     assert "\n" not in str(err.value)
+
+
+def test_leaves_by_path_and_by_class_are_accepted() -> None:
+    gm = distopt.optimize(_TwoLayers(), config={"capture": {"leaf_modules": ["blocks.0", "torch.nn.ReLU"]}})
+    assert isinstance(gm, torch.fx.GraphModule)
+    assert any(n.op == "call_module" and n.target == "blocks.0" for n in gm.graph.nodes)

@@ -13,7 +13,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from distopt.capture.tracer import DistoptTracer
+from distopt.capture.tracer import DistoptTracer, check_leaves
 from distopt.config import CaptureConfig
 
 
@@ -59,6 +59,7 @@ def describe_failure(exc: BaseException) -> str:
 
 def symbolic_capture(model: nn.Module, config: CaptureConfig) -> torch.fx.GraphModule:
     """Tier 1: trace with :class:`DistoptTracer`; keep every parameter and buffer name of ``model``."""
+    check_leaves(model, config.leaf_modules, config.leaf_functions)
     tracer = DistoptTracer(leaf_modules=config.leaf_modules, leaf_functions=config.leaf_functions)
     graph = tracer.trace(model)
     root = tracer.root

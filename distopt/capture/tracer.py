@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import sys
 import traceback
 import types
@@ -46,6 +47,42 @@ def resolve_qualname(qualname: str) -> Any:
         raise ConfigError(f"{qualname!r}: module {module_name!r} has no attribute {attr!r}") from None
 
 
+def _looks_like_class(name: str) -> bool:
+    """``pkg.mod.Class`` or ``pkg.mod:Class`` (a class to import), as opposed to a submodule path
+    such as ``blocks.0`` (whose first part is no importable module)."""
+    if ":" in name:
+        return True
+    head = name.split(".", 1)[0]
+    return "." in name and importlib.util.find_spec(head) is not None
+
+
+def check_leaves(model: nn.Module, leaf_modules: Iterable[str], leaf_functions: Iterable[str]) -> None:
+    """Every configured leaf names something real: one-line errors before tracing starts."""
+    for leaf in leaf_modules:
+        if _looks_like_class(leaf):
+            try:
+                obj = resolve_qualname(leaf)
+            except ConfigError as err:
+                raise ConfigError(f"capture.leaf_modules: {err}") from None
+            if not isinstance(obj, type) or not issubclass(obj, nn.Module):
+                raise ConfigError(f"capture.leaf_modules: {leaf!r} is not an nn.Module class")
+            continue
+        try:
+            model.get_submodule(leaf)
+        except AttributeError:
+            raise ConfigError(
+                f"capture.leaf_modules: {leaf!r} is neither a submodule of {type(model).__name__} "
+                "nor an importable nn.Module class ('package.module.Class')"
+            ) from None
+    for fn in leaf_functions:
+        try:
+            obj = resolve_qualname(fn)
+        except ConfigError as err:
+            raise ConfigError(f"capture.leaf_functions: {err}") from None
+        if not callable(obj):
+            raise ConfigError(f"capture.leaf_functions: {fn!r} is not callable")
+
+
 class DistoptTracer(torch.fx.Tracer):
     """``torch.fx.Tracer`` with user-chosen leaf modules/functions and remote calls kept as leaves.
 
@@ -72,17 +109,13 @@ class DistoptTracer(torch.fx.Tracer):
         for leaf in leaf_modules:
             if isinstance(leaf, type):
                 types.append(leaf)
-            elif isinstance(leaf, str) and "." in leaf and not leaf.startswith("self."):
-                try:
-                    obj = resolve_qualname(leaf)
-                except ConfigError:
-                    paths.append(leaf)  # a submodule path such as "blocks.0"
-                    continue
+            elif _looks_like_class(leaf):
+                obj = resolve_qualname(leaf)
                 if not isinstance(obj, type) or not issubclass(obj, nn.Module):
                     raise ConfigError(f"leaf_modules: {leaf!r} is not an nn.Module class")
                 types.append(obj)
             else:
-                paths.append(str(leaf))
+                paths.append(str(leaf))  # a submodule path such as "blocks.0"
         self._leaf_types = tuple(types)
         self._leaf_paths = frozenset(paths)
 

@@ -3,7 +3,6 @@
 from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
 from distopt.parallel.parallelize import (
     ParallelizeConfig,
-    ParallelizeTiming,
     parallelize,
     timing_of,
 )
@@ -11,7 +10,6 @@ from distopt.parallel.units import materialize_units, plan_of, unit_modules
 
 __all__ = [
     "ParallelizeConfig",
-    "ParallelizeTiming",
     "apply_compile",
     "apply_ddp",
     "apply_fsdp",

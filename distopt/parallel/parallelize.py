@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
-import weakref
 from collections.abc import Mapping
 from typing import Any, Literal
 
@@ -15,9 +14,10 @@ from torch import nn
 from distopt.config import from_dict
 from distopt.errors import ConfigError
 from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
-from distopt.parallel.fsdp_schedule import FsdpSchedule, plan_fsdp_schedule
+from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
 from distopt.parallel.units import agree_across_ranks, materialize_units, plan_of, unit_modules
 from distopt.passes import resolve_pipeline
+from distopt.report import OptimizeReport, ParallelRecord, attach, report_of
 
 Strategy = Literal["ddp", "fsdp", "fsdp1"]
 
@@ -63,22 +63,10 @@ class ParallelizeConfig:
             raise ConfigError(f"memory_slack: expected a number >= 0, got {self.memory_slack!r}")
 
 
-@dataclasses.dataclass(kw_only=True, slots=True)
-class ParallelizeTiming:
-    optimize_seconds: float = 0.0
-    materialize_seconds: float = 0.0
-    wrap_seconds: float = 0.0
-    units: int = 0
-    schedule: FsdpSchedule | None = None
-    """FSDP2: the units left to the root and kept from forward into backward."""
-
-
-_TIMINGS: weakref.WeakKeyDictionary[nn.Module, ParallelizeTiming] = weakref.WeakKeyDictionary()
-
-
-def timing_of(module: nn.Module) -> ParallelizeTiming | None:
-    """How long :func:`parallelize` spent on ``module`` (its result), by phase."""
-    return _TIMINGS.get(module)
+def timing_of(module: nn.Module) -> ParallelRecord | None:
+    """What :func:`parallelize` did to produce ``module`` (its result): units, schedule, timing."""
+    report = report_of(module)
+    return report.parallel if report is not None else None
 
 
 def _config(strategy: str | None, config: ParallelizeConfig | Mapping[str, Any] | None, overrides: dict[str, Any]) -> ParallelizeConfig:
@@ -124,7 +112,7 @@ def parallelize(
     from distopt.optimize import optimize
 
     cfg = _config(strategy, config, overrides)
-    timing = ParallelizeTiming()
+    timing = ParallelRecord(strategy=cfg.strategy)
     start = time.perf_counter()
     needs_units = cfg.strategy in ("fsdp", "fsdp1") or (cfg.compile and cfg.strategy != "ddp")
     passes = list(cfg.passes) if cfg.passes is not None else [s.name for s in resolve_pipeline(None)]
@@ -161,6 +149,7 @@ def parallelize(
             )
     timing.materialize_seconds = time.perf_counter() - start
     timing.units = len(units)
+    timing.unit_bytes = [sum(p.numel() * p.element_size() for p in u.parameters()) for u in units]
 
     # The order is fixed by what each step needs from the ones before it:
     # 1. compile each unit first, so FSDP's hooks run outside compiled code and every unit is one
@@ -172,8 +161,7 @@ def parallelize(
         apply_compile(units or [root], backend=cfg.compile_backend)
     if cfg.strategy == "fsdp":
         schedule = plan_fsdp_schedule(
-            [sum(p.numel() * p.element_size() for p in u.parameters()) for u in units],
-            world_size=_world_size(mesh), memory_slack=cfg.memory_slack,
+            timing.unit_bytes, world_size=_world_size(mesh), memory_slack=cfg.memory_slack
         )
         timing.schedule = schedule
         result = apply_fsdp(root, units, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
@@ -183,7 +171,10 @@ def parallelize(
     else:
         result = apply_ddp(root, process_group=process_group)
     timing.wrap_seconds = time.perf_counter() - start
-    _TIMINGS[result] = timing
+    # The optimize report travels to the wrapper, so distopt.explain(result) tells the whole story.
+    report = report_of(optimized) or OptimizeReport(model=type(model).__qualname__, tier="")
+    report.parallel = timing
+    attach(result, report)
     return result
 
 
