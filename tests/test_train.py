@@ -215,6 +215,9 @@ def test_ps_dlrm_optimized_and_hand_variants_compare(tmp_path: Path) -> None:
         _assert_ok(_ps_job(tmp_path, config=DLRM_TINY, num_trainers=1, sets=sets))
     runs = [load_run(tmp_path / "optimized"), load_run(tmp_path / "hand")]
     assert [r.variant for r in runs] == ["optimized", "hand"]
+    predicted = ("predicted_gain", "predicted_step_time_s", "predicted_saving_s", "predicted_rpc_latency_s")
+    assert [k for k in runs[0].header if k.startswith("predicted_")] == list(predicted)
+    assert not any(k.startswith("predicted_") for k in runs[1].header)  # hand-written: no graph
     result = compare_runs(runs, warmup=2)
     assert result.config_diff == {} and result.gains[0].median > 0
 

@@ -31,7 +31,7 @@ import distopt.ps as ps
 from distopt.bench import median, quantile
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
-from distopt.costmodel import measure_latency, predict
+from distopt.estimate import GainPrediction, predict_gain
 from distopt.metrics import QpsLogWriter
 from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm_tables, make_batch
 
@@ -104,7 +104,7 @@ def _train_chunk(model, cfg: DLRMConfig, batches, opt, *, blocking_push: bool, l
 def _point(
     bench: PSOverlapConfig, k: int, latency: float, compute: Literal["light", "heavy"],
     console: Console,
-) -> dict:
+) -> tuple[dict, GainPrediction]:
     cfg = DLRMConfig(num_tables=k, compute=compute, batch_size=bench.batch_size,
                      num_rows=bench.num_rows, embedding_dim=bench.embedding_dim)
     options = ps.ServerOptions(num_servers=bench.num_servers, latency_ms=latency)
@@ -117,11 +117,7 @@ def _point(
             optimize_start = time.perf_counter()
             optimized = distopt.optimize(copy.deepcopy(baseline), example, strict=True)
             optimize_s = time.perf_counter() - optimize_start
-            captured = distopt.optimize(baseline, passes=[], verify=False)
-        rpc_latency = measure_latency(lambda: ps.wait(ps.fetch_async(cfg.table_names[0], batches[0].sparse[0])))
-        with torch.no_grad():
-            prediction = predict(captured, optimized, example, rpc_latency)
-        ps.discard_step()
+            prediction = predict_gain(baseline, optimized, example)
         models = {"baseline": baseline, "optimized": optimized, "hand": DLRMHandAsync(cfg)}
         optimizers = {name: torch.optim.SGD(m.parameters(), lr=bench.lr) for name, m in models.items()}
         times: dict[str, list[float]] = {name: [] for name in VARIANTS}
@@ -135,20 +131,22 @@ def _point(
     t_base, t_opt, t_hand = (results[n].median_s for n in VARIANTS)
     hideable = t_base - t_hand
     h = (t_base - t_opt) / hideable if hideable > 0.05 * t_base else None
-    return {
+    forward = prediction.forward
+    point = {
         "tables": k, "latency_ms": latency, "compute": compute,
         "variants": {n: {"median_step_s": r.median_s, "qps_median": bench.batch_size / r.median_s,
                          "qps_p10": r.qps(0.10), "qps_p90": r.qps(0.90), "steps": len(r.step_times),
                          "step_times_s": r.step_times} for n, r in results.items()},
         "hidden_fraction": h,
         "opt_vs_hand_qps": t_hand / t_opt,
-        "predicted_forward_before_s": prediction.before_s,
-        "predicted_forward_after_s": prediction.after_s,
-        "predicted_saving_s": prediction.before_s - prediction.after_s,
+        "predicted_forward_before_s": forward.before_s,
+        "predicted_forward_after_s": forward.after_s,
+        "predicted_saving_s": prediction.saving_s,
         "measured_saving_s": t_base - t_opt,
-        "rpc_latency_s": rpc_latency,
+        "rpc_latency_s": prediction.rpc_latency_s,
         "optimize_s": optimize_s,
     }
+    return point, prediction
 
 
 def _batching(bench: PSOverlapConfig) -> dict:
@@ -174,12 +172,11 @@ def _batching(bench: PSOverlapConfig) -> dict:
             "batched_s": median(many), "ratio": median(many) / median(one)}
 
 
-def _write_logs(bench: PSOverlapConfig, point: dict, run_stamp: str) -> None:
+def _write_logs(bench: PSOverlapConfig, point: dict, prediction: GainPrediction, run_stamp: str) -> None:
     for name in VARIANTS:
         run_id = f"{run_stamp}-K{point['tables']}-lat{point['latency_ms']:g}-{point['compute']}-{name}"
         config = {**to_dict(bench), "point": {k: point[k] for k in ("tables", "latency_ms", "compute")}}
-        extra = {"predicted_gain": point["predicted_forward_before_s"] / point["predicted_forward_after_s"],
-                 "predicted_saving_s": point["predicted_saving_s"]} if name == "optimized" else None
+        extra = prediction.to_header() if name == "optimized" else None
         writer = QpsLogWriter.create(bench.output_dir, run_id=run_id, variant=name, rank=0, world_size=1,
                                      global_batch_size=bench.batch_size, config=config, extra=extra)
         with writer:
@@ -214,8 +211,8 @@ def run(config: dict, args: argparse.Namespace) -> int:
     for index, (k, latency, compute) in enumerate(sweep, 1):
         console.print(f"[{index}/{len(sweep)}] K={k} latency={latency:g} ms compute={compute}: "
                       f"{bench.rounds} rounds × {bench.steps} steps × {len(VARIANTS)} variants…")
-        point = _point(bench, k, latency, compute, console)
-        _write_logs(bench, point, run_stamp)
+        point, prediction = _point(bench, k, latency, compute, console)
+        _write_logs(bench, point, prediction, run_stamp)
         points.append(point)
     console.print(_table(points, bench))
     batching = None

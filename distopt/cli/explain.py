@@ -8,19 +8,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+import statistics
+import time
+from typing import Any
 
 import torch
-import torch.fx
 from torch import nn
 
 import distopt
 from distopt import models
 from distopt.errors import ConfigError
-
-if TYPE_CHECKING:
-    from distopt.ps.spec import TableSpec
+from distopt.estimate import predict_gain
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -65,44 +63,38 @@ def run(args: argparse.Namespace) -> int:
         model.eval()
     tables = getattr(model, "ps_tables", None)
     if args.ps_latency_ms is None:
-        return _explain(args, model, inputs)
+        _explain(args, model, inputs)
+        return 0
     if tables is None or inputs is None:
         raise ConfigError(f"--ps-latency-ms: {args.model!r} is not a parameter-server model (no ps_tables())")
     import distopt.ps as ps
 
     with ps.local_job(tables(), ps.ServerOptions(latency_ms=args.ps_latency_ms)):
-        code = _explain(args, model, inputs)
-        _predict_and_measure(model, inputs)
-    return code
+        optimized = _explain(args, model, inputs)
+        _predict_and_measure(model, optimized, inputs)
+    return 0
 
 
-def _explain(args: argparse.Namespace, model: nn.Module, inputs: tuple[Any, ...] | None) -> int:
+def _explain(args: argparse.Namespace, model: nn.Module, inputs: tuple[Any, ...] | None) -> nn.Module:
     passes = [p.strip() for p in args.passes.split(",") if p.strip()] if args.passes else None
     optimized = distopt.optimize(
         model, inputs, passes=passes, verify=None if not args.no_verify else False, strict=args.strict
     )
     distopt.explain(optimized, show_code=not args.no_code, graph_path=args.graph)
-    return 0
+    return optimized
 
 
-def _predict_and_measure(model: nn.Module, inputs: tuple[Any, ...], rounds: int = 5, steps: int = 5) -> None:
+def _predict_and_measure(
+    model: nn.Module, optimized: nn.Module, inputs: tuple[Any, ...], rounds: int = 5, steps: int = 5
+) -> None:
     """Cost-model prediction of the forward time before/after, next to measured medians."""
-    import statistics
-    import time
-
     import distopt.ps as ps
-    from distopt.costmodel import measure_latency, predict
 
-    # run() only calls this for models with a ps_tables() method.
-    table = cast("Callable[[], tuple[TableSpec, ...]]", model.ps_tables)()[0].name
-    captured = distopt.optimize(model, passes=[], verify=False)
-    optimized = distopt.optimize(model, inputs, verify=False)
+    prediction = predict_gain(model, optimized, inputs).forward
+    times: dict[str, list[float]] = {"before": [], "after": []}
     with torch.no_grad(), ps.context.isolated_step():
-        latency = measure_latency(lambda: ps.wait(ps.fetch_async(table, torch.zeros(1, dtype=torch.long))))
-        prediction = predict(captured, optimized, inputs, latency)
-        times: dict[str, list[float]] = {"before": [], "after": []}
         for _ in range(rounds):  # interleaved, so drift hits both alike
-            for name, module in (("before", captured), ("after", optimized)):
+            for name, module in (("before", model), ("after", optimized)):
                 for _ in range(steps):
                     start = time.perf_counter()
                     module(*inputs)

@@ -15,7 +15,8 @@ from torch import nn
 
 from distopt import models
 from distopt.config import to_dict
-from distopt.errors import ConfigError, RemoteCallError
+from distopt.errors import CaptureError, ConfigError, RemoteCallError
+from distopt.estimate import predict_gain
 from distopt.job import checkpoint
 from distopt.job import state as job_state
 from distopt.job.config import JobConfig
@@ -80,48 +81,17 @@ def _optimize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> 
 def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]) -> dict[str, Any]:
     """The cost model's predicted gain of ``optimized`` over ``model``, as QPS-log header keys.
 
-    Only for parameter-server models (``model.ps_tables()``) captured as a graph. The cost model
-    predicts the forward time before and after the passes (per-node costs from a profiling run,
-    RPC latency from timing one real single-row fetch); the saving is subtracted from a measured
-    forward+backward of the baseline. Gradient pushes and DDP all-reduce are not modelled, so the
-    gain is an upper bound; ``distopt compare`` subtracts ``predicted_saving_s`` from the baseline
-    run's measured step instead.
+    Only for parameter-server models (``model.ps_tables()``) captured as a graph; see
+    :func:`distopt.estimate.predict_gain` (the forward saving taken off a measured
+    forward+backward of the model as written).
     """
-    import statistics
-    import time
-
-    import torch.fx
-
-    tables = getattr(model, "ps_tables", None)
-    if tables is None or not isinstance(optimized, torch.fx.GraphModule):
+    if getattr(model, "ps_tables", None) is None:
         return {}
-    import distopt.ps as ps
-    from distopt.costmodel import measure_latency, predict
-    from distopt.optimize import optimize
-
-    table = tables()[0].name
-    one_row = torch.zeros(1, dtype=torch.long)
-    with ps.context.isolated_step():
-        with torch.no_grad():
-            captured = optimize(model, passes=[], verify=False)
-            if not isinstance(captured, torch.fx.GraphModule):
-                return {}  # the prediction is optional: no graph, no prediction (never a failed job)
-            latency = measure_latency(lambda: ps.wait(ps.fetch_async(table, one_row)))
-            forward = predict(captured, optimized, example, latency)
-        samples = []
-        for _ in range(3):
-            start = time.perf_counter()
-            model(*example).float().sum().backward()
-            samples.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    step_before = statistics.median(samples)
-    step_after = max(step_before - (forward.before_s - forward.after_s), forward.after.compute_s)
-    return {
-        "predicted_gain": step_before / step_after,
-        "predicted_step_time_s": step_after,
-        "predicted_saving_s": forward.before_s - forward.after_s,
-        "predicted_rpc_latency_s": latency,
-    }
+    try:
+        prediction = predict_gain(model, optimized, example, measure_step=True)
+    except CaptureError:
+        return {}  # the prediction is optional: no graph, no prediction (never a failed job)
+    return prediction.to_header()
 
 
 def _parallelize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> nn.Module:

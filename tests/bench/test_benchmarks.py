@@ -34,8 +34,13 @@ def test_ps_overlap_runs_and_logs(tmp_path) -> None:
     assert set(point["variants"]) == {"baseline", "optimized", "hand"}
     assert all(v["steps"] == 3 for v in point["variants"].values())
     assert result["batching"]["fetches"] == 4 and result["batching"]["batched_s"] > 0
-    logs = sorted(p.parent.name.rsplit("-", 1)[-1] for p in (tmp_path / "runs").glob("*/qps-rank0.jsonl"))
-    assert logs == ["baseline", "hand", "optimized"]
+    logs = {p.parent.name.rsplit("-", 1)[-1]: p for p in (tmp_path / "runs").glob("*/qps-rank0.jsonl")}
+    assert sorted(logs) == ["baseline", "hand", "optimized"]
+    header = json.loads(logs["optimized"].read_text().splitlines()[0])
+    assert header["predicted_saving_s"] == point["predicted_saving_s"]
+    assert header["predicted_gain"] == pytest.approx(
+        point["predicted_forward_before_s"] / point["predicted_forward_after_s"]
+    )
 
 
 @pytest.mark.slow

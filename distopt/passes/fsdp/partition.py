@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from typing import Any
 
 import torch
@@ -26,8 +25,9 @@ import torch.fx
 from torch import nn
 
 from distopt.errors import ConfigError
+from distopt.estimate.profile import profile_nodes
 from distopt.passes.core.base import PassContext, PassResult, register_pass
-from distopt.remote import registry
+from distopt.passes.remote.nodes import remote_ops
 
 UNIT_META = "distopt_unit"
 PLAN_META = "distopt_partition"
@@ -45,7 +45,8 @@ class Unit:
     """FQNs of the parameters and buffers the unit owns (original model names)."""
     param_bytes: int
     cost: float
-    """Profiled forward seconds, or the estimate (parameter elements) without example inputs."""
+    """Profiled forward seconds, or the estimate (parameter elements) without example inputs
+    or when a node needs the result of a remote call (the pass never sends one)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -114,21 +115,15 @@ def block_key(path: str | None) -> str | None:
     return parts[0]
 
 
-def _is_issue(node: torch.fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    for spec in registry.registered_specs():
-        if node.target is spec.issue or (spec.batched is not None and node.target is spec.batched):
-            return True
-    return False
-
-
-def _forbidden_intervals(nodes: list[torch.fx.Node], touched: list[set[int]]) -> list[tuple[int, int]]:
+def _forbidden_intervals(
+    gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], touched: list[set[int]]
+) -> list[tuple[int, int]]:
     """Index ranges ``[a, b]`` that must not be cut (no cut before any index in ``(a, b]``).
 
     ``touched[i]`` holds the ids of the parameters/buffers node ``i`` uses.
     """
     pos = {n: i for i, n in enumerate(nodes)}
+    ops = remote_ops(gm.graph)
     intervals: list[tuple[int, int]] = []
     first_last: dict[int, list[int]] = {}
     pairs: dict[Any, list[int]] = {}
@@ -137,61 +132,31 @@ def _forbidden_intervals(nodes: list[torch.fx.Node], touched: list[set[int]]) ->
             first_last.setdefault(tid, [i, i])[1] = i
         if PAIR_META in node.meta:
             pairs.setdefault(node.meta[PAIR_META], []).append(i)
-        if _is_issue(node):
-            # The future flows only to its wait (maybe through getitem): keep the whole span.
-            last = max((pos[u] for u in _transitive_users(node) if u in pos), default=i)
-            intervals.append((i, last))
+        op = ops.get(node)
+        if op is not None and node is op.start and op.kind != "call":
+            # An issue (single or batched) and its waits: keep the whole span in one unit.
+            intervals.append((i, max((pos[e] for e in op.ends if e in pos), default=i)))
     intervals += [(a, b) for a, b in first_last.values() if b > a]
     intervals += [(min(ix), max(ix)) for ix in pairs.values() if len(ix) > 1]
     return intervals
 
 
-def _transitive_users(node: torch.fx.Node, limit: int = 64) -> list[torch.fx.Node]:
-    seen: list[torch.fx.Node] = []
-    frontier = list(node.users)
-    while frontier and len(seen) < limit:
-        n = frontier.pop()
-        if n in seen:
-            continue
-        seen.append(n)
-        if n.op == "call_function" and getattr(n.target, "__name__", "") == "getitem":
-            frontier.extend(n.users)
-    return seen
+def _profiled_costs(
+    gm: torch.fx.GraphModule, nodes: list[torch.fx.Node], example_inputs: tuple[Any, ...]
+) -> list[float] | None:
+    """Profiled seconds of ``nodes``, or ``None`` when the graph cannot run here.
 
-
-class _TimingInterpreter(torch.fx.Interpreter):
-    def __init__(self, gm: torch.fx.GraphModule):
-        super().__init__(gm)
-        self.seconds: dict[str, float] = {}
-
-    def run_node(self, n: torch.fx.Node) -> Any:
-        start = time.perf_counter()
-        out = super().run_node(n)
-        self.seconds[n.name] = self.seconds.get(n.name, 0.0) + time.perf_counter() - start
-        return out
-
-
-def profile_costs(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...], repeats: int = 2) -> dict[str, float] | None:
-    """Seconds per node of a forward run (no grad), or ``None`` when running the graph is unsafe.
-
-    Graphs with remote calls are never executed here (a profile run must not talk to servers).
+    A pass never talks to servers: remote requests are modeled, and add no compute to balance.
+    A node that needs a remote result cannot run then, and neither can a graph of meta tensors.
     """
-    from distopt.verify import preserved_state
-
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and (registry.is_remote_call(node.target) or _is_issue(node)):
-            return None
-    interp = _TimingInterpreter(gm)
     try:
-        # fork_rng: dropout in the profile run must not shift the user's random stream.
-        with preserved_state(gm), torch.no_grad(), torch.random.fork_rng(devices=[]):
-            interp.run(*example_inputs)  # warm-up (allocator, lazy init)
-            interp.seconds.clear()
-            for _ in range(repeats):
-                interp.run(*example_inputs)
+        # Three timed runs are enough to weigh units against each other.
+        seconds = profile_nodes(gm, example_inputs, repeats=3, remote_latency_s=0.0)
     except Exception:
         return None  # e.g. meta tensors: fall back to estimates
-    return interp.seconds
+    if any(n.name not in seconds for n in nodes):
+        return None
+    return [seconds[n.name] for n in nodes]
 
 
 def _choose_cuts_by_count(prefix: list[float], candidates: list[int], k: int) -> list[int]:
@@ -234,7 +199,8 @@ class PartitionOptions:
     max_unit_bytes: int | None = None
     """Memory budget: parameter bytes per unit (overrides ``num_units``)."""
     cost: str = "auto"
-    """``"profile"``, ``"estimate"`` or ``"auto"`` (profile when example inputs exist)."""
+    """``"profile"``, ``"estimate"`` or ``"auto"`` (profile when the example inputs can run the
+    graph without remote results, see :func:`distopt.estimate.profile.profile_nodes`)."""
     compute_weight: float = 0.5
     """Share of compute cost in the balance (the rest is parameter bytes)."""
 
@@ -279,15 +245,16 @@ def plan_partition(
         states.append(fresh)
     node_bytes = [sum(tensor_bytes(v) for v in s.values() if isinstance(v, nn.Parameter)) for s in states]
 
-    seconds = None
+    costs: list[float] | None = None
     if options.cost in ("auto", "profile") and example_inputs is not None:
-        seconds = profile_costs(gm, example_inputs)
-    if options.cost == "profile" and seconds is None:
-        raise ConfigError("partition.cost: 'profile' needs example inputs the graph can run on (and no remote calls)")
-    if seconds is not None:
-        costs, source = [seconds.get(n.name, 0.0) for n in nodes], "profile"
-    else:
-        costs, source = [b / 4.0 for b in node_bytes], "estimate"
+        costs = _profiled_costs(gm, nodes, example_inputs)
+    if options.cost == "profile" and costs is None:
+        raise ConfigError(
+            "partition.cost: 'profile' needs example inputs the graph can run on without remote results"
+        )
+    source = "estimate" if costs is None else "profile"
+    if costs is None:
+        costs = [b / 4.0 for b in node_bytes]
 
     total_b, total_c = float(sum(node_bytes)) or 1.0, float(sum(costs)) or 1.0
     cw = options.compute_weight if sum(costs) else 0.0
@@ -297,7 +264,7 @@ def plan_partition(
         prefix.append(prefix[-1] + w)
 
     blocked: set[int] = set()
-    for a, b in _forbidden_intervals(nodes, touched):
+    for a, b in _forbidden_intervals(gm, nodes, touched):
         blocked.update(range(a + 1, b + 1))
     allowed = [i for i in range(1, len(nodes)) if i not in blocked]
     keys = [block_key(_scope(n)) for n in nodes]

@@ -234,3 +234,28 @@ def test_alpha_beta_is_measured_once_and_cached(tmp_path) -> None:
     assert cache_path("gloo", 2, tmp_path).is_file()
     assert first.all_gather_beta > 0 and first.reduce_scatter_beta > 0
     assert alpha_beta(cache_dir=tmp_path) == first  # served from the cache, not re-measured
+
+
+def test_profiling_never_talks_to_servers() -> None:
+    from tests.passes.remote.inprocess_server import DIM, STORE, fetch, push
+
+    class Remote(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(4))
+
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            push("t0", ids, x)  # the result is unused: the rest of the graph can be profiled
+            for layer in self.layers:
+                x = layer(x)
+            return x + fetch("t1", ids) if self.read else x
+
+    inputs = (torch.randn(3, DIM), torch.tensor([1, 2, 3]))
+    options = {"pass_options": {"partition": {"num_units": 2}}}
+    for read, source in ((False, "profile"), (True, "estimate")):
+        model = Remote()
+        model.read = read  # with a fetch the final add needs server rows: estimates instead
+        STORE.reset()
+        gm = distopt.optimize(model, inputs, passes=["partition"], config=options, verify=False, strict=True)
+        assert plan_of(gm).cost_source == source
+        assert STORE.requests == 0

@@ -1,0 +1,31 @@
+"""The estimation layer: what a graph costs, measured once and simulated, for passes and tools.
+
+* :mod:`~distopt.estimate.profile` — the one node profiler (median of timed runs, user state
+  untouched, remote calls replayed or modeled);
+* :mod:`~distopt.estimate.timeline` — one clock over a graph: blocking calls vs overlapped waits;
+* :mod:`~distopt.estimate.predict` — before/after predictions of the remote-call scheduling
+  passes and the one helper the trainer, ``distopt explain`` and the benchmarks report from.
+"""
+
+from distopt.estimate.predict import (
+    GainPrediction,
+    Prediction,
+    fetch_latency,
+    measure_latency,
+    predict,
+    predict_gain,
+)
+from distopt.estimate.profile import profile_nodes
+from distopt.estimate.timeline import Timeline, simulate
+
+__all__ = [
+    "GainPrediction",
+    "Prediction",
+    "Timeline",
+    "fetch_latency",
+    "measure_latency",
+    "predict",
+    "predict_gain",
+    "profile_nodes",
+    "simulate",
+]

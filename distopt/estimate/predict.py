@@ -1,0 +1,262 @@
+"""Predict what the remote-call scheduling passes gain, from profiled node costs and RPC latency.
+
+:func:`predict` says how long the forward graph takes before and after the passes: both graphs
+walked by :func:`~distopt.estimate.timeline.simulate` with the node costs of one profiling run
+(:func:`~distopt.estimate.profile.profile_nodes`; ``gm_after`` is profiled only when its local
+nodes cannot be matched to ``gm_before``'s by name).
+
+:func:`predict_gain` is what the tools call (the trainer's QPS-log header, ``distopt explain
+--ps-latency-ms``, the ps_overlap benchmark): it captures the model as written, measures the RPC
+latency with one single-row fetch (:func:`fetch_latency`) unless given one, predicts the forward,
+and optionally measures a forward+backward of the model to turn the forward saving into a step
+gain. :meth:`GainPrediction.to_header` gives the QPS-log header keys (docs/qps_log_format.md).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from distopt.errors import CaptureError, ConfigError
+from distopt.estimate.profile import profile_nodes
+from distopt.estimate.timeline import Timeline, simulate
+from distopt.passes.remote.nodes import remote_ops
+from distopt.verify import isolated, preserved_state
+
+
+def measure_latency(call: Callable[[], Any], *, repeats: int = 20) -> float:
+    """Median seconds of ``call()`` after one warm-up call."""
+    if repeats < 1:
+        raise ConfigError(f"repeats: expected an integer >= 1, got {repeats!r}")
+    call()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def fetch_latency(table: str, *, repeats: int = 20) -> float:
+    """Median seconds of one blocking single-row fetch from parameter-server table ``table``.
+
+    The round trip the timeline charges per request; under ``torch.no_grad()``, so the fetched
+    row is never recorded for a gradient push.
+    """
+    import distopt.ps as ps  # the estimator itself does not need a parameter-server client
+
+    one_row = torch.zeros(1, dtype=torch.long)
+    with torch.no_grad():
+        return measure_latency(lambda: ps.wait(ps.fetch_async(table, one_row)), repeats=repeats)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """Predicted time of one forward step before and after the scheduling passes."""
+
+    before: Timeline
+    after: Timeline
+    rpc_latency_s: float
+    unmatched: list[str] = field(default_factory=list)
+    """Nodes of ``gm_after`` whose cost came from profiling ``gm_after`` itself."""
+
+    @property
+    def before_s(self) -> float:
+        return self.before.total_s
+
+    @property
+    def after_s(self) -> float:
+        return self.after.total_s
+
+    @property
+    def saving_s(self) -> float:
+        return self.before_s - self.after_s
+
+    @property
+    def speedup(self) -> float:
+        return self.before_s / self.after_s if self.after_s > 0 else float("inf")
+
+    @property
+    def hidden_fraction(self) -> float:
+        """Share of the blocking remote time of ``before`` that ``after`` no longer waits for."""
+        if self.before.blocked_s <= 0:
+            return 0.0
+        return max(0.0, (self.before.blocked_s - self.after.blocked_s) / self.before.blocked_s)
+
+    def summary(self) -> str:
+        return (
+            f"predicted step {self.before_s * 1e3:.2f} ms -> {self.after_s * 1e3:.2f} ms "
+            f"({self.speedup:.2f}x; compute {self.after.compute_s * 1e3:.2f} ms, "
+            f"{self.before.requests} -> {self.after.requests} requests at "
+            f"{self.rpc_latency_s * 1e3:.2f} ms, {self.hidden_fraction:.0%} of remote wait hidden)"
+        )
+
+
+def _graphs(**modules: nn.Module) -> list[torch.fx.GraphModule]:
+    """The modules as torch.fx graphs, or a one-line error saying what they are instead (a model
+    that fell back to eager or Dynamo has no nodes to cost)."""
+    graphs = [m for m in modules.values() if isinstance(m, torch.fx.GraphModule)]
+    if len(graphs) < len(modules):
+        got = " and ".join(f"{type(m).__name__} ({role})" for role, m in modules.items())
+        raise CaptureError(f"cost model: needs torch.fx graphs, got {got}")
+    return graphs
+
+
+def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    return tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
+
+
+def predict(
+    gm_before: nn.Module,
+    gm_after: nn.Module,
+    example_inputs: tuple[Any, ...],
+    rpc_latency_s: float,
+    *,
+    repeats: int = 5,
+) -> Prediction:
+    """Predict the forward time of ``gm_before`` (as captured) and ``gm_after`` (after the passes).
+
+    Args:
+        gm_before: the captured graph with blocking remote calls.
+        gm_after: the optimized graph.
+        example_inputs: positional inputs of one forward call.
+        rpc_latency_s: measured round-trip time of one remote request, in seconds.
+        repeats: timed profiling runs per graph (the median is used).
+
+    Both models must be torch.fx graphs: anything else is a one-line :class:`CaptureError`.
+    """
+    gm_before, gm_after = _graphs(captured=gm_before, optimized=gm_after)
+    if not rpc_latency_s >= 0:
+        raise ConfigError(f"rpc_latency_s: expected seconds >= 0, got {rpc_latency_s!r}")
+    example_inputs = _as_tuple(example_inputs)
+    costs = profile_nodes(gm_before, example_inputs, repeats=repeats)
+    after_ops = remote_ops(gm_after.graph)
+    local = [
+        n.name
+        for n in gm_after.graph.nodes
+        if n not in after_ops and n.op not in ("placeholder", "output")
+    ]
+    unmatched = [name for name in local if name not in costs]
+    after_costs = dict(costs)
+    if unmatched:
+        after_costs.update(profile_nodes(gm_after, example_inputs, repeats=repeats))
+    return Prediction(
+        before=simulate(gm_before, costs, rpc_latency_s),
+        after=simulate(gm_after, after_costs, rpc_latency_s),
+        rpc_latency_s=rpc_latency_s,
+        unmatched=unmatched,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class GainPrediction:
+    """The predicted gain of an optimized model over the model as written, as the tools report it.
+
+    Gradient pushes and DDP all-reduce are not modelled, so the gain is an upper bound;
+    ``distopt compare`` takes :attr:`saving_s` off the baseline run's measured step instead.
+    """
+
+    forward: Prediction
+    measured_step_s: float | None = None
+    """Median forward+backward of the model as written; ``None`` when not measured."""
+
+    @property
+    def rpc_latency_s(self) -> float:
+        return self.forward.rpc_latency_s
+
+    @property
+    def saving_s(self) -> float:
+        """Predicted seconds per step the passes save (the forward's saving)."""
+        return self.forward.saving_s
+
+    @property
+    def step_s(self) -> float | None:
+        """Predicted optimized step: the measured step less the saving, never below the compute."""
+        if self.measured_step_s is None:
+            return None
+        return max(self.measured_step_s - self.saving_s, self.forward.after.compute_s)
+
+    @property
+    def gain(self) -> float:
+        """Measured step over predicted step; the forward's speedup when no step was measured."""
+        step = self.step_s
+        if self.measured_step_s is None or step is None:
+            return self.forward.speedup
+        return self.measured_step_s / step if step > 0 else float("inf")
+
+    def to_header(self) -> dict[str, float]:
+        """The QPS-log header keys (``predicted_step_time_s`` only when a step was measured)."""
+        header = {"predicted_gain": self.gain}
+        if self.step_s is not None:
+            header["predicted_step_time_s"] = self.step_s
+        header["predicted_saving_s"] = self.saving_s
+        header["predicted_rpc_latency_s"] = self.rpc_latency_s
+        return header
+
+
+def _measure_step(model: nn.Module, example_inputs: tuple[Any, ...], runs: int = 3) -> float:
+    """Median seconds of a forward+backward of ``model``; its grads, buffers and RNG stream, and
+    remote state such as fetched-row records, are as they were afterwards."""
+    samples = []
+    with preserved_state(model), isolated(), torch.random.fork_rng(devices=[]):
+        # Restored on exit; None now so that backward does not accumulate into the user's grads.
+        model.zero_grad(set_to_none=True)
+        for _ in range(runs):
+            start = time.perf_counter()
+            model(*example_inputs).float().sum().backward()
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def predict_gain(
+    model: nn.Module,
+    optimized: nn.Module,
+    example_inputs: Any,
+    *,
+    latency_s: float | None = None,
+    measure_step: bool = False,
+    repeats: int = 5,
+) -> GainPrediction:
+    """Predict the gain of ``optimized`` (a torch.fx graph distopt made) over ``model``.
+
+    Args:
+        model: the model as written; captured here without passes for the "before" graph.
+        optimized: the optimized GraphModule.
+        example_inputs: positional inputs of one forward call.
+        latency_s: seconds per remote request; default: :func:`fetch_latency` of the model's
+            first parameter-server table (``model.ps_tables()``).
+        measure_step: also time a forward+backward of ``model`` (the trainer's step gain).
+        repeats: timed profiling runs per graph.
+
+    A model or optimized model without a graph is a one-line :class:`CaptureError`, raised
+    before any request is sent.
+    """
+    # Not at module level: optimize imports the passes, and the partition pass this package.
+    from distopt.optimize import optimize
+
+    if latency_s is not None and not latency_s >= 0:
+        raise ConfigError(f"latency_s: expected seconds >= 0, got {latency_s!r}")
+    _graphs(optimized=optimized)
+    example_inputs = _as_tuple(example_inputs)
+    with torch.no_grad():
+        captured = optimize(model, passes=[], verify=False)
+    _graphs(captured=captured, optimized=optimized)
+    if latency_s is None:
+        tables = getattr(model, "ps_tables", None)
+        if tables is None:
+            raise ConfigError(
+                f"latency_s: {type(model).__name__} has no ps_tables() to measure it on; pass seconds"
+            )
+        latency_s = fetch_latency(tables()[0].name)
+    forward = predict(captured, optimized, example_inputs, latency_s, repeats=repeats)
+    step = _measure_step(model, example_inputs) if measure_step else None
+    return GainPrediction(forward=forward, measured_step_s=step)

@@ -1,0 +1,114 @@
+"""The node profiler: how long each node of a graph takes, measured by running it.
+
+One semantics for every caller (the cost model's prediction, the FSDP partition's balance):
+
+* a warm-up run (allocator, lazy initialization), then ``repeats`` timed runs; a node's cost is
+  the median of its timed samples;
+* under ``torch.no_grad()`` unless ``grad=True``;
+* the user's random stream, the module's buffers (BatchNorm statistics) and ``.grad``, and
+  remote-client state such as fetched-row records are the same afterwards
+  (``torch.random.fork_rng``, :func:`distopt.verify.preserved_state` and
+  :func:`distopt.verify.isolated`), so profiling a model does not change what training computes;
+* remote operations (:func:`distopt.passes.remote.nodes.remote_ops`) are never timed locally.
+  By default they run for real once, in the warm-up, and the timed runs replay their results, so
+  the servers see a single step. With ``remote_latency_s`` the caller forbids talking to
+  servers (a graph pass): remote nodes never run, each request costs ``remote_latency_s``, and
+  a local node that needs a remote result cannot run and has no cost.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.fx
+from torch.fx import Node
+
+from distopt.errors import ConfigError
+from distopt.passes.remote.nodes import RemoteOp, remote_ops
+from distopt.verify import isolated, preserved_state
+
+
+class _Unavailable:
+    """The value of a node that did not run: a modeled remote node, or a node that needs one."""
+
+    def __repr__(self) -> str:
+        return "<distopt:unavailable>"
+
+
+_UNAVAILABLE = _Unavailable()
+
+
+class _ProfilingInterpreter(torch.fx.Interpreter):
+    """Times every local node; remote nodes are replayed after their first run, or modeled."""
+
+    def __init__(
+        self, gm: torch.fx.GraphModule, ops: Mapping[Node, RemoteOp], *, modeled: bool
+    ) -> None:
+        super().__init__(gm)
+        self.ops = ops
+        self.modeled = modeled
+        self.recorded: dict[Node, Any] = {}
+        self.samples: dict[str, list[float]] = {}
+
+    def run_node(self, n: Node) -> Any:
+        if n in self.ops:
+            if self.modeled:
+                return _UNAVAILABLE
+            if n not in self.recorded:
+                self.recorded[n] = super().run_node(n)
+            return self.recorded[n]
+        if any(self.env.get(i) is _UNAVAILABLE for i in n.all_input_nodes):
+            return _UNAVAILABLE
+        start = time.perf_counter()
+        result = super().run_node(n)
+        if n.op not in ("placeholder", "output"):
+            self.samples.setdefault(n.name, []).append(time.perf_counter() - start)
+        return result
+
+
+def profile_nodes(
+    gm: torch.fx.GraphModule,
+    example_inputs: tuple[Any, ...],
+    *,
+    repeats: int = 5,
+    grad: bool = False,
+    remote_latency_s: float | None = None,
+) -> dict[str, float]:
+    """Median seconds of each node of ``gm`` by node name (see the module docstring).
+
+    Args:
+        gm: the graph to run.
+        example_inputs: positional inputs of one forward call.
+        repeats: timed runs after the warm-up.
+        grad: run with autograd recording (default: under ``torch.no_grad()``).
+        remote_latency_s: ``None`` runs remote calls once for real and replays them, and remote
+            nodes have no entry (their cost is the latency the caller charges, see
+            :func:`distopt.estimate.timeline.simulate`). Seconds: remote nodes never run; the
+            node starting each request (call, issue, batched issue) costs this, its waits 0,
+            and local nodes that need a remote result have no entry.
+    """
+    if repeats < 1:
+        raise ConfigError(f"repeats: expected an integer >= 1, got {repeats!r}")
+    if remote_latency_s is not None and not remote_latency_s >= 0:
+        raise ConfigError(f"remote_latency_s: expected seconds >= 0, got {remote_latency_s!r}")
+    ops = remote_ops(gm.graph)
+    interpreter = _ProfilingInterpreter(gm, ops, modeled=remote_latency_s is not None)
+    with (
+        preserved_state(gm),
+        isolated(),
+        torch.random.fork_rng(devices=[]),
+        torch.set_grad_enabled(grad),
+    ):
+        interpreter.run(*example_inputs)
+        interpreter.samples.clear()
+        for _ in range(repeats):
+            interpreter.run(*example_inputs)
+    costs = {name: statistics.median(samples) for name, samples in interpreter.samples.items()}
+    if remote_latency_s is not None:
+        for node, op in ops.items():
+            costs[node.name] = remote_latency_s if node is op.start else 0.0
+    return costs

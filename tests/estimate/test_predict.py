@@ -1,0 +1,117 @@
+"""predict (forward before/after the passes) and predict_gain (what the tools report)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.fx
+from torch import nn
+
+import distopt
+from distopt.estimate.predict import (
+    GainPrediction,
+    Prediction,
+    measure_latency,
+    predict,
+    predict_gain,
+)
+from distopt.estimate.timeline import Timeline
+from tests.estimate.remote_models import graphs
+from tests.passes.remote import inprocess_server as ps
+from tests.passes.remote.inprocess_server import STORE, fetch
+
+HEADER_KEYS = ["predicted_gain", "predicted_step_time_s", "predicted_saving_s", "predicted_rpc_latency_s"]
+
+
+def test_prediction_before_and_after_the_passes() -> None:
+    _, before, after, inputs = graphs()
+    latency = 0.005
+    prediction = predict(before, after, inputs, rpc_latency_s=latency, repeats=3)
+    assert prediction.unmatched == []
+    assert prediction.before.requests == 2 and prediction.after.requests == 2
+    assert prediction.before_s == pytest.approx(prediction.before.compute_s + 2 * latency)
+    # The two fetches overlap each other and the tower: at most one latency remains.
+    assert prediction.after_s <= prediction.after.compute_s + latency + 1e-9
+    assert prediction.speedup > 1.5
+    assert 0.5 <= prediction.hidden_fraction <= 1.0
+    assert "predicted step" in prediction.summary()
+
+
+def test_prediction_matches_a_measured_run_with_real_latency() -> None:
+    _, before, after, inputs = graphs()
+    STORE.reset(delay_s=0.02)
+    latency = measure_latency(lambda: fetch("t0", torch.tensor([0])), repeats=5)
+    assert latency == pytest.approx(0.02, abs=0.015)
+
+    def measured(gm: torch.fx.GraphModule) -> float:
+        samples = []
+        for _ in range(3):
+            start = time.perf_counter()
+            gm(*inputs)
+            samples.append(time.perf_counter() - start)
+        return sorted(samples)[1]
+
+    prediction = predict(before, after, inputs, rpc_latency_s=latency, repeats=3)
+    base, opt = measured(before), measured(after)
+    assert prediction.before_s == pytest.approx(base, rel=0.5)
+    assert prediction.after_s == pytest.approx(opt, rel=0.5)
+    assert opt < base
+
+
+def test_bad_latency_is_rejected() -> None:
+    _, before, after, inputs = graphs()
+    with pytest.raises(distopt.ConfigError, match="rpc_latency_s"):
+        predict(before, after, inputs, rpc_latency_s=-1.0)
+
+
+def test_a_model_without_a_graph_is_a_one_line_error() -> None:
+    _, before, _, inputs = graphs()
+    with pytest.raises(distopt.CaptureError, match=r"needs torch.fx graphs, got .* and Linear \(optimized\)$"):
+        predict(before, nn.Linear(ps.DIM, ps.DIM), inputs, rpc_latency_s=0.001)
+
+
+def _timeline(total_s: float, compute_s: float) -> Timeline:
+    return Timeline(total_s=total_s, compute_s=compute_s, blocked_s=total_s - compute_s, requests=1)
+
+
+def test_gain_takes_the_forward_saving_off_the_measured_step() -> None:
+    forward = Prediction(before=_timeline(0.030, 0.005), after=_timeline(0.010, 0.005), rpc_latency_s=0.02)
+    stepped = GainPrediction(forward=forward, measured_step_s=0.050)
+    assert stepped.saving_s == pytest.approx(0.020) and stepped.step_s == pytest.approx(0.030)
+    assert stepped.gain == pytest.approx(0.050 / 0.030)
+    assert list(stepped.to_header()) == HEADER_KEYS
+    assert stepped.to_header()["predicted_rpc_latency_s"] == 0.02
+    # A step shorter than the saving (noise) is never predicted below the optimized compute.
+    assert GainPrediction(forward=forward, measured_step_s=0.001).step_s == pytest.approx(0.005)
+    forward_only = GainPrediction(forward=forward)
+    assert forward_only.gain == pytest.approx(3.0) and forward_only.step_s is None
+    assert "predicted_step_time_s" not in forward_only.to_header()
+
+
+def test_predict_gain_leaves_the_model_as_it_was() -> None:
+    model, _, after, inputs = graphs()
+    STORE.reset()
+    rng = torch.random.get_rng_state()
+    prediction = predict_gain(model, after, inputs, latency_s=0.004, measure_step=True, repeats=2)
+    assert prediction.rpc_latency_s == 0.004 and prediction.measured_step_s is not None
+    assert list(prediction.to_header()) == HEADER_KEYS
+    assert prediction.forward.before.requests == 2 and prediction.forward.unmatched == []
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert STORE.requests == 2 + 3 * 2  # one profile of the captured graph, three measured steps
+
+
+def test_predict_gain_sends_nothing_when_there_is_no_graph() -> None:
+    model, _, _, inputs = graphs()
+    STORE.reset()
+    with pytest.raises(distopt.CaptureError, match=r"got Linear \(optimized\)$"):
+        predict_gain(model, nn.Linear(ps.DIM, ps.DIM), inputs, measure_step=True)
+    assert STORE.requests == 0
+
+
+def test_predict_gain_needs_a_latency_for_a_model_without_tables() -> None:
+    model, _, after, inputs = graphs()
+    with pytest.raises(distopt.ConfigError, match="latency_s: Overlappable has no ps_tables"):
+        predict_gain(model, after, inputs)

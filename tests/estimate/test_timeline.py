@@ -1,0 +1,44 @@
+"""simulate: one clock over a graph, blocking calls vs issues whose waits come later."""
+
+import pytest
+import torch.fx
+
+from distopt.estimate.timeline import simulate
+from tests.estimate.remote_models import graphs, local_nodes
+
+
+def _synthetic_costs(gm: torch.fx.GraphModule, seconds: float) -> dict[str, float]:
+    return {n.name: seconds for n in gm.graph.nodes if n.op not in ("placeholder", "output")}
+
+
+def test_blocking_graph_costs_compute_plus_every_latency() -> None:
+    _, before, _, _ = graphs()
+    costs = _synthetic_costs(before, 0.001)
+    local = local_nodes(before)
+    timeline = simulate(before, costs, rpc_latency_s=0.010)
+    assert timeline.requests == 2
+    assert timeline.compute_s == pytest.approx(0.001 * len(local))
+    assert timeline.total_s == pytest.approx(0.001 * len(local) + 2 * 0.010)
+    assert timeline.blocked_s == pytest.approx(0.020)
+
+
+def test_async_graph_hides_latency_behind_the_work_between_issue_and_wait() -> None:
+    _, _, after, _ = graphs()
+    # Both fetches are issued first, the tower runs (3 nodes), then each wait precedes its add.
+    assert [n.name for n in after.graph.nodes][2:10] == [
+        "fetch_issue",
+        "fetch_1_issue",
+        "fc1",
+        "relu",
+        "fc2",
+        "fetch_wait",
+        "add",
+        "fetch_1_wait",
+    ]
+    costs = _synthetic_costs(after, 0.001)  # remote nodes' own costs are ignored
+    hidden = simulate(after, costs, rpc_latency_s=0.002)
+    assert hidden.total_s == pytest.approx(0.005) and hidden.blocked_s == pytest.approx(0.0)
+    exposed = simulate(after, costs, rpc_latency_s=0.050)
+    assert exposed.total_s == pytest.approx(0.050 + 0.002)  # wait at 3 ms blocks until 50 ms
+    assert exposed.blocked_s == pytest.approx(0.047)
+    assert exposed.requests == 2 and exposed.compute_s == pytest.approx(0.005)
