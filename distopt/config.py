@@ -208,6 +208,10 @@ class VerifyConfig:
     """Also compare parameter gradients (training-mode models; eval-mode models compare outputs)."""
     bisect: bool = True
     """On mismatch, re-run prefixes of the pass list to name the pass that broke equivalence."""
+    remote_writes: bool = False
+    """Let verification run a model that writes to remote state (pushes, remote calls not
+    declared reads): the original's run applies each write once and the optimized run replays
+    it. Off, such a model is returned unverified and the report says why."""
 
     def __post_init__(self) -> None:
         check(self.rtol >= 0, "verify.rtol", "a number >= 0", self.rtol)

@@ -17,8 +17,10 @@ from distopt.capture import Tier, describe_failure, dynamo_capture, symbolic_cap
 from distopt.config import OptimizeConfig, from_dict
 from distopt.errors import CaptureError, ConfigError, PassError, VerificationError
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
-from distopt.report import GraphRecord, OptimizeReport, attach
-from distopt.verify import compare_modules
+from distopt.passes.remote.nodes import remote_ops
+from distopt.remote.wait import source_line
+from distopt.report import GraphRecord, OptimizeReport, VerifyRecord, attach
+from distopt.verify import Reference, compare_modules, run_reference
 
 
 class DistoptFallbackWarning(UserWarning):
@@ -212,8 +214,23 @@ def _verify_or_fall_back(
     strict: bool,
     report: OptimizeReport,
 ) -> nn.Module:
+    writes = _remote_writes(optimized)
+    if writes and not cfg.verify.remote_writes:
+        # Checking would apply the model's remote writes once (the original's run): not without
+        # the user's say-so.
+        reason = (
+            f"the model writes to remote state ({len(writes)} call(s), first at {writes[0]}); "
+            "set config verify.remote_writes=true to let verification apply them once"
+        )
+        report.verification = VerifyRecord(
+            passed=True, max_abs_diff=0.0, rtol=cfg.verify.rtol, atol=cfg.verify.atol,
+            compared=0, skipped=reason,
+        )  # fmt: skip
+        report.warnings.append(f"verification skipped: {reason}")
+        return optimized
     try:
-        record = compare_modules(model, optimized, inputs, cfg.verify)
+        reference = run_reference(model, inputs, cfg.verify)
+        record = compare_modules(model, optimized, inputs, cfg.verify, reference=reference)
     except Exception as err:
         if strict:
             raise
@@ -224,7 +241,7 @@ def _verify_or_fall_back(
         return optimized
     culprit = None
     if cfg.verify.bisect and pipeline:
-        culprit = _bisect_culprit(model, inputs, pipeline, cfg)
+        culprit = _bisect_culprit(model, inputs, pipeline, cfg, reference)
         record.culprit = culprit
     where = f"pass {culprit!r} broke equivalence" if culprit else "outputs differ"
     message = f"verification failed for {report.model}: {where}: {record.message}"
@@ -233,13 +250,23 @@ def _verify_or_fall_back(
     return _fall_back(model, report, message)
 
 
+def _remote_writes(module: nn.Module) -> list[str]:
+    """Source lines of the remote writes in ``module``'s graph (none known outside a graph)."""
+    if not isinstance(module, torch.fx.GraphModule):
+        return []
+    ops = remote_ops(module.graph)
+    return [source_line(n) for n, op in ops.items() if n is op.start and op.is_write]
+
+
 def _bisect_culprit(
     model: nn.Module,
     inputs: tuple[Any, ...],
     pipeline: Sequence[PassSpec],
     cfg: OptimizeConfig,
+    reference: Reference,
 ) -> str | None:
-    """Find the first pass whose prefix of the pipeline makes outputs differ (O(log n) runs)."""
+    """Find the first pass whose prefix of the pipeline makes outputs differ (O(log n) runs of
+    candidates against the one reference run of the original)."""
 
     def prefix_ok(k: int) -> bool:
         quiet = dataclasses.replace(cfg, passes=None, dump_graph=None)
@@ -247,7 +274,7 @@ def _bisect_culprit(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DistoptFallbackWarning)
             candidate = _capture_and_transform(model, inputs, pipeline[:k], quiet, True, scratch)
-        return compare_modules(model, candidate, inputs, cfg.verify).passed
+        return compare_modules(model, candidate, inputs, cfg.verify, reference=reference).passed
 
     lo, hi = 0, len(pipeline)  # prefix lo is fine (assumed for lo=0), prefix hi is broken
     try:

@@ -42,6 +42,8 @@ class VerifyRecord:
     message: str = ""
     culprit: str | None = None
     seconds: float = 0.0
+    skipped: str | None = None
+    """Why verification did not run (e.g. it would have applied remote writes)."""
 
 
 @dataclass

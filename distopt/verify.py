@@ -1,18 +1,28 @@
-"""Check that an optimized module computes what the original computes: outputs and gradients."""
+"""Check that an optimized module computes what the original computes: outputs and gradients.
+
+The original model runs once (:func:`run_reference`), its remote calls performed for real and
+recorded; each candidate (the optimized graph, or a prefix of the pipeline while bisecting)
+replays those results (:class:`distopt.remote.record.Replay`), so no remote call runs twice and
+randomness on a server cannot make a correct rewrite look wrong.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
+import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from distopt.config import VerifyConfig
+from distopt.remote.local import named_local_tensors, with_remote_calls
+from distopt.remote.record import Recording, Replay, recording
 from distopt.report import VerifyRecord
 
 _ISOLATION_HOOKS: list[Callable[[], AbstractContextManager[Any]]] = []
@@ -41,13 +51,14 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
     """Restore buffers (e.g. BatchNorm running stats) and ``.grad`` of ``modules`` on exit.
 
     Verification runs real forward/backward passes; the user's model must come out unchanged.
+    Only local state counts (a ``RemoteModule`` lives on its owner).
     """
     tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    grads: dict[int, tuple[nn.Parameter, torch.Tensor | None]] = {}
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for module in modules:
-        for buf in module.buffers():
+        for _, buf in named_local_tensors(module, "_buffers"):
             tensors.setdefault(id(buf), (buf, buf.detach().clone()))
-        for param in module.parameters():
+        for _, param in named_local_tensors(module, "_parameters"):
             grads.setdefault(id(param), (param, param.grad))
     try:
         yield
@@ -59,14 +70,40 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
             param.grad = grad
 
 
-def _run(module: nn.Module, inputs: tuple[Any, ...], seed_state: torch.Tensor, check_grads: bool):
-    params = [p for p in module.parameters() if p.requires_grad]
-    for p in params:
+@dataclasses.dataclass
+class RunResult:
+    """Outputs and parameter gradients of one verification run."""
+
+    outputs: list[torch.Tensor]
+    flat: list[Any]
+    grads: dict[str, torch.Tensor | None]
+
+
+@dataclasses.dataclass
+class Reference:
+    """The original model's run, done once: compared with every candidate (bisection included)."""
+
+    result: RunResult
+    recording: Recording
+    """The remote calls the original made, with their results (replayed into candidates)."""
+    seed_state: torch.Tensor
+    check_grads: bool
+
+
+def _run(
+    module: nn.Module,
+    forward: Callable[..., Any],
+    inputs: tuple[Any, ...],
+    seed_state: torch.Tensor,
+    check_grads: bool,
+) -> RunResult:
+    params = [(n, p) for n, p in named_local_tensors(module, "_parameters") if p.requires_grad]
+    for _, p in params:
         p.grad = None
     with torch.random.fork_rng(devices=[]):
         torch.random.set_rng_state(seed_state)
         with torch.set_grad_enabled(check_grads):
-            outputs = module(*inputs)
+            outputs = forward(*inputs)
     flat_out, _ = tree_flatten(outputs)
     tensors = [t for t in flat_out if isinstance(t, torch.Tensor)]
     grads: dict[str, torch.Tensor | None] = {}
@@ -81,9 +118,20 @@ def _run(module: nn.Module, inputs: tuple[Any, ...], seed_state: torch.Tensor, c
             )
             # differentiable is not empty, so the sum is a tensor (never the start value 0).
             cast(torch.Tensor, loss).backward()
-        names = {id(p): n for n, p in module.named_parameters()}
-        grads = {names[id(p)]: (None if p.grad is None else p.grad.detach().clone()) for p in params}
-    return [t.detach().clone() for t in tensors], flat_out, grads
+        grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in params}
+    return RunResult([t.detach().clone() for t in tensors], flat_out, grads)
+
+
+def run_reference(original: nn.Module, example_inputs: tuple[Any, ...], config: VerifyConfig) -> Reference:
+    """Run ``original`` once, its remote calls for real and recorded (the model ends unchanged)."""
+    seed_state = torch.random.get_rng_state()
+    # An eval-mode model is optimized for inference (e.g. conv-bn folding): outputs must match,
+    # gradients of parameters folded away are meaningless.
+    check_grads = config.check_grads and original.training
+    view = with_remote_calls(original)
+    with preserved_state(view), isolated(), recording(view) as record:
+        result = _run(view, view, example_inputs, seed_state, check_grads)
+    return Reference(result, record, seed_state, check_grads)
 
 
 def compare_modules(
@@ -91,27 +139,36 @@ def compare_modules(
     optimized: nn.Module,
     example_inputs: tuple[Any, ...],
     config: VerifyConfig,
+    *,
+    reference: Reference | None = None,
 ) -> VerifyRecord:
-    """Run both modules on the same inputs and RNG state; compare outputs and parameter grads."""
+    """Run both modules on the same inputs and RNG state; compare outputs and parameter grads.
+
+    The original runs once (``reference``, when given, is that run); a GraphModule candidate
+    replays the original's remote-call results instead of calling the servers again.
+    """
     start = time.perf_counter()
-    seed_state = torch.random.get_rng_state()
-    # An eval-mode model is optimized for inference (e.g. conv-bn folding): outputs must match,
-    # gradients of parameters folded away are meaningless.
-    check_grads = config.check_grads and original.training
-    # Each run starts from the same buffers and RNG state, and the user's model ends unchanged.
-    with preserved_state(original, optimized), isolated():
-        ref_out, ref_flat, ref_grads = _run(original, example_inputs, seed_state, check_grads)
-    with preserved_state(original, optimized), isolated():
-        opt_out, opt_flat, opt_grads = _run(optimized, example_inputs, seed_state, check_grads)
+    ref = reference or run_reference(original, example_inputs, config)
+    forward: Callable[..., Any] = optimized
+    if isinstance(optimized, torch.fx.GraphModule):
+        forward = Replay(optimized, ref.recording).run
+    with preserved_state(optimized), isolated():
+        got = _run(optimized, forward, example_inputs, ref.seed_state, ref.check_grads)
+    return _compare(ref.result, got, config, time.perf_counter() - start)
+
+
+def _compare(ref: RunResult, opt: RunResult, config: VerifyConfig, seconds: float) -> VerifyRecord:
     problems: list[str] = []
-    if len(ref_flat) != len(opt_flat):
-        problems.append(f"output structure differs ({len(ref_flat)} vs {len(opt_flat)} leaves)")
+    if len(ref.flat) != len(opt.flat):
+        problems.append(f"output structure differs ({len(ref.flat)} vs {len(opt.flat)} leaves)")
     max_diff = 0.0
     compared = 0
-    pairs = [(f"output[{i}]", a, b) for i, (a, b) in enumerate(zip(ref_out, opt_out, strict=False))]
-    for name in ref_grads:
-        pairs.append((f"grad of {name}", ref_grads[name], opt_grads.get(name)))
-    missing = sorted(set(ref_grads) - set(opt_grads))
+    pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
+        (f"output[{i}]", a, b) for i, (a, b) in enumerate(zip(ref.outputs, opt.outputs, strict=False))
+    ]
+    for name in ref.grads:
+        pairs.append((f"grad of {name}", ref.grads[name], opt.grads.get(name)))
+    missing = sorted(set(ref.grads) - set(opt.grads))
     if missing:
         problems.append(f"parameters missing in the optimized model: {', '.join(missing[:3])}")
     for label, a, b in pairs:
@@ -138,5 +195,5 @@ def compare_modules(
         atol=config.atol,
         compared=compared,
         message="; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""),
-        seconds=time.perf_counter() - start,
+        seconds=seconds,
     )

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import copy
 import enum
-import os
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +13,20 @@ from torch import nn
 
 from distopt.capture.tracer import DistoptTracer, check_leaves
 from distopt.config import CaptureConfig
+from distopt.remote.local import with_remote_calls
+from distopt.remote.record import CALL_INDEX
+from distopt.where import describe_failure, user_frame
+
+__all__ = [
+    "CaptureResult",
+    "Tier",
+    "describe_failure",
+    "dynamo_capture",
+    "keep_state_names",
+    "number_remote_calls",
+    "symbolic_capture",
+    "user_frame",
+]
 
 
 class Tier(str, enum.Enum):
@@ -32,36 +44,29 @@ class CaptureResult:
     """Why the symbolic tier was not used, with the user's source line when known."""
 
 
-_DISTOPT_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
-# Reference models ship inside distopt but are "user code" for error messages.
-_USER_DIRS = (os.path.join(_DISTOPT_DIR, "models"),)
+def number_remote_calls(gm: torch.fx.GraphModule) -> int:
+    """Write :data:`CALL_INDEX` on every remote call and issue of a freshly captured graph."""
+    from distopt.passes.remote.nodes import remote_ops
 
-
-def user_frame(exc: BaseException) -> str | None:
-    """``file:line: code`` of the innermost traceback frame outside torch and distopt."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if "<" in frame.filename or path.startswith(_TORCH_DIR):
-            continue
-        if path.startswith(_DISTOPT_DIR) and not path.startswith(_USER_DIRS):
-            continue
-        return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
-    return None
-
-
-def describe_failure(exc: BaseException) -> str:
-    message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    where = user_frame(exc)
-    return f"{type(exc).__name__}: {message}" + (f" (at {where})" if where else "")
+    count = 0
+    for node, op in remote_ops(gm.graph).items():
+        if node is op.start:
+            node.meta[CALL_INDEX] = count
+            count += 1
+    return count
 
 
 def symbolic_capture(model: nn.Module, config: CaptureConfig) -> torch.fx.GraphModule:
-    """Tier 1: trace with :class:`DistoptTracer`; keep every parameter and buffer name of ``model``."""
+    """Tier 1: trace with :class:`DistoptTracer`; keep every parameter and buffer name of ``model``.
+
+    A model holding ``RemoteModule`` is traced through a view in which each is a local
+    stand-in making one remote call (:func:`distopt.remote.local.with_remote_calls`); the result
+    then holds only the local state.
+    """
     check_leaves(model, config.leaf_modules, config.leaf_functions)
+    view = with_remote_calls(model)
     tracer = DistoptTracer(leaf_modules=config.leaf_modules, leaf_functions=config.leaf_functions)
-    graph = tracer.trace(model)
+    graph = tracer.trace(view)
     root = tracer.root
     if tracer.function_constants:
         # A shallow view (shared parameters and submodules) carries the function constants,
@@ -69,8 +74,9 @@ def symbolic_capture(model: nn.Module, config: CaptureConfig) -> torch.fx.GraphM
         root = copy.copy(root)
         root.__dict__.update(tracer.function_constants)
     gm = torch.fx.GraphModule(root, graph, type(model).__name__)
-    keep_state_names(model, gm)
+    keep_state_names(view, gm)
     gm.meta["distopt_original_class"] = type(model).__qualname__
+    number_remote_calls(gm)
     return gm
 
 

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import importlib.util
+import re
 import sys
-import traceback
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import torch.distributed.rpc as rpc_api
 import torch.fx
 from torch import nn
 
 from distopt.errors import ConfigError
-from distopt.remote import registry
+from distopt.remote import rpc
+from distopt.remote.intercept import intercepted
+from distopt.where import caller_stack
 
 
 def resolve_qualname(qualname: str) -> Any:
@@ -84,11 +86,12 @@ def check_leaves(model: nn.Module, leaf_modules: Iterable[str], leaf_functions: 
 
 
 class DistoptTracer(torch.fx.Tracer):
-    """``torch.fx.Tracer`` with user-chosen leaf modules/functions and remote calls kept as leaves.
+    r"""``torch.fx.Tracer`` with user-chosen leaf modules/functions and remote calls kept as leaves.
 
-    A registered remote call (see :mod:`distopt.remote`) is replaced, for the duration of a trace, by
-    a stub that records a ``call_function`` node targeting the real function — so the call is never
-    executed while tracing, even when none of its arguments is a traced value.
+    Every remote call the model's code makes (see :mod:`distopt.remote.intercept`) is recorded as
+    one ``call_function`` node targeting the registered function, and never executed while
+    tracing, even when none of its arguments is a traced value. RRefs, ``WorkerInfo`` objects and the
+    functions passed to RPCs become attributes of the GraphModule.
     """
 
     def __init__(
@@ -120,19 +123,25 @@ class DistoptTracer(torch.fx.Tracer):
         self._leaf_paths = frozenset(paths)
 
     def create_arg(self, a: Any) -> Any:
-        # Functions passed as arguments (``rpc_sync(to, fetch_rows, args=...)``) cannot be written
-        # into generated code, so they become attributes of the GraphModule read by get_attr.
+        # Objects generated code cannot spell (functions passed to ``rpc_sync``, RRefs,
+        # WorkerInfos, remote-module handles) become attributes of the GraphModule, read by
+        # get_attr: the graph holds the object itself, never a copy.
         if isinstance(a, (types.FunctionType, types.BuiltinFunctionType)) and not isinstance(
             a, torch._ops.OpOverload
         ):
-            name = self.function_constants_by_id.get(id(a))
-            if name is None:
-                base = getattr(a, "__name__", "fn").strip("<>") or "fn"
-                name = f"_distopt_fn_{base}_{len(self.function_constants)}"
-                self.function_constants[name] = a
-                self.function_constants_by_id[id(a)] = name
-            return self.create_node("get_attr", name, (), {})
+            return self._constant(a, getattr(a, "__name__", "fn"))
+        if _is_opaque(a):
+            return self._constant(a, type(a).__name__)
         return super().create_arg(a)
+
+    def _constant(self, value: Any, base: str) -> torch.fx.Node:
+        name = self.function_constants_by_id.get(id(value))
+        if name is None:
+            base = re.sub(r"\W", "_", base).strip("_") or "obj"
+            name = f"_distopt_const_{base}_{len(self.function_constants)}"
+            self.function_constants[name] = value
+            self.function_constants_by_id[id(value)] = name
+        return self.create_node("get_attr", name, (), {})
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_paths:
@@ -142,66 +151,18 @@ class DistoptTracer(torch.fx.Tracer):
         return super().is_leaf_module(m, module_qualified_name)
 
     def trace(self, root: nn.Module | Callable[..., Any], concrete_args: Any = None) -> torch.fx.Graph:
-        with self._remote_calls_as_leaves(root):
+        # Remote calls are recorded as leaves, never run: routed to _record on this thread.
+        with intercepted(root, self._record):
             return super().trace(root, concrete_args)
 
-    @contextlib.contextmanager
-    def _remote_calls_as_leaves(self, root: Any) -> Iterator[None]:
-        leaves = {id(fn): fn for fn in registry.leaf_callables()}
-        aliases = [a for spec in registry.registered_specs() for a in spec.aliases]
-        namespaces = _namespaces_to_patch(root)
-        patched: list[tuple[dict[str, Any], str, Any]] = []
-        try:
-            places = [(ns, name) for ns in namespaces for name, v in list(ns.items()) if id(v) in leaves]
-            places += [(ns, name) for ns, name in aliases if id(ns.get(name)) in leaves]
-            for ns, name in places:
-                original = ns[name]
-                patched.append((ns, name, original))
-                ns[name] = self._make_stub(original)
-            yield
-        finally:
-            for ns, name, original in reversed(patched):
-                ns[name] = original
-
-    def _make_stub(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        tracer = self
-
-        def remote_call_stub(*args: Any, **kwargs: Any) -> Any:
-            proxy = tracer.create_proxy("call_function", fn, args, kwargs)
-            if not proxy.node.stack_trace:
-                # The user's line of the call: errors raised at its wait quote it.
-                proxy.node.stack_trace = "".join(traceback.format_stack(sys._getframe(1), limit=1))
-            return proxy
-
-        remote_call_stub.__wrapped__ = fn  # type: ignore[attr-defined]
-        return remote_call_stub
+    def _record(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        proxy = self.create_proxy("call_function", fn, args, kwargs)
+        if not proxy.node.stack_trace:
+            # The user's lines of the call (and of the helper that made it): waits quote them.
+            proxy.node.stack_trace = caller_stack(sys._getframe(1))
+        return proxy
 
 
-def _namespaces_to_patch(root: Any) -> list[dict[str, Any]]:
-    """Globals of every module whose code the trace may run: the root's and its submodules' classes."""
-    seen: set[int] = set()
-    result: list[dict[str, Any]] = []
-
-    def add(module_name: str | None) -> None:
-        mod = sys.modules.get(module_name or "")
-        if mod is not None and id(mod) not in seen:
-            seen.add(id(mod))
-            result.append(vars(mod))
-
-    if isinstance(root, nn.Module):
-        for sub in root.modules():
-            if isinstance(sub, torch.fx.GraphModule):
-                # Generated code keeps its own globals: re-tracing must patch those too.
-                generated = type(sub).forward.__globals__
-                if id(generated) not in seen:
-                    seen.add(id(generated))
-                    result.append(generated)
-            for cls in type(sub).__mro__:
-                if cls.__module__.startswith("torch."):
-                    break
-                add(cls.__module__)
-    else:
-        add(getattr(root, "__module__", None))
-    for fn in registry.leaf_callables():
-        add(getattr(fn, "__module__", None))
-    return result
+def _is_opaque(value: Any) -> bool:
+    """Values FX cannot put in generated code and that are not module state: remote handles."""
+    return rpc.is_rref(value) or isinstance(value, (rpc_api.WorkerInfo, rpc.RemoteModuleHandle))

@@ -5,6 +5,6 @@ The order is registration order, which breaks ties between unconstrained passes.
 # ruff: noqa: I001, F401
 
 from distopt.passes.local import remove_identity
-from distopt.passes.remote import split, hoist, batch, sink
+from distopt.passes.remote import pair, split, hoist, batch, sink
 from distopt.passes.fsdp import partition, fuse_units
 from distopt.passes.local import fold_conv_bn, channels_last

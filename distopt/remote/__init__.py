@@ -10,12 +10,16 @@ from distopt.remote.registry import (
     register_leaf_function,
     register_read,
     register_remote,
+    register_write,
     registered_specs,
     remote,
     resource_of,
     unregister_remote,
 )
 from distopt.remote.wait import is_wait, source_line
+
+# Declares torch.distributed.rpc's idioms (rpc_sync, RRef calls, rpc.remote, RemoteModule).
+from distopt.remote import rpc as rpc  # noqa: E402  isort: skip
 
 __all__ = [
     "RemoteCallSpec",
@@ -29,6 +33,7 @@ __all__ = [
     "register_leaf_function",
     "register_read",
     "register_remote",
+    "register_write",
     "registered_specs",
     "remote",
     "resource_of",

@@ -4,9 +4,10 @@ A registered call is always a graph leaf: the tracer records it as one ``call_fu
 never executes it while tracing. The scheduling passes use the spec to split the call into an
 asynchronous issue plus a wait, and the declared effect to decide how far the issue may move.
 
-``torch.distributed.rpc.rpc_sync`` is registered out of the box. Its effect depends on the remote
-function it calls: functions declared with :func:`register_read` are pure reads; any other remote
-function is treated as a write (the conservative choice).
+The ``torch.distributed.rpc`` idioms (``rpc_sync``, RRef helpers, ``rref.rpc_sync().m(...)``,
+``rpc.remote(...).to_here()``, ``RemoteModule``) are registered by :mod:`distopt.remote.rpc`. Whether
+the function such a call runs on the server only reads is declared with :func:`register_read` (or
+:func:`register_write` to overrule a default).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import torch.distributed.rpc as rpc
 import torch.fx
 from torch.futures import Future
 
@@ -73,7 +73,7 @@ class RemoteCallSpec:
 
 _LOCK = threading.Lock()
 _SPECS: dict[int, RemoteCallSpec] = {}
-_READ_FUNCTIONS: set[int] = set()
+_DECLARED_EFFECTS: dict[int, Effect] = {}
 
 
 def register_remote(
@@ -149,10 +149,32 @@ def unregister_remote(fn: Callable[..., Any]) -> None:
 
 
 def register_read(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark a function executed *on the server* through ``rpc_sync`` as a pure read."""
+    """Declare that ``fn``, run *on the server* by a remote call, only reads server state.
+
+    ``fn`` is what the call runs: the function given to ``rpc_sync``/``rpc_async``/``rpc.remote``,
+    or the method an RRef call invokes (``EmbeddingTable.forward``). Reads of one resource may
+    overlap and reorder; verification runs them once and replays their results.
+    """
     with _LOCK:
-        _READ_FUNCTIONS.add(id(fn))
+        _DECLARED_EFFECTS[id(fn)] = "read"
     return fn
+
+
+def register_write(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Declare that ``fn``, run on the server by a remote call, changes server state.
+
+    Needed only to overrule a default: the ``forward`` of an ``nn.Module`` behind an RRef or a
+    ``RemoteModule`` counts as a read unless declared a write (e.g. a module whose forward updates
+    its own buffers, such as BatchNorm in training mode).
+    """
+    with _LOCK:
+        _DECLARED_EFFECTS[id(fn)] = "write"
+    return fn
+
+
+def declared_effect(fn: Any) -> Effect | None:
+    """What :func:`register_read`/:func:`register_write` said about ``fn`` (``None``: nothing)."""
+    return _DECLARED_EFFECTS.get(id(fn))
 
 
 def lookup(fn: Any) -> RemoteCallSpec | None:
@@ -169,17 +191,29 @@ def registered_specs() -> tuple[RemoteCallSpec, ...]:
 
 
 _EXTRA_LEAVES: dict[int, Callable[..., Any]] = {}
+_EXTRA_ALIASES: list[tuple[dict[str, Any], str]] = []
 
 
-def register_leaf_function(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Keep ``fn`` a single graph node when a rewritten graph is traced again.
+def register_leaf_function(
+    fn: Callable[..., Any], *, aliases: Sequence[tuple[dict[str, Any], str]] = ()
+) -> Callable[..., Any]:
+    """Keep ``fn`` a single graph node (never run) while tracing.
 
-    Passes that insert calls to helpers (issue, wait, split results) register those helpers so
-    re-tracing an optimized GraphModule records them instead of executing them on proxies.
+    For functions that must not run on proxies: helpers passes insert (so re-tracing an optimized
+    GraphModule records them) and the halves of remote calls users write themselves
+    (``rpc.rpc_async``, ``torch.futures.wait_all``). ``aliases`` are extra ``(namespace, name)``
+    places where ``fn`` is reachable (a package re-exporting it).
     """
     with _LOCK:
         _EXTRA_LEAVES[id(fn)] = fn
+        _EXTRA_ALIASES.extend(aliases)
     return fn
+
+
+def leaf_aliases() -> tuple[tuple[dict[str, Any], str], ...]:
+    """Every ``(namespace, name)`` place a leaf callable is reachable besides its own module."""
+    with _LOCK:
+        return (*(a for spec in _SPECS.values() for a in spec.aliases), *_EXTRA_ALIASES)
 
 
 def leaf_callables() -> tuple[Callable[..., Any], ...]:
@@ -201,32 +235,3 @@ def resource_of(
     spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Hashable | None:
     return None if spec.resource is None else spec.resource(args, kwargs)
-
-
-def _rpc_arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str) -> Any:
-    if len(args) > index:
-        return args[index]
-    return kwargs.get(name)
-
-
-def _rpc_effect(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Effect:
-    func = _rpc_arg(args, kwargs, 1, "func")
-    return "read" if id(func) in _READ_FUNCTIONS else "write"
-
-
-def _rpc_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
-    # Calls to different workers never conflict; within a worker, a PS-style first argument
-    # (the table name) narrows it further when it is a plain string.
-    to = _rpc_arg(args, kwargs, 0, "to")
-    call_args = _rpc_arg(args, kwargs, 2, "args") or ()
-    table = call_args[0] if call_args and isinstance(call_args[0], str) else None
-    return (str(to), table)
-
-
-register_remote(
-    rpc.rpc_sync,
-    issue=rpc.rpc_async,
-    effect=_rpc_effect,
-    resource=_rpc_resource,
-    aliases=((vars(rpc), "rpc_sync"),),
-)

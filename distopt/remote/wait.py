@@ -23,6 +23,7 @@ from torch.autograd.profiler import record_function
 from torch.fx import Node
 
 from distopt.errors import RemoteCallError
+from distopt.where import call_site
 
 WaitOp = Callable[..., Any]
 
@@ -73,16 +74,6 @@ def is_wait(node: Node) -> bool:
     return node.op == "call_function" and hasattr(node.target, "_distopt_wait_of")
 
 
-_FRAME = re.compile(
-    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in [^\n]*\n[ \t]*(?P<code>[^\n]*)'
-)
-
-
 def source_line(node: Node) -> str:
-    """``file:line: code`` of the user's call that created ``node`` (its innermost traced frame)."""
-    trace = node.stack_trace or node.meta.get("stack_trace") or ""
-    matches = list(_FRAME.finditer(trace))
-    if not matches:
-        return f"graph node {node.name}"
-    last = matches[-1]
-    return f"{last['file']}:{last['line']}: {last['code'].strip()}"
+    """``file:line: code`` of the user's call that created ``node`` (see :func:`distopt.where.call_site`)."""
+    return call_site(node.stack_trace or node.meta.get("stack_trace"), f"graph node {node.name}")

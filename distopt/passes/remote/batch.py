@@ -20,6 +20,7 @@ from distopt.passes.remote.nodes import (
     must_keep_order,
     remote_ops,
 )
+from distopt.remote.record import CALL_INDEX
 from distopt.remote.wait import is_wait
 
 _OPTIONS = ("max_batch_requests", "max_batch_bytes")
@@ -276,6 +277,7 @@ def _merge(graph: torch.fx.Graph, members: list[Node], op: RemoteOp) -> None:
             ([tuple(m.args) for m in members], [dict(m.kwargs) for m in members]),
         )
     batched.meta["distopt_side_effect"] = True
+    batched.meta[CALL_INDEX] = [m.meta.get(CALL_INDEX) for m in members]
     for item, member in enumerate(members):
         for wait in list(member.users):
             wait.update_arg(0, batched)

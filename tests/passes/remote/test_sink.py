@@ -5,6 +5,7 @@ from torch import nn
 import distopt
 from distopt.passes import run_passes
 from distopt.passes.core.base import resolve_pipeline
+from distopt.report import report_of
 from tests.passes.remote import inprocess_server as ps
 from tests.passes.remote.inprocess_server import STORE, fetch, push
 
@@ -75,8 +76,22 @@ def test_unused_write_wait_sinks_to_the_end_and_is_kept() -> None:
     gm = distopt.optimize(PushOnly(), _inputs(), passes=PASSES, strict=True)
     order = _order(gm)
     assert order[-2] == "push_wait" and order[-1] == "output"
+    # Verification would have to apply the push: it is skipped and says why.
+    verification = report_of(gm).verification
+    assert verification is not None and verification.skipped is not None
+    assert "writes to remote state" in verification.skipped and "push(" in verification.skipped
+    assert STORE.versions["t1"] == 0
     gm(*_inputs())
-    assert STORE.versions["t1"] == 1 + 2  # once per verification run, then once here
+    assert STORE.versions["t1"] == 1
+
+
+def test_verification_applies_a_remote_write_once_when_allowed() -> None:
+    config = {"verify": {"remote_writes": True}}
+    gm = distopt.optimize(PushOnly(), _inputs(), passes=PASSES, strict=True, config=config)
+    verification = report_of(gm).verification
+    assert verification is not None and verification.passed and verification.skipped is None
+    # The original's run applied the push; the optimized run replayed it.
+    assert STORE.versions["t1"] == 1
 
 
 class InPlaceAfter(nn.Module):

@@ -1,0 +1,94 @@
+"""Give remote calls users already wrote asynchronously the wait ops ``split_remote`` would."""
+
+from __future__ import annotations
+
+import torch.futures
+import torch.fx
+from torch.fx import Node
+
+from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.remote.nodes import remote_ops
+from distopt.remote import rpc
+from distopt.remote.registry import RemoteCallSpec
+from distopt.remote.wait import source_line
+
+_WAIT_METHODS = {id(rpc._wait): "wait", id(rpc._to_here): "to_here"}
+"""The method a user calls on an issue's result to wait for it, by the spec's ``wait``."""
+
+
+def _wait_method(spec: RemoteCallSpec) -> str | None:
+    return _WAIT_METHODS.get(id(spec.wait))
+
+
+@register_pass("pair_user_waits", before=("hoist_issue", "sink_wait"))
+def pair_user_waits(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Turn the waits users write on their own async remote calls into the spec's wait op.
+
+    ``fut.wait()`` on ``rpc.rpc_async``/``rref.rpc_async().m()``/``remote_module.forward_async``,
+    ``rref.to_here()`` on ``rpc.remote``/``rref.remote().m()``, and ``torch.futures.wait_all``
+    over such futures: the issue stays where it is (it is never wrapped again), and the scheduling
+    passes can now hoist it and sink its waits like those ``split_remote`` makes.
+
+    Before::
+
+        rpc_async = torch.distributed.rpc.api.rpc_async('ps', lookup, args = (ids,))
+        fc = self.fc(x)
+        wait = rpc_async.wait()
+
+    After::
+
+        rpc_async = torch.distributed.rpc.api.rpc_async('ps', lookup, args = (ids,))
+        fc = self.fc(x)
+        wait = distopt_remote_wait_wait_rpc_sync(rpc_async, 'model.py:9: fut = rpc.rpc_async(...)')
+    """
+    graph = gm.graph
+    paired = 0
+    for node, op in list(remote_ops(graph).items()):
+        if node is not op.start or op.kind != "issue":
+            continue
+        method = _wait_method(op.spec)
+        if method is None:
+            continue
+        where = source_line(node)
+        for user in list(node.users):
+            if user.op == "call_method" and user.target == method and user.args == (node,):
+                _replace(graph, user, op.spec.wait_op, (node, where))
+                paired += 1
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is torch.futures.wait_all:
+            paired += _pair_wait_all(graph, node)
+    return PassResult(modified=paired > 0, detail=f"paired {paired} user-written waits with their issues")
+
+
+def _replace(graph: torch.fx.Graph, old: Node, target: object, args: tuple[object, ...]) -> Node:
+    with graph.inserting_before(old):
+        new = graph.call_function(target, args)  # type: ignore[arg-type]
+    new.meta.update(old.meta)
+    old.replace_all_uses_with(new)
+    graph.erase_node(old)
+    return new
+
+
+def _pair_wait_all(graph: torch.fx.Graph, node: Node) -> int:
+    """``torch.futures.wait_all([f0, f1])`` → ``[wait(f0), wait(f1)]`` when every future is an
+    issue whose spec waits with ``fut.wait()``."""
+    futures = node.args[0] if node.args else None
+    if not isinstance(futures, (list, tuple)) or not futures:
+        return 0
+    ops = remote_ops(graph)
+    specs = []
+    for fut in futures:
+        op = ops.get(fut) if isinstance(fut, Node) else None
+        if op is None or op.start is not fut or op.kind != "issue" or _wait_method(op.spec) != "wait":
+            return 0
+        specs.append(op.spec)
+    waits = []
+    with graph.inserting_before(node):
+        for fut, spec in zip(futures, specs, strict=True):
+            wait = graph.call_function(spec.wait_op, (fut, source_line(fut)))
+            wait.meta.update(node.meta)
+            waits.append(wait)
+        gathered = graph.call_function(list, (tuple(waits),))
+    node.replace_all_uses_with(gathered)
+    graph.erase_node(node)
+    return len(waits)
