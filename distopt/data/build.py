@@ -24,7 +24,7 @@ from distopt.data.synthetic import SyntheticBatches
 from distopt.data.tokens import TokenBlocks, TokenFile, TokenWindows, collate_tokens
 from distopt.errors import ConfigError
 
-AnyDataset = Dataset | IterableDataset  # type: ignore[type-arg]
+AnyDataset = Dataset | IterableDataset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +49,7 @@ class DataSource:
                             collate_fn=self.collate_fn, seed=seed, shuffle=cfg.shuffle,
                             drop_last=cfg.drop_last)
 
-    def eval_loader(self, *, rank: int, world_size: int, batch_size: int) -> DataLoader | None:  # type: ignore[type-arg]
+    def eval_loader(self, *, rank: int, world_size: int, batch_size: int) -> DataLoader | None:
         if self.eval is None:
             return None
         cfg = self.config
@@ -94,8 +94,8 @@ def _tokens(cfg: DataConfig, model: nn.Module, seed: int) -> tuple[AnyDataset, A
     assert cfg.path is not None
     file = open_file(cfg.path, "data.path")
     if cfg.eval_path is not None:
-        held = open_file(cfg.eval_path, "data.eval_path")
-        return TokenWindows(file.region(), seed=seed), TokenBlocks(held.region())
+        held_file = open_file(cfg.eval_path, "data.eval_path")
+        return TokenWindows(file.region(), seed=seed), TokenBlocks(held_file.region())
     if cfg.holdout_fraction:
         train, held = file.split(cfg.holdout_fraction)
         return TokenWindows(train, seed=seed), TokenBlocks(held)

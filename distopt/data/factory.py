@@ -51,7 +51,7 @@ def takes(factory: Callable[..., Any], name: str) -> bool:
 
 
 def call_factory(spec: str, kwargs: dict[str, Any], *, split: str, seed: int,
-                 key: str = "data") -> tuple[Dataset | IterableDataset, Collate | None] | None:  # type: ignore[type-arg]
+                 key: str = "data") -> tuple[Dataset | IterableDataset, Collate | None] | None:
     """``(dataset, collate_fn)`` of factory ``spec`` for ``split``; ``None`` when a factory that
     takes ``split`` returns ``None`` (no such split)."""
     factory = load_factory(spec, key=f"{key}.source")

@@ -26,16 +26,11 @@ INFORMATIVE_CATEGORICAL = (0, 1, 2, 5)
 """Categorical features (0-based: C1, C2, C3, C6) whose values move the click probability."""
 
 
-def write_criteo(path: str | Path, *, num_samples: int, seed: int = 0, missing: float = 0.05,
-                 vocab_sizes: tuple[int, ...] = (8, 20, 50, 200, 1000), bias: float = -1.0
-                 ) -> Path:
-    """Write ``num_samples`` Criteo-format lines to ``path``; returns the path.
-
-    Categorical feature ``j`` has ``vocab_sizes[j % len(vocab_sizes)]`` distinct values drawn with
-    Zipf-like frequencies. The click logit is ``bias + 1.2·z(log(1 + I1)) − 0.8·z(log(1 + I2)) +
-    Σ effect_j[value]`` over the informative categorical features (effects ~ N(0, 1)), where ``z``
-    standardizes; ``missing`` is the chance that any one feature is empty.
-    """
+def criteo_columns(*, num_samples: int, seed: int = 0, missing: float = 0.05,
+                   vocab_sizes: tuple[int, ...] = (8, 20, 50, 200, 1000), bias: float = -1.0
+                   ) -> tuple[list[np.ndarray], np.ndarray]:
+    """The 40 text columns of :func:`write_criteo`'s lines, and each line's click probability
+    (scoring lines by it gives the best achievable AUC)."""
     rng = np.random.default_rng(seed)
     n = num_samples
     # Dense counts: log-normal integers (heavy-tailed like the real ones); I2 can be negative.
@@ -44,21 +39,34 @@ def write_criteo(path: str | Path, *, num_samples: int, seed: int = 0, missing: 
     logs = np.log1p(np.maximum(dense, 0)).astype(np.float64)
     z = (logs - logs.mean(axis=0)) / (logs.std(axis=0) + 1e-9)
     logit = bias + 1.2 * z[:, INFORMATIVE_DENSE[0]] - 0.8 * z[:, INFORMATIVE_DENSE[1]]
-    values = np.empty((n, NUM_CATEGORICAL), dtype=np.int64)
-    hexes: list[np.ndarray] = []
+    empty = rng.random((n, NUM_DENSE + NUM_CATEGORICAL)) < missing
+    columns = [np.where(empty[:, j], "", dense[:, j].astype(str)) for j in range(NUM_DENSE)]
     for j in range(NUM_CATEGORICAL):
         vocab = vocab_sizes[j % len(vocab_sizes)]
         weights = 1.0 / np.arange(1, vocab + 1) ** 0.8
-        values[:, j] = rng.choice(vocab, size=n, p=weights / weights.sum())
-        hexes.append(np.array([f"{v:08x}" for v in rng.choice(1 << 32, size=vocab, replace=False)]))
+        values = rng.choice(vocab, size=n, p=weights / weights.sum())
+        names = np.array([f"{v:08x}" for v in rng.choice(1 << 32, size=vocab, replace=False)])
         if j in INFORMATIVE_CATEGORICAL:
-            logit += rng.normal(0.0, 1.0, size=vocab)[values[:, j]]
-    labels = rng.random(n) < 1.0 / (1.0 + np.exp(-logit))
-    empty = rng.random((n, NUM_DENSE + NUM_CATEGORICAL)) < missing
-    columns = [np.where(labels, "1", "0")]
-    columns += [np.where(empty[:, j], "", dense[:, j].astype(str)) for j in range(NUM_DENSE)]
-    columns += [np.where(empty[:, NUM_DENSE + j], "", hexes[j][values[:, j]])
-                for j in range(NUM_CATEGORICAL)]
+            logit += rng.normal(0.0, 1.0, size=vocab)[values]
+        columns.append(np.where(empty[:, NUM_DENSE + j], "", names[values]))
+    probability = 1.0 / (1.0 + np.exp(-logit))
+    labels = rng.random(n) < probability
+    return [np.where(labels, "1", "0"), *columns], probability
+
+
+def write_criteo(path: str | Path, *, num_samples: int, seed: int = 0, missing: float = 0.05,
+                 vocab_sizes: tuple[int, ...] = (8, 20, 50, 200, 1000), bias: float = -1.0
+                 ) -> Path:
+    """Write ``num_samples`` Criteo-format lines to ``path``; returns the path.
+
+    Categorical feature ``j`` has ``vocab_sizes[j % len(vocab_sizes)]`` distinct values drawn with
+    Zipf-like frequencies. The click logit is ``bias + 1.2·z(log(1 + I1)) − 0.8·z(log(1 + I2)) +
+    Σ effect_j[value]`` over the informative categorical features (effects ~ N(0, 1)), where ``z``
+    standardizes; ``missing`` is the chance that any one feature is empty (the logit uses the
+    value before it went missing, so missing values are noise, as in real logs).
+    """
+    columns, _ = criteo_columns(num_samples=num_samples, seed=seed, missing=missing,
+                                vocab_sizes=vocab_sizes, bias=bias)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = zip(*(column.tolist() for column in columns), strict=True)
@@ -114,6 +122,7 @@ __all__ = [
     "INFORMATIVE_CATEGORICAL",
     "INFORMATIVE_DENSE",
     "chain_entropy",
+    "criteo_columns",
     "markov_chain",
     "unigram_entropy",
     "write_criteo",

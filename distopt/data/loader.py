@@ -55,7 +55,7 @@ class IndexedStream(Protocol):
     def item(self, rank: int, index: int) -> Any: ...
 
 
-class _SkippingSampler(DistributedSampler):  # type: ignore[type-arg]
+class _SkippingSampler(DistributedSampler):
     """A ``DistributedSampler`` that starts ``skip`` indices into the epoch (for resuming)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -87,7 +87,7 @@ def _worker() -> tuple[int, int]:
     return (0, 1) if info is None else (info.id, info.num_workers)
 
 
-class _StreamShard(IterableDataset):  # type: ignore[type-arg]
+class _StreamShard(IterableDataset):
     """Rank ``rank``'s batches ``start, start + 1, ...`` of an :class:`IndexedStream`, split
     between loader workers by batch (``per_batch`` items each; 1 when items are batches)."""
 
@@ -103,10 +103,10 @@ class _StreamShard(IterableDataset):  # type: ignore[type-arg]
             batch += workers
 
 
-class _IterableShard(IterableDataset):  # type: ignore[type-arg]
+class _IterableShard(IterableDataset):
     """This process's share of an IterableDataset that yields the same sequence everywhere."""
 
-    def __init__(self, dataset: IterableDataset, rank: int, world_size: int) -> None:  # type: ignore[type-arg]
+    def __init__(self, dataset: IterableDataset, rank: int, world_size: int) -> None:
         self.dataset, self.rank, self.world_size = dataset, rank, world_size
 
     def __iter__(self) -> Iterator[Any]:
@@ -137,7 +137,7 @@ class Loader:
     """The training batches of trainer ``rank`` (see the module docstring); use
     :meth:`batches` for an endless iterator that advances epochs by itself."""
 
-    def __init__(self, dataset: Dataset | IterableDataset, *, rank: int = 0, world_size: int = 1,  # type: ignore[type-arg]
+    def __init__(self, dataset: Dataset | IterableDataset, *, rank: int = 0, world_size: int = 1,
                  batch_size: int | None, num_workers: int = 0, pin_memory: bool = False,
                  collate_fn: Callable[[list[Any]], Any] | None = None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True) -> None:
@@ -148,7 +148,7 @@ class Loader:
         self.batch_size, self.collate_fn, self.drop_last = batch_size, collate_fn, drop_last
         self.options = _loader_options(num_workers, pin_memory, seed, rank)
         self.sampler: _SkippingSampler | None = None
-        self.loader: DataLoader | None = None  # type: ignore[type-arg]
+        self.loader: DataLoader | None = None
         if isinstance(dataset, IndexedStream):
             self.kind = "stream"
         elif isinstance(dataset, IterableDataset):
@@ -164,7 +164,7 @@ class Loader:
                     f"data: {len(dataset)} samples give no full batch of {batch_size} on each of "  # type: ignore[arg-type]
                     f"{world_size} trainers (set drop_last to false or use a smaller batch_size)")
 
-    def _data_loader(self, dataset: Any, **kwargs: Any) -> DataLoader:  # type: ignore[type-arg]
+    def _data_loader(self, dataset: Any, **kwargs: Any) -> DataLoader:
         return DataLoader(dataset, batch_size=self.batch_size, collate_fn=self.collate_fn,
                           drop_last=self.drop_last and self.batch_size is not None,
                           **self.options, **kwargs)
@@ -216,7 +216,7 @@ class Loader:
                                   f"rank {self.rank} of {self.world_size}")
 
 
-def build_loader(dataset: Dataset | IterableDataset, *, rank: int = 0, world_size: int = 1,  # type: ignore[type-arg]
+def build_loader(dataset: Dataset | IterableDataset, *, rank: int = 0, world_size: int = 1,
                  batch_size: int | None, num_workers: int = 0, pin_memory: bool = False,
                  collate_fn: Callable[[list[Any]], Any] | None = None, seed: int = 0,
                  shuffle: bool = True, drop_last: bool = True) -> Loader:
@@ -227,9 +227,9 @@ def build_loader(dataset: Dataset | IterableDataset, *, rank: int = 0, world_siz
                   shuffle=shuffle, drop_last=drop_last)
 
 
-def build_eval_loader(dataset: Dataset | IterableDataset, *, rank: int = 0, world_size: int = 1,  # type: ignore[type-arg]
+def build_eval_loader(dataset: Dataset | IterableDataset, *, rank: int = 0, world_size: int = 1,
                       batch_size: int | None, num_workers: int = 0, pin_memory: bool = False,
-                      collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:  # type: ignore[type-arg]
+                      collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
     """One pass over held-out ``dataset`` in which every sample is read by exactly one rank."""
     _check_rank(rank, world_size)
     if isinstance(dataset, IndexedStream):
@@ -241,8 +241,8 @@ def build_eval_loader(dataset: Dataset | IterableDataset, *, rank: int = 0, worl
     return DataLoader(dataset, sampler=_ShardSampler(len(dataset), rank, world_size), **common)  # type: ignore[arg-type]
 
 
-def holdout_split(dataset: Dataset, fraction: float, *, key: str = "data.holdout_fraction"  # type: ignore[type-arg]
-                  ) -> tuple[Subset, Subset]:  # type: ignore[type-arg]
+def holdout_split(dataset: Dataset, fraction: float, *, key: str = "data.holdout_fraction"
+                  ) -> tuple[Subset, Subset]:
     """``(train, held_out)``: the last ``fraction`` of ``dataset``'s indices is held out."""
     length = len(dataset)  # type: ignore[arg-type]
     held = int(round(length * fraction))

@@ -11,6 +11,7 @@ There are no targets: the model's own loss (``distopt.models.loss_function``) ap
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -49,7 +50,7 @@ class SyntheticBatches(IterableDataset[Batch]):
             self._cache[key] = Batch(inputs, None)
         return self._cache[key]
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         index, step = (0, 1) if info is None else (info.id, info.num_workers)
         while True:

@@ -19,7 +19,7 @@ one window, and no token id is ``>= vocab_size``. The last check reads the whole
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -126,7 +126,7 @@ class TokenWindows(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
         offset = mix_ints(self.seed, rank, index) % self.region.num_starts
         return self.region.file.window(self.region.lo + offset)
 
-    def __iter__(self):  # type: ignore[no-untyped-def]
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
         index, step = (0, 1) if info is None else (info.id, info.num_workers)
         while True:

@@ -4,8 +4,13 @@ perplexity for token data, over every trainer's share of the held-out set.
 Each trainer evaluates its own shard (:func:`distopt.data.loader.build_eval_loader` gives every
 held-out sample to exactly one trainer, unpadded). With a process group up, the loss sums and
 sample counts are all-reduced and the click scores and labels are gathered, so every trainer gets
-the metrics of the union: the AUC is computed (torchmetrics' ``binary_auroc``, exact) over all
-scores, not averaged over ranks — an average of per-rank AUCs is not the AUC of the union.
+the metrics of the union: the AUC is computed over all scores (exact, ties counted half), not
+averaged over ranks — an average of per-rank AUCs is not the AUC of the union.
+
+The AUC comes from torcheval (``binary_auroc``, PyTorch's own metrics library, which depends on
+torch alone). Not torchmetrics: importing it took 11 s here (it imports scipy, and transformers
+when installed, for its audio and text metrics), paid by every trainer at its first evaluation;
+both give the same value, ties included.
 
 The model runs in eval mode under ``torch.no_grad`` and every module's training flag is restored
 afterwards. Parameter-server models need nothing more: fetches made without grad mode are not
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -166,25 +172,27 @@ def evaluate(model: nn.Module, batches: Iterable[Any], *, task: Task,
         totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
         dist.all_reduce(totals, group=group)
         loss_sum, count = float(totals[0]), int(totals[1])
-    loss = loss_sum / count if count else math.nan
+    mean = loss_sum / count if count else math.nan
     if task == "tokens":
-        return EvalResult(loss=loss, samples=count, perplexity=math.exp(loss) if count else math.nan)
+        return EvalResult(loss=mean, samples=count, perplexity=math.exp(mean) if count else math.nan)
     if task == "none":
-        return EvalResult(loss=loss, samples=count)
+        return EvalResult(loss=mean, samples=count)
     all_scores = torch.cat(scores) if scores else torch.zeros(0)
     all_labels = torch.cat(labels) if labels else torch.zeros(0)
     if distributed:
         all_scores, all_labels = _gather(all_scores, group), _gather(all_labels, group)
-    return EvalResult(loss=loss, samples=count, auc=auc(all_scores, all_labels))
+    return EvalResult(loss=mean, samples=count, auc=auc(all_scores, all_labels))
 
 
 def auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
-    """Exact ROC AUC (torchmetrics); NaN when the labels are all one class or there are none."""
+    """Exact ROC AUC (torcheval); NaN when the labels are all one class or there are none."""
     if labels.numel() == 0 or bool((labels == labels[0]).all()):
         return math.nan
-    from torchmetrics.functional.classification import binary_auroc
+    with warnings.catch_warnings():  # torcheval 0.0.7 decorates helpers with torch.jit.script
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from torcheval.metrics.functional import binary_auroc
 
-    return float(binary_auroc(scores, labels.long()))
+    return float(binary_auroc(scores.double(), labels.double()))
 
 
 __all__ = ["EvalConfig", "EvalResult", "auc", "evaluate"]

@@ -118,7 +118,7 @@ class OptimConfig:
         # Values are checked by the class itself (e.g. "Invalid beta parameter at index 0: 1.5"),
         # now rather than after the model is built: one throwaway parameter is enough.
         try:
-            cls([torch.zeros(1, requires_grad=True)], lr=self.lr, **self.kwargs)
+            cls([torch.zeros(1, requires_grad=True)], lr=self.lr, **self.kwargs)  # type: ignore[call-arg]
         except (TypeError, ValueError, RuntimeError) as err:
             detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(f"optim.kwargs: {cls.__name__} rejects {self.kwargs!r}: {detail}") from None
@@ -130,7 +130,7 @@ class OptimConfig:
 
 def build_optimizer(params: Iterable[Any], cfg: OptimConfig) -> torch.optim.Optimizer:
     """``cfg``'s optimizer over ``params`` (tensors or parameter-group dicts)."""
-    return cfg.optimizer_class(params, lr=cfg.lr, **cfg.kwargs)
+    return cfg.optimizer_class(params, lr=cfg.lr, **cfg.kwargs)  # type: ignore[call-arg]
 
 
 def build_scheduler(

@@ -133,11 +133,11 @@ class ShardTable:
             shape = getattr(weight, "shape", None)
             raise ConfigError(f"{where}: checkpoint weight shape {shape}, expected {tuple(self.weight.shape)}")
         accum = state.get("accum")
-        got = tuple(accum.shape) if isinstance(accum, torch.Tensor) else None
+        held = tuple(accum.shape) if isinstance(accum, torch.Tensor) else None
         expected = None if self.accum is None else tuple(self.accum.shape)
-        if got != expected:  # e.g. an adagrad checkpoint ([rows, dim]) into a row-wise table ([rows])
+        if held != expected:  # e.g. an adagrad checkpoint ([rows, dim]) into a row-wise table ([rows])
             raise ConfigError(
-                f"{where}: checkpoint optimizer state {_describe(got)} does not match optimizer "
+                f"{where}: checkpoint optimizer state {_describe(held)} does not match optimizer "
                 f"{self.spec.optimizer!r}, which keeps {_describe(expected)}"
             )
         with self.lock:
