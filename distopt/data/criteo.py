@@ -21,8 +21,9 @@ shuffles the whole file every epoch and gives every trainer the same number of b
 equal step counts), and a resumed run skips to its batch without reading the skipped lines. Opening
 the file scans it once: every line is validated (so a malformed line fails the job before training,
 with its file and line number) and its byte offset is kept. That costs one sequential read of the
-file (~1 s per 250k lines here) and 8 bytes of memory per line; samples are then read with
-``os.pread`` and parsed on demand, in the loader's workers.
+file (measured: 50k lines in 0.3 s, about 6 s per GB on 2 busy cores; every trainer scans) and
+8 bytes of memory per line; samples are then read with ``os.pread`` and parsed on demand, a batch
+at a time (``__getitems__``: ~14 ms per 128 lines), in the loader's workers.
 """
 
 from __future__ import annotations

@@ -134,3 +134,18 @@ def test_dataset_pickles_without_its_file_descriptor(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(copy[1], first, strict=True))
     with pytest.raises(IndexError):
         ds[3]
+
+
+def test_loader_workers_read_the_same_batches(tmp_path: Path) -> None:
+    from distopt.data.loader import build_loader
+
+    lines = [GOOD.replace("\t3\t", f"\t{i}\t", 1) for i in range(24)]
+    ds = CriteoDataset(_write(tmp_path, lines), num_tables=4, num_rows=100)
+    ds[0]  # the parent holds an open descriptor when the workers fork
+
+    def dense(workers: int) -> list[list[float]]:
+        loader = build_loader(ds, batch_size=4, num_workers=workers, collate_fn=ds.collate_fn, seed=3)
+        return [b.inputs[0][:, 0].tolist() for b in loader.epoch(0)]
+
+    # Forked workers each open the file themselves (pread: no shared file position).
+    assert dense(2) == dense(0) and len(dense(0)) == 6

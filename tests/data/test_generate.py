@@ -105,3 +105,12 @@ def test_gpt_learns_the_token_file_below_its_unigram_entropy(tmp_path: Path) -> 
     assert result.samples == (3000 - 1) // 32 * 32
     assert result.loss < unigram - 1.5, (result, unigram)  # 3.8 nats → about 1.3
     assert result.perplexity == pytest.approx(math.exp(result.loss))
+
+
+def test_command_line(tmp_path: Path, capsys) -> None:
+    from distopt.data.generate import main
+
+    assert main(["tokens", str(tmp_path / "t.bin"), "--samples", "500", "--vocab-size", "16"]) == 0
+    assert "unigram entropy" in capsys.readouterr().out and (tmp_path / "t.bin").stat().st_size == 1000
+    assert main(["criteo", str(tmp_path / "c.tsv"), "--samples", "20"]) == 0
+    assert len((tmp_path / "c.tsv").read_text().splitlines()) == 20
