@@ -57,7 +57,7 @@ class DLRMConfig:
     """Explicit tower hidden widths; overrides ``compute``."""
     batch_size: int = 64
     """Samples per batch from :func:`make_batch`."""
-    optimizer: Literal["sgd", "adagrad"] = "sgd"
+    optimizer: Literal["sgd", "adagrad", "rowwise_adagrad"] = "sgd"
     """Sparse optimizer of the tables on the servers."""
     table_prefix: str = "emb"
     """Tables are named ``<prefix>0 .. <prefix>{K-1}``."""

@@ -13,7 +13,8 @@ from typing import Literal
 
 from distopt.config import check
 
-Optimizer = Literal["sgd", "adagrad"]
+Optimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]
+OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 
 
 def server_name(index: int) -> str:
@@ -39,13 +40,16 @@ class TableSpec:
     kind: Literal["embedding", "dense"] = "embedding"
     """``embedding``: sharded by ``row % n`` over ``servers``; ``dense``: whole on one server."""
     optimizer: Optimizer = "sgd"
-    """Update applied by ``push``: sparse SGD or sparse Adagrad (duplicate ids accumulate first)."""
+    """Update applied by ``push`` (duplicate ids accumulate first): sparse SGD, sparse Adagrad (one
+    accumulator per element), or row-wise Adagrad (one accumulator per row holding the running sum
+    of the row's mean squared gradient, as TorchRec/FBGEMM's ``EXACT_ROWWISE_ADAGRAD``: ``dim``
+    times less optimizer state, the usual choice for large embedding tables)."""
     init_std: float = 0.01
     """Rows start as ``normal(0, init_std)`` drawn from the job seed and the table name."""
     adagrad_eps: float = 1e-10
-    """Adagrad denominator term: ``w -= lr * g / (sqrt(sum g^2) + eps)``."""
+    """Adagrad denominator term: ``w -= lr * g / (sqrt(sum g^2) + eps)`` (both Adagrad kinds)."""
     adagrad_initial: float = 0.0
-    """Initial value of the Adagrad squared-gradient accumulator."""
+    """Initial value of the Adagrad squared-gradient accumulator (both Adagrad kinds)."""
     servers: tuple[int, ...] | None = None
     """Indices of the servers holding the table; ``None``: all servers (embedding) or one chosen
     from the name (dense)."""
@@ -56,7 +60,8 @@ class TableSpec:
         check(self.num_rows >= 1, f"{key}.num_rows", "an integer >= 1", self.num_rows)
         check(self.dim >= 1, f"{key}.dim", "an integer >= 1", self.dim)
         check(self.kind in ("embedding", "dense"), f"{key}.kind", "'embedding' or 'dense'", self.kind)
-        check(self.optimizer in ("sgd", "adagrad"), f"{key}.optimizer", "'sgd' or 'adagrad'", self.optimizer)
+        check(self.optimizer in OPTIMIZERS, f"{key}.optimizer", "one of " + ", ".join(map(repr, OPTIMIZERS)),
+              self.optimizer)
         check(self.init_std >= 0, f"{key}.init_std", "a number >= 0", self.init_std)
         check(self.adagrad_eps > 0, f"{key}.adagrad_eps", "a number > 0", self.adagrad_eps)
         check(self.adagrad_initial >= 0, f"{key}.adagrad_initial", "a number >= 0", self.adagrad_initial)

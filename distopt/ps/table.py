@@ -46,8 +46,11 @@ class ShardTable:
         self.lock = threading.Lock()
         self.weight = initial_rows(spec, seed)[shard::num_shards].clone()
         self.accum: torch.Tensor | None = None
+        """Adagrad's squared-gradient sums: ``[rows, dim]`` (adagrad), ``[rows]`` (row-wise)."""
         if spec.optimizer == "adagrad":
             self.accum = torch.full_like(self.weight, spec.adagrad_initial)
+        elif spec.optimizer == "rowwise_adagrad":
+            self.accum = torch.full((self.weight.shape[0],), spec.adagrad_initial, dtype=self.weight.dtype)
 
     @property
     def num_local_rows(self) -> int:
@@ -98,10 +101,14 @@ class ShardTable:
             if self.accum is None:
                 self.weight.index_add_(0, rows, summed, alpha=-lr)
                 return
-            accum = self.accum.index_select(0, rows).addcmul_(summed, summed)
+            if self.accum.dim() == 1:  # row-wise: the row's mean squared gradient, one scalar per row
+                accum = self.accum.index_select(0, rows).add_(summed.square().mean(dim=1))
+                denom = accum.sqrt().add_(self.spec.adagrad_eps).unsqueeze(1)
+            else:
+                accum = self.accum.index_select(0, rows).addcmul_(summed, summed)
+                denom = accum.sqrt().add_(self.spec.adagrad_eps)
             self.accum.index_copy_(0, rows, accum)
-            step = summed / (accum.sqrt() + self.spec.adagrad_eps)
-            self.weight.index_add_(0, rows, step, alpha=-lr)
+            self.weight.index_add_(0, rows, summed / denom, alpha=-lr)
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of this shard's tensors plus where it sits, for checkpoints."""
@@ -125,9 +132,19 @@ class ShardTable:
         if not isinstance(weight, torch.Tensor) or weight.shape != self.weight.shape:
             shape = getattr(weight, "shape", None)
             raise ConfigError(f"{where}: checkpoint weight shape {shape}, expected {tuple(self.weight.shape)}")
-        if (self.accum is None) != ("accum" not in state):
-            raise ConfigError(f"{where}: checkpoint optimizer state does not match {self.spec.optimizer!r}")
+        accum = state.get("accum")
+        held = tuple(accum.shape) if isinstance(accum, torch.Tensor) else None
+        expected = None if self.accum is None else tuple(self.accum.shape)
+        if held != expected:  # e.g. an adagrad checkpoint ([rows, dim]) into a row-wise table ([rows])
+            raise ConfigError(
+                f"{where}: checkpoint optimizer state {_describe(held)} does not match optimizer "
+                f"{self.spec.optimizer!r}, which keeps {_describe(expected)}"
+            )
         with self.lock:
             self.weight.copy_(weight)
             if self.accum is not None:
                 self.accum.copy_(state["accum"])
+
+
+def _describe(accum_shape: tuple[int, ...] | None) -> str:
+    return "none" if accum_shape is None else f"an accumulator of shape {accum_shape}"

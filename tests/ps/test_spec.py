@@ -21,7 +21,7 @@ def test_placement_defaults() -> None:
     [
         ({"num_rows": 0}, r"tables.t.num_rows: expected an integer >= 1, got 0"),
         ({"dim": -2}, r"tables.t.dim: expected an integer >= 1, got -2"),
-        ({"optimizer": "adam"}, r"tables.t.optimizer: expected 'sgd' or 'adagrad', got 'adam'"),
+        ({"optimizer": "adam"}, r"tables.t.optimizer: expected one of 'sgd', 'adagrad', 'rowwise_adagrad', got 'adam'"),
         ({"servers": (0, 0)}, r"tables.t.servers: expected distinct server indices, got \(0, 0\)"),
         ({"kind": "dense", "servers": (0, 1)}, r"one server for a dense table"),
     ],

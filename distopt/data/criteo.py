@@ -1,0 +1,211 @@
+"""Criteo-format click logs for the DLRM model: one sample per line of a tab-separated file.
+
+A line holds 40 fields: the label (0 or 1), 13 integer features ``I1..I13`` and 26 categorical
+features ``C1..C26`` (hexadecimal strings); any feature may be empty. Following the DLRM reference
+(facebookresearch/dlrm ``data_utils.py`` and ``collate_wrapper_criteo_offset``): empty fields read
+as 0, negative integers are clamped to 0 and the dense input is ``log(x + 1)``; a categorical value
+is its hexadecimal number (empty: 0).
+
+Categorical → table mapping: the model has ``num_tables`` tables (K) of ``num_rows`` rows and
+sum-pools ``bag_size`` ids per table and sample. Feature ``C{j+1}`` goes to table
+``table_of_feature[j]``, by default ``j % K`` (round robin: with K = 4, table 0 holds C1, C5, ...,
+C25 and tables 0-1 get 7 features, tables 2-3 get 6). Its id is a stable hash of (feature, value)
+modulo the table's rows, so equal values of different features land on unrelated rows. A table with
+fewer features than ``bag_size`` fills its free slots with its last row, which is then reserved for
+padding (hashed ids use rows ``0 .. num_rows - 2``): it acts as a learned per-table bias and never
+collides with a real value. With K dividing 26 (1, 2, 13, 26) and ``bag_size`` the minimum, there
+is no padding.
+
+Why a map-style dataset over a line index (not an IterableDataset): a ``DistributedSampler`` then
+shuffles the whole file every epoch and gives every trainer the same number of batches (DDP needs
+equal step counts), and a resumed run skips to its batch without reading the skipped lines. Opening
+the file scans it once: every line is validated (so a malformed line fails the job before training,
+with its file and line number) and its byte offset is kept. That costs one sequential read of the
+file (measured: 50k lines in 0.3 s, about 6 s per GB on 2 busy cores; every trainer scans) and
+8 bytes of memory per line; samples are then read with ``os.pread`` and parsed on demand, a batch
+at a time (``__getitems__``: ~14 ms per 128 lines), in the loader's workers.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from array import array
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from distopt.data.batch import Batch, mix64
+from distopt.errors import ConfigError
+
+NUM_DENSE = 13
+NUM_CATEGORICAL = 26
+NUM_FIELDS = 1 + NUM_DENSE + NUM_CATEGORICAL
+
+_INT = rb"(?:-?[0-9]{1,18})?"
+_HEX = rb"[0-9a-fA-F]{0,16}"
+_LINE = re.compile(rb"[01]" + (rb"\t" + _INT) * NUM_DENSE + (rb"\t" + _HEX) * NUM_CATEGORICAL + rb"\r?\n?")
+_INT_FIELD = re.compile(_INT)
+_HEX_FIELD = re.compile(_HEX)
+
+
+def field_name(index: int) -> str:
+    """Criteo's name of field ``index`` (0-based): ``label``, ``I1..I13``, ``C1..C26``."""
+    if index == 0:
+        return "label"
+    return f"I{index}" if index <= NUM_DENSE else f"C{index - NUM_DENSE}"
+
+
+def _diagnose(line: bytes) -> str:
+    """Why ``line`` does not match the format (called only for a line that does not)."""
+    fields = line.rstrip(b"\r\n").split(b"\t")
+    if len(fields) != NUM_FIELDS:
+        return f"expected {NUM_FIELDS} tab-separated fields, got {len(fields)}"
+    for index, raw in enumerate(fields):
+        text = raw.decode(errors="replace")
+        if index == 0 and raw not in (b"0", b"1"):
+            return f"field 1 (label): expected 0 or 1, got {text!r}"
+        if 1 <= index <= NUM_DENSE and not _INT_FIELD.fullmatch(raw):
+            return f"field {index + 1} ({field_name(index)}): expected an integer or nothing, got {text!r}"
+        if index > NUM_DENSE and not _HEX_FIELD.fullmatch(raw):
+            return (f"field {index + 1} ({field_name(index)}): expected up to 16 hexadecimal digits or "
+                    f"nothing, got {text!r}")
+    return "malformed line"
+
+
+def scan(path: str | Path, *, key: str = "data.path") -> np.ndarray:
+    """Validate every line of ``path``; returns the byte offsets of the lines and of the end
+    (``len(lines) + 1`` int64s). A bad line raises ``ConfigError("key: path:line: why")``."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{key}: file not found: {path}")
+    offsets = array("q", [0])
+    position = 0
+    with path.open("rb") as f:
+        for number, line in enumerate(f, start=1):
+            if not _LINE.fullmatch(line):
+                raise ConfigError(f"{key}: {path}:{number}: {_diagnose(line)}")
+            position += len(line)
+            offsets.append(position)
+    if len(offsets) == 1:
+        raise ConfigError(f"{key}: {path}: no samples (empty file)")
+    return np.frombuffer(offsets, dtype=np.int64).copy()
+
+
+class TableLayout:
+    """Where the 26 categorical features go: table, slot within the table's bag, hash modulus."""
+
+    def __init__(self, *, num_tables: int, num_rows: int, bag_size: int | None = None,
+                 table_of_feature: Sequence[int] | None = None, key: str = "data") -> None:
+        if not 1 <= num_tables <= NUM_CATEGORICAL:
+            raise ConfigError(f"{key}: Criteo data feeds 1 to {NUM_CATEGORICAL} tables, the model has "
+                              f"num_tables={num_tables}")
+        tables = list(table_of_feature) if table_of_feature is not None else [
+            j % num_tables for j in range(NUM_CATEGORICAL)]
+        if len(tables) != NUM_CATEGORICAL or any(not 0 <= t < num_tables for t in tables):
+            raise ConfigError(f"{key}.table_of_feature: expected {NUM_CATEGORICAL} table indices in "
+                              f"0..{num_tables - 1}, got {table_of_feature!r}")
+        counts = np.bincount(tables, minlength=num_tables)
+        if (counts == 0).any():
+            raise ConfigError(f"{key}.table_of_feature: table {int(np.argmin(counts))} gets no feature")
+        needed = int(counts.max())
+        self.bag_size = needed if bag_size is None else bag_size
+        if self.bag_size < needed:
+            raise ConfigError(f"{key}: {NUM_CATEGORICAL} categorical features on {num_tables} tables "
+                              f"need bag_size >= {needed} (the model's bag_size is {bag_size})")
+        padded = counts < self.bag_size
+        if padded.any() and num_rows < 2:
+            raise ConfigError(f"{key}: padded tables need num_rows >= 2, got {num_rows}")
+        self.num_tables, self.num_rows = num_tables, num_rows
+        self.table = np.asarray(tables, dtype=np.int64)
+        self.slot = np.array([tables[:j].count(t) for j, t in enumerate(tables)], dtype=np.int64)
+        self.modulus = np.where(padded, num_rows - 1, num_rows).astype(np.uint64)
+        self.padding = np.full((num_tables, self.bag_size), num_rows - 1, dtype=np.int64)
+
+    def ids(self, values: np.ndarray) -> np.ndarray:
+        """``[..., K, bag_size]`` row ids of categorical values ``[..., 26]`` (uint64)."""
+        salt = np.arange(NUM_CATEGORICAL, dtype=np.uint64)
+        hashed = (mix64(values, salt) % self.modulus[self.table]).astype(np.int64)
+        ids = np.broadcast_to(self.padding, (*values.shape[:-1], *self.padding.shape)).copy()
+        ids[..., self.table, self.slot] = hashed
+        return ids
+
+
+def parse_lines(lines: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(labels [N] float32, dense [N, 13] float32 = log(max(x, 0) + 1), categorical [N, 26]
+    uint64)`` of valid lines (empty fields read as 0, as in the DLRM reference)."""
+    rows = [line.rstrip(b"\r\n").split(b"\t") for line in lines]
+    labels = np.array([row[0] == b"1" for row in rows], dtype=np.float32)
+    dense = np.array([[int(f) if f else 0 for f in row[1:1 + NUM_DENSE]] for row in rows],
+                     dtype=np.float64).reshape(len(rows), NUM_DENSE)
+    categorical = np.array([[int(f, 16) if f else 0 for f in row[1 + NUM_DENSE:]] for row in rows],
+                           dtype=np.uint64).reshape(len(rows), NUM_CATEGORICAL)
+    return labels, np.log1p(np.maximum(dense, 0.0)).astype(np.float32), categorical
+
+
+def collate_criteo(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Batch:
+    """``Batch(inputs=(dense [B, 13], sparse [K, B, bag_size]), targets=labels [B, 1])``: the
+    layout ``DLRM.forward(dense, sparse)`` reads (``sparse[k]`` are table k's ids)."""
+    dense = torch.stack([s[0] for s in samples])
+    sparse = torch.stack([s[1] for s in samples], dim=1)
+    labels = torch.stack([s[2] for s in samples])
+    return Batch((dense, sparse), labels)
+
+
+class CriteoDataset(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    """Samples ``(dense [13] float32, ids [K, bag_size] int64, label [1] float32)`` of a
+    Criteo-format file; batch them with :func:`collate_criteo` (the ``collate_fn`` attribute)."""
+
+    def __init__(self, path: str | Path, *, num_tables: int, num_rows: int,
+                 bag_size: int | None = None, table_of_feature: Sequence[int] | None = None,
+                 key: str = "data.path") -> None:
+        """Errors about the file start with ``key`` (the config key that named it), errors about
+        the table layout with ``data``."""
+        self.path = Path(path)
+        self._fd: int | None = None
+        self._pid = -1
+        self.layout = TableLayout(num_tables=num_tables, num_rows=num_rows, bag_size=bag_size,
+                                  table_of_feature=table_of_feature)
+        self.offsets = scan(self.path, key=key)
+
+    collate_fn = staticmethod(collate_criteo)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def _read(self, index: int) -> bytes:
+        # One descriptor per process, read with pread: forked loader workers never share a file
+        # position, and the dataset stays picklable (the descriptor is not part of its state).
+        if self._fd is None or self._pid != os.getpid():
+            self._fd, self._pid = os.open(self.path, os.O_RDONLY), os.getpid()
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return os.pread(self._fd, end - start, start)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Samples ``indices``, parsed and hashed together (the DataLoader fetches a batch so)."""
+        for index in indices:
+            if not 0 <= index < len(self):
+                raise IndexError(f"{self.path}: sample {index} of {len(self)}")
+        labels, dense, categorical = parse_lines([self._read(i) for i in indices])
+        ids = torch.from_numpy(self.layout.ids(categorical))
+        dense_t, labels_t = torch.from_numpy(dense), torch.from_numpy(labels).unsqueeze(1)
+        return [(dense_t[i], ids[i], labels_t[i]) for i in range(len(indices))]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_fd"], state["_pid"] = None, -1
+        return state
+
+    def __del__(self) -> None:
+        if self._fd is not None and self._pid == os.getpid():
+            os.close(self._fd)
+
+
+__all__ = ["CriteoDataset", "TableLayout", "collate_criteo", "field_name", "parse_lines", "scan"]
