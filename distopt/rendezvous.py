@@ -1,95 +1,289 @@
-"""Forming the RPC group (servers + trainers) on loopback, with deadlines instead of hangs.
+"""Rendezvous for every distopt job: hosting and joining stores, forming the RPC and gloo groups.
 
-Why not plain ``rpc.init_rpc(init_method="tcp://127.0.0.1:P")``: rank 0 then hosts a TCPStore that
-listens on the *wildcard* address whatever host the URL names, a rank whose store host is down
-waits 30 minutes, and the store dies with rank 0 while others still use it to shut down. Instead
-the launcher hosts the store on a socket it bound to ``ServerOptions.host``; every member joins as
-a store *client* (torch's ``TORCHELASTIC_USE_AGENT_STORE`` mode) after probing the store with the
-configured deadline.
-TensorPipe and gloo bind to ``ServerOptions.interface`` (``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``).
-Verified with ``ss -ltnp``: every listener of a job is on 127.0.0.1 (``tests/ps/test_launch.py``).
+Who hosts which store is data, not a convention: a :class:`StorePlan` gives a job's stores, the
+one address they listen on and the one member that hosts them. The plans in use:
+
+====================================  ===============  ==========================================
+job                                   ``hosted_by``    stores
+====================================  ===============  ==========================================
+``distopt.ps.start_servers``          ``launcher``     RPC group and trainers' gloo group, on free
+                                                       ports of ``ServerOptions.host``
+``distopt.train`` with servers        ``ps0``          RPC group at ``DISTOPT_PS_ADDR``, trainers'
+(TorchX ``ps_job``, supervise)                         gloo group at ``DISTOPT_DDP_PORT``
+``distopt.train``, trainers only      ``trainer0``     gloo group at ``MASTER_ADDR:MASTER_PORT``
+====================================  ===============  ==========================================
+
+The host is the process that outlives the others' use of the stores: the launching process, or
+server 0, which serves until every trainer has finished. It hosts with :func:`host_stores`, always
+on a socket bound to the plan's host alone (``TCPStore``'s own server listens on the wildcard
+address whatever host it is given, and so does ``init_rpc(init_method="tcp://...")``). Every
+member, the host included, then joins as a store client, and only through a probe (below).
+TensorPipe and gloo bind to the interface of :func:`pin_interface` (``lo`` on a loopback plan).
+
+Deadlines, one policy: each call takes its caller's ``timeout_s`` and either finishes within it or
+raises one :class:`~distopt.errors.RemoteCallError` line naming the member, the store (what, where,
+hosted by whom) and what is missing. Stores are probed under our own deadline before ``TCPStore``
+connects, because its client retries with a random back-off of up to a few seconds (measured: a
+1.5 s timeout took 5.0 s).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
+import ipaddress
 import os
 import socket
 import time
 from collections.abc import Iterator, Sequence
+from typing import Literal, Protocol
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from distopt.errors import RemoteCallError
-from distopt.ps.spec import ServerOptions
+from distopt.config import check
+from distopt.errors import ConfigError, RemoteCallError
 
+Store = Literal["rpc", "gloo"]
+_STORE_NAMES: dict[Store, str] = {"rpc": "RPC group store", "gloo": "trainers' gloo store"}
 _AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 _PROBE_INTERVAL_S = 0.1
+_MIN_HANDSHAKE_S = 1.0
 READY_PREFIX = "distopt/ready/"
+LEFT_PREFIX = "distopt/left/"
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class StorePlan:
+    """Where a job's rendezvous stores listen and which member hosts them (plain, picklable)."""
+
+    host: str
+    """The address every store listens on, and nothing else."""
+    hosted_by: str
+    """Name of the member that hosts every store of the plan (``launcher``, ``ps0``, ``trainer0``)."""
+    rpc_port: int | None = None
+    """Port of the RPC group's store (servers and trainers); ``None``: no RPC group. ``0`` asks
+    :func:`host_stores` for a free port (the plan it returns has the port taken)."""
+    gloo_port: int | None = None
+    """Port of the trainers' gloo group's store; ``None``: no gloo group. ``0``: as above."""
+
+    def __post_init__(self) -> None:
+        check(bool(self.host), "rendezvous.host", "a host address", self.host)
+        check(bool(self.hosted_by), "rendezvous.hosted_by", "a member name", self.hosted_by)
+        for key in ("rpc_port", "gloo_port"):
+            port = getattr(self, key)
+            check(port is None or 0 <= port < 65536, f"rendezvous.{key}", "a port in 0..65535", port)
+
+    def port(self, store: Store) -> int:
+        """The port of ``store``; a one-line error when the plan has none."""
+        port = self.rpc_port if store == "rpc" else self.gloo_port
+        if not port:
+            name = _STORE_NAMES[store]
+            raise ConfigError(f"rendezvous.{store}_port: expected the port of the {name}, got {port!r}")
+        return port
+
+    def describe(self, store: Store) -> str:
+        """``RPC group store (hosted by ps0) at 127.0.0.1:29500``: how errors name a store."""
+        return f"{_STORE_NAMES[store]} (hosted by {self.hosted_by}) at {self.host}:{self.port(store)}"
+
+
+class HostedStores:
+    """The stores this process hosts for a plan (none unless it is the plan's host).
+
+    Keep it alive while other members use the stores; leaving the ``with`` block closes them.
+    """
+
+    def __init__(self, plan: StorePlan, stores: dict[Store, dist.TCPStore]) -> None:
+        self.plan = plan
+        """The plan with the ports actually taken (what the other members need)."""
+        self._stores = stores
+
+    def __enter__(self) -> HostedStores:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def wait_until_left(self, members: Sequence[str], *, timeout_s: float) -> list[str]:
+        """Wait up to ``timeout_s`` for every name in ``members`` to :func:`leave`; those that did not.
+
+        Bounded, not an error: a member that died after finishing its work must not hold the host.
+        """
+        store = self._stores.get("rpc")
+        if store is None or not members:
+            return []
+        with contextlib.suppress(RuntimeError, dist.DistError):
+            store.wait([LEFT_PREFIX + m for m in members], datetime.timedelta(seconds=timeout_s))
+        return [m for m in members if not store.check([LEFT_PREFIX + m])]
+
+    def close(self) -> None:
+        """Stop serving: a ``TCPStore`` server shuts down with its last reference."""
+        self._stores.clear()
+
+
+def host_stores(plan: StorePlan, *, me: str, timeout_s: float) -> HostedStores:
+    """Host every store of ``plan`` if ``me`` is its host (else host nothing), bound to ``plan.host``."""
+    if me != plan.hosted_by:
+        return HostedStores(plan, {})
+    stores: dict[Store, dist.TCPStore] = {}
+    wanted: tuple[tuple[Store, int | None], ...] = (("rpc", plan.rpc_port), ("gloo", plan.gloo_port))
+    for store, port in wanted:
+        if port is None:
+            continue
+        try:
+            stores[store] = _host_store(plan.host, port, timeout_s)
+        except OSError as err:
+            raise ConfigError(
+                f"{me}: cannot host the {_STORE_NAMES[store]} on {plan.host}:{port}: {err.strerror or err}"
+            ) from None
+    taken = {store: int(s.port) for store, s in stores.items()}
+    hosted = dataclasses.replace(plan, rpc_port=taken.get("rpc"), gloo_port=taken.get("gloo"))
+    return HostedStores(hosted, stores)
+
+
+def meet(plan: StorePlan, *, me: str, others: Sequence[str], timeout_s: float) -> None:
+    """Announce ``me`` in the RPC group's store and wait until every name in ``others`` has too.
+
+    ``init_rpc`` itself waits for missing members with a gloo timeout of weeks; meeting first turns
+    a server that never starts (or a trainer that never comes) into an error naming it.
+    """
+    store = _connect(plan, "rpc", me=me, timeout_s=timeout_s)
+    store.set(READY_PREFIX + me, str(os.getpid()))
+    try:
+        store.wait([READY_PREFIX + o for o in others], datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, dist.DistError) as err:
+        missing = [o for o in others if not store.check([READY_PREFIX + o])]
+        names = ", ".join(missing) or _first_line(err)
+        raise RemoteCallError(
+            f"{me}: {names} did not join the job at {plan.host}:{plan.port('rpc')} within {timeout_s:g} s"
+        ) from None
+
+
+def leave(plan: StorePlan, *, me: str, timeout_s: float) -> None:
+    """Tell the host ``me`` is done with the stores (see :meth:`HostedStores.wait_until_left`)."""
+    _connect(plan, "rpc", me=me, timeout_s=timeout_s).set(LEFT_PREFIX + me, str(os.getpid()))
+
+
+class RpcTransport(Protocol):
+    """How a member's TensorPipe agent runs (``distopt.ps.ServerOptions`` is one)."""
+
+    @property
+    def interface(self) -> str: ...
+    @property
+    def num_worker_threads(self) -> int: ...
+    @property
+    def transports(self) -> tuple[str, ...]: ...
+
+
+def init_rpc(
+    plan: StorePlan, *, name: str, rank: int, world_size: int, transport: RpcTransport, timeout_s: float
+) -> None:
+    """Join the RPC group as ``name`` through ``plan``'s RPC store; it must form within ``timeout_s``.
+
+    Call :func:`meet` first: torch connects to the store itself, without our probe.
+    """
+    pin_interface(transport.interface)
+    backend = rpc.TensorPipeRpcBackendOptions(
+        init_method=f"tcp://{plan.host}:{plan.port('rpc')}",
+        rpc_timeout=timeout_s,
+        num_worker_threads=transport.num_worker_threads,
+        _transports=list(transport.transports),
+    )
+    _fresh_process_rpc_state()
+    try:
+        with _agent_store_mode():
+            rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=backend)
+    except Exception as err:
+        raise RemoteCallError(
+            f"{name}: RPC group of {world_size} did not form within {timeout_s:g} s through the "
+            f"{plan.describe('rpc')}: {_first_line(err)}"
+        ) from None
+
+
+def init_gloo(plan: StorePlan, *, me: str, rank: int, world_size: int, timeout_s: float) -> None:
+    """Form the default process group (gloo) of ``world_size`` trainers through ``plan``'s gloo store.
+
+    On a loopback plan gloo is pinned to loopback unless ``GLOO_SOCKET_IFNAME`` says otherwise;
+    else gloo would bind the address the hostname resolves to.
+    """
+    if is_loopback(plan.host):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    store = _connect(plan, "gloo", me=me, timeout_s=timeout_s)
+    try:
+        dist.init_process_group(
+            "gloo", store=store, rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )  # fmt: skip
+    except (RuntimeError, dist.DistError) as err:
+        raise RemoteCallError(
+            f"{me}: gloo group of {world_size} trainers did not form within {timeout_s:g} s through "
+            f"the {plan.describe('gloo')}: {_first_line(err)}"
+        ) from None
+
+
+def pin_interface(interface: str) -> None:
+    """Make TensorPipe and gloo listen only on ``interface`` (``lo``: loopback)."""
+    os.environ["TP_SOCKET_IFNAME"] = interface
+    os.environ["GLOO_SOCKET_IFNAME"] = interface
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def free_port(host: str = "127.0.0.1", *, consecutive: int = 1) -> int:
     """A port ``p`` on ``host`` with ``p .. p + consecutive - 1`` free right now.
 
     Binding port 0 and releasing it is racy by nature (another process may take the port before
-    the caller binds it); callers that can hand a bound socket over (:func:`host_store`) should.
+    the caller binds it); callers that can host on port 0 (:func:`host_stores`) should.
     """
     for _ in range(100):
-        with bind_store_socket_at(host, 0) as first:
+        with _bind(host, 0) as first:
             port = int(first.getsockname()[1])
             if port + consecutive > 65536:
                 continue
             try:
                 for offset in range(1, consecutive):
-                    bind_store_socket_at(host, port + offset).close()
+                    _bind(host, port + offset).close()
             except OSError:
                 continue
             return port
     raise RuntimeError(f"no {consecutive} consecutive free ports on {host}")
 
 
-def bind_store_socket(host: str) -> socket.socket:
-    """A listening socket on ``host`` and a free port (port 0), for server 0's store."""
-    return bind_store_socket_at(host, 0)
-
-
-def bind_store_socket_at(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` (``port=0``: a free one) to serve a TCPStore from."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+def _bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` alone (``port=0``: a free one)."""
+    address = "127.0.0.1" if host == "localhost" else host
+    sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(128)
+    try:
+        sock.bind((address, port))
+        sock.listen(256)
+    except OSError:
+        sock.close()
+        raise
     return sock
 
 
-def host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
+def _host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     """A TCPStore server on ``host:port`` only (``port=0``: a free one; read ``store.port``)."""
-    sock = bind_store_socket_at(host, port)
     # The store takes over the listening socket: detach so Python never closes it underneath.
-    fd = sock.detach()
+    fd = _bind(host, port).detach()
     return dist.TCPStore(
-        host,
-        0,
-        None,
-        True,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-        master_listen_fd=fd,
-    )
+        host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False, master_listen_fd=fd,
+    )  # fmt: skip
 
 
-def connect_store(
-    host: str, port: int, timeout_s: float, *, what: str = "parameter-server job store"
-) -> dist.TCPStore:
-    """A client of the store at ``host:port``, connected within ``timeout_s`` or a clear error.
-
-    The port is probed first, with our own deadline: TCPStore's client retries with a random
-    back-off of up to a few seconds between attempts, so a dead store would fail after up to
-    about twice the timeout plus that back-off (measured: 5.0 s for a 1.5 s timeout).
-    """
+def _connect(plan: StorePlan, store: Store, *, me: str, timeout_s: float) -> dist.TCPStore:
+    """A client of ``plan``'s ``store``, connected within ``timeout_s`` or a one-line error."""
+    host, port = plan.host, plan.port(store)
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -97,33 +291,20 @@ def connect_store(
                 break
         except OSError as err:
             if time.monotonic() + _PROBE_INTERVAL_S >= deadline:
-                raise RemoteCallError(f"{what} at {host}:{port} unreachable after {timeout_s:g} s: {err}") from None
+                raise RemoteCallError(
+                    f"{me}: {plan.describe(store)} unreachable after {timeout_s:g} s: {_first_line(err)}"
+                ) from None
             time.sleep(_PROBE_INTERVAL_S)
     try:
-        remaining = max(deadline - time.monotonic(), 1.0)  # the store answered: give the handshake time
+        # The store answered: give the handshake time even when the probe used up the deadline.
+        remaining = max(deadline - time.monotonic(), _MIN_HANDSHAKE_S)
         return dist.TCPStore(
             host, port, None, False, timeout=datetime.timedelta(seconds=remaining), wait_for_workers=False
         )
     except (RuntimeError, dist.DistNetworkError) as err:
         raise RemoteCallError(
-            f"{what} at {host}:{port} unreachable after {timeout_s:g} s: {_first_line(err)}"
+            f"{me}: {plan.describe(store)} unreachable after {timeout_s:g} s: {_first_line(err)}"
         ) from None
-
-
-def meet(host: str, port: int, *, me: str, others: Sequence[str], timeout_s: float) -> None:
-    """Announce ``me`` in the job's store and wait until every name in ``others`` has too.
-
-    ``init_rpc`` itself waits for missing members with a gloo timeout of weeks; meeting first turns
-    a server that never starts (or a trainer that never comes) into an error naming it.
-    """
-    store = connect_store(host, port, timeout_s)
-    store.set(READY_PREFIX + me, str(os.getpid()))
-    try:
-        store.wait([READY_PREFIX + o for o in others], datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistError) as err:
-        missing = [o for o in others if not store.check([READY_PREFIX + o])]
-        names = ", ".join(missing) or _first_line(err)
-        raise RemoteCallError(f"{me}: {names} did not join the job at {host}:{port} within {timeout_s:g} s") from None
 
 
 def _first_line(err: BaseException) -> str:
@@ -131,15 +312,9 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def set_interface_env(options: ServerOptions) -> None:
-    """Make TensorPipe and gloo listen only on ``options.interface`` (loopback by default)."""
-    os.environ["TP_SOCKET_IFNAME"] = options.interface
-    os.environ["GLOO_SOCKET_IFNAME"] = options.interface
-
-
 @contextlib.contextmanager
 def _agent_store_mode() -> Iterator[None]:
-    """Every member is a store client while ``init_rpc`` runs (the store lives on server 0)."""
+    """Every member is a store client while ``init_rpc`` runs (the host serves the store)."""
     before = os.environ.get(_AGENT_STORE_ENV)
     os.environ[_AGENT_STORE_ENV] = "True"
     try:
@@ -168,19 +343,3 @@ def _fresh_process_rpc_state() -> None:
         with api._all_gather_dict_lock:
             getattr(api, "_all_gather_sequence_id", {}).clear()
             getattr(api, "_all_gather_sequence_id_to_states", {}).clear()
-
-
-def init_rpc(
-    *, name: str, rank: int, world_size: int, port: int, options: ServerOptions, timeout_s: float
-) -> None:
-    """Join the RPC group as ``name``; the group must form within ``timeout_s``."""
-    set_interface_env(options)
-    backend = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://{options.host}:{port}",
-        rpc_timeout=timeout_s,
-        num_worker_threads=options.num_worker_threads,
-        _transports=list(options.transports),
-    )
-    _fresh_process_rpc_state()
-    with _agent_store_mode():
-        rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=backend)

@@ -12,6 +12,7 @@ training itself fails (a parameter server lost or timed out: one line naming it;
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from distopt.config import load_config
@@ -43,20 +44,15 @@ def run(config: JobConfig, env: JobEnv) -> int:
 
         torch.set_num_threads(config.num_threads)
     if env.role == "ps" or env.num_ps > 0:
-        from distopt.job.ps_job import run_ps_role  # imports torch.distributed.rpc
+        from distopt.job.ps_roles import run_ps_role  # imports torch.distributed.rpc
 
         return run_ps_role(config, env)
-    from distopt.job.dist import init_trainer_group, shutdown_trainer_group
+    from distopt.job.dist import trainer_group
     from distopt.job.trainer import train
 
     needs_group = env.num_trainers > 1 or config.parallel != "none"
-    if needs_group:
-        init_trainer_group(env)
-    try:
+    with trainer_group(env) if needs_group else contextlib.nullcontext():
         result = train(config, env)
-    finally:
-        if needs_group:
-            shutdown_trainer_group()
     if env.rank == 0:
         print(f"run {result.run_id}: {result.steps} steps, QPS log {result.log_path}", flush=True)
     return 0

@@ -168,10 +168,10 @@ def test_two_rank_ddp_with_torchrun(tmp_path: Path) -> None:
     ]  # fmt: skip  -- one dense copy for both DDP ranks, one RNG file per rank
 
 
-def _ps_job(
+def _run_with_servers(
     tmp_path: Path, *, config: str | Path, num_trainers: int = 2, sets: tuple[str, ...] = ()
 ) -> dict[str, tuple[int, str]]:
-    """Start 1 server and ``num_trainers`` trainers with the environment of the TorchX ps_job."""
+    """Run 1 server and ``num_trainers`` trainers with the environment of the TorchX ``ps_job``."""
     port, ddp_port = free_port(), free_port()
     common = {
         **_base_env(), "DISTOPT_NUM_PS": "1", "DISTOPT_NUM_TRAINERS": str(num_trainers),
@@ -197,7 +197,7 @@ def _assert_ok(results: dict[str, tuple[int, str]]) -> None:
 
 @pytest.mark.slow
 def test_ps_dlrm_job_one_server_two_ddp_trainers(tmp_path: Path) -> None:
-    _assert_ok(_ps_job(tmp_path, config=DLRM_TINY, sets=("run_id=ps", "checkpoint_every=10")))
+    _assert_ok(_run_with_servers(tmp_path, config=DLRM_TINY, sets=("run_id=ps", "checkpoint_every=10")))
     run = load_run(tmp_path / "ps")
     assert sorted(run.ranks) == [0, 1] and run.header["num_ps"] == 1
     assert run.header["ps_latency_ms"] == 1.0 and run.config["model"] == "dlrm"
@@ -212,7 +212,7 @@ def test_ps_dlrm_job_one_server_two_ddp_trainers(tmp_path: Path) -> None:
 def test_ps_dlrm_optimized_and_hand_variants_compare(tmp_path: Path) -> None:
     for variant in ("optimized", "hand"):
         sets = (f"run_id={variant}", f"variant={variant}", "parallel=none")
-        _assert_ok(_ps_job(tmp_path, config=DLRM_TINY, num_trainers=1, sets=sets))
+        _assert_ok(_run_with_servers(tmp_path, config=DLRM_TINY, num_trainers=1, sets=sets))
     runs = [load_run(tmp_path / "optimized"), load_run(tmp_path / "hand")]
     assert [r.variant for r in runs] == ["optimized", "hand"]
     predicted = ("predicted_gain", "predicted_step_time_s", "predicted_saving_s", "predicted_rpc_latency_s")
@@ -230,7 +230,7 @@ def test_ps_job_fails_fast_when_a_trainer_fails(tmp_path: Path) -> None:
         "ps: {rpc_timeout_s: 20, start_timeout_s: 30, join_timeout_s: 60}\n"
     )
     start = time.monotonic()
-    results = _ps_job(tmp_path, config=config, num_trainers=1)
+    results = _run_with_servers(tmp_path, config=config, num_trainers=1)
     assert time.monotonic() - start < 60
     assert (
         results["trainer0"][0] == 1

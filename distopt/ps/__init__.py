@@ -3,7 +3,9 @@
 Servers (``distopt.ps.server``) hold named ``[num_rows, dim]`` tables sharded by ``row % n``;
 trainers call :func:`fetch`/:func:`push` (blocking, as users write them) or their ``*_async``
 forms; :func:`push_gradients` pushes the gradients of every row fetched in the step. Jobs are
-started with :func:`start_servers` + :func:`init_trainer`, or :func:`local_job` in one process.
+started with :func:`running_servers` (or :func:`start_servers`/:func:`stop_servers`) +
+:func:`init_trainer` and left with :func:`shutdown` (or :func:`abort`), or :func:`local_job` in one
+process; see ``distopt.ps.launch`` for who hosts the job's stores and how servers shut down.
 See ``distopt.ps.client`` for ordering and error semantics.
 """
 
@@ -30,7 +32,16 @@ from distopt.ps.client import (
 )
 from distopt.ps.context import FetchRecord, discard_step
 from distopt.ps.embedding import RemoteEmbedding
-from distopt.ps.launch import PSJob, init_trainer, local_job, ps_job, shutdown, start_servers
+from distopt.ps.launch import (
+    PSJob,
+    abort,
+    init_trainer,
+    local_job,
+    running_servers,
+    shutdown,
+    start_servers,
+    stop_servers,
+)
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
 
 __all__ = [
@@ -41,6 +52,7 @@ __all__ = [
     "Route",
     "ServerOptions",
     "TableSpec",
+    "abort",
     "discard_step",
     "fetch",
     "fetch_async",
@@ -51,17 +63,18 @@ __all__ = [
     "load_servers",
     "load_state_dict",
     "local_job",
-    "ps_job",
     "push",
     "push_async",
     "push_gradients",
     "routes",
+    "running_servers",
     "save_servers",
     "server_name",
     "server_stats",
     "shutdown",
     "start_servers",
     "state_dict",
+    "stop_servers",
     "trainer_name",
     "wait",
 ]

@@ -1,28 +1,37 @@
-"""Starting, joining and stopping a parameter-server job.
+"""Starting, joining and leaving a parameter-server job.
 
 One job has two kinds of process in ONE RPC group: trainers ``trainer0..trainer{T-1}`` (ranks
 ``0..T-1``) and servers ``ps0..ps{S-1}`` (ranks ``T..T+S-1``)::
 
-    with distopt.ps.ps_job(tables, ServerOptions(num_servers=2), num_trainers=2) as job:
+    with distopt.ps.running_servers(tables, ServerOptions(num_servers=2), num_trainers=2) as job:
         # in each trainer process (job is plain picklable data: pass it to spawned trainers)
         distopt.ps.init_trainer(job, rank=r, ddp=True)   # RPC group + gloo group of trainers
         model = DDP(dense_model)                         # dense params all-reduced over gloo
         ...; distopt.ps.push_gradients(lr=0.1)           # sparse rows pushed over RPC
         distopt.ps.shutdown()
 
-Two groups, two ports: the RPC group (servers + trainers) rendezvous at ``job.port`` (a store
-hosted by the launching process, which must outlive the job); the gloo group (trainers only, for DDP) at ``job.ddp_port`` (a store hosted by
-trainer 0). Both stores and all RPC/gloo listeners bind to ``ServerOptions.host`` (loopback by
-default). Servers serve until every trainer has called :func:`shutdown`; :func:`stop_servers`
-then reaps them, killing by PID whatever has not exited in time (also on errors, via the context
-managers).
+Every member meets through ``job.plan`` (:mod:`distopt.rendezvous`). Here the launching process
+hosts both stores, the RPC group's and the trainers' gloo group's, on free ports of
+``ServerOptions.host``, so it must outlive the job; ``distopt.train`` jobs make the same calls with
+a plan in which ``ps0`` hosts them (:mod:`distopt.job.ps_roles`). Every listener binds to
+``ServerOptions.host``/``interface`` (loopback by default).
+
+A job ends the same way whoever launched it:
+
+- a trainer's :func:`shutdown` drains its pushes, tells every server it is done, leaves the RPC
+  group and marks itself left in the RPC store; a trainer that fails once the group has formed
+  calls :func:`abort` instead, which asks every server to exit with status 1;
+- a server exits with status 0 once every trainer has told it so, with 1 on an abort or when a
+  trainer falls silent for ``ServerOptions.trainer_timeout_s`` (``distopt.ps.server``);
+- the store host closes the stores last: the launcher in :func:`stop_servers`, which also reaps the
+  servers (killing by PID whatever has not exited in time, also on errors via
+  :func:`running_servers`); ``ps0`` once every trainer has left (``distopt.job.ps_roles``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import json
 import os
 import signal
@@ -42,21 +51,28 @@ from distopt import rendezvous
 from distopt.errors import RemoteCallError
 from distopt.ps import client
 from distopt.ps.client import Route
-from distopt.ps.server import ps_server_heartbeat, ps_server_tables, ps_server_trainer_done
+from distopt.ps.server import (
+    ps_server_abort,
+    ps_server_heartbeat,
+    ps_server_tables,
+    ps_server_trainer_done,
+)
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables, server_name, trainer_name
+from distopt.rendezvous import StorePlan
+
+LAUNCHER = "launcher"
+"""``StorePlan.hosted_by`` of jobs started here: the launching process, outside the RPC group."""
+_ABORT_TIMEOUT_S = 5.0
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class PSJob:
-    """Where a job's RPC group meets: all a trainer needs to join (plain, picklable data)."""
+    """Where a job's members meet: all a trainer needs to join (plain, picklable data)."""
 
-    host: str
-    port: int
-    """Port of the RPC group's rendezvous store (hosted by ps0)."""
+    plan: StorePlan
+    """The job's rendezvous stores and who hosts them (see :mod:`distopt.rendezvous`)."""
     num_trainers: int
     options: ServerOptions
-    ddp_port: int | None = None
-    """Port of the trainers' gloo-group store (hosted by trainer 0), if DDP is used."""
     pids: tuple[int, ...] = ()
     """Server process ids when started by :func:`start_servers` on this machine."""
     logs: tuple[str, ...] = ()
@@ -70,10 +86,22 @@ class PSJob:
     def world_size(self) -> int:
         return self.options.num_servers + self.num_trainers
 
+    @property
+    def servers(self) -> list[str]:
+        return [server_name(i) for i in range(self.num_servers)]
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class _Membership:
+    """The job this process joined as a trainer, and under which name."""
+
+    job: PSJob
+    name: str
+
 
 _PROCESSES: dict[int, subprocess.Popen[bytes]] = {}
-_STORES: dict[int, dist.TCPStore] = {}  # rendezvous stores hosted here, by port
-_SHUTDOWN_TIMEOUT_S = [30.0]  # rpc_timeout_s of the job this process joined
+_HOSTED: dict[StorePlan, rendezvous.HostedStores] = {}  # stores this process hosts, by plan
+_JOINED: list[_Membership] = []
 _HEARTBEAT: list[tuple[threading.Event, threading.Thread, list[Any]]] = []
 
 
@@ -125,7 +153,7 @@ def start_servers(
     num_trainers: int = 1,
     log_dir: str | Path | None = None,
 ) -> PSJob:
-    """Spawn ``options.num_servers`` server processes on free loopback ports; returns at once.
+    """Host the job's stores here, spawn ``options.num_servers`` server processes; returns at once.
 
     Servers finish starting when the trainers join (:func:`init_trainer`).
     """
@@ -136,8 +164,8 @@ def start_servers(
         raise RemoteCallError(f"start_servers: num_trainers must be >= 1, got {num_trainers}")
     logs_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="distopt-ps-"))
     logs_dir.mkdir(parents=True, exist_ok=True)
-    store = rendezvous.host_store(options.host, 0, options.join_timeout_s)
-    port = int(store.port)
+    wanted = StorePlan(host=options.host, hosted_by=LAUNCHER, rpc_port=0, gloo_port=0)
+    hosted = rendezvous.host_stores(wanted, me=LAUNCHER, timeout_s=options.join_timeout_s)
     world_size = options.num_servers + num_trainers
     pids, logs = [], []
     try:
@@ -146,7 +174,7 @@ def start_servers(
                 "index": index,
                 "rank": num_trainers + index,
                 "world_size": world_size,
-                "port": port,
+                "plan": dataclasses.asdict(hosted.plan),
                 "launcher_pid": os.getpid(),
                 "options": dataclasses.asdict(options),
                 "tables": [dataclasses.asdict(t) for t in tables],
@@ -164,16 +192,11 @@ def start_servers(
             logs.append(str(log_path))
     except BaseException:
         _kill(pids)
+        hosted.close()
         raise
-    _STORES[port] = store
+    _HOSTED[hosted.plan] = hosted
     return PSJob(
-        host=options.host,
-        port=port,
-        num_trainers=num_trainers,
-        options=options,
-        ddp_port=rendezvous.free_port(options.host),
-        pids=tuple(pids),
-        logs=tuple(logs),
+        plan=hosted.plan, num_trainers=num_trainers, options=options, pids=tuple(pids), logs=tuple(logs)
     )
 
 
@@ -193,55 +216,40 @@ def init_trainer(job: PSJob, *, rank: int = 0, ddp: bool = False) -> None:
     """Join ``job`` as trainer ``rank`` (RPC name ``trainer{rank}``) and set up the PS client.
 
     Raises :class:`RemoteCallError` within ``options.start_timeout_s`` if the job's store is
-    unreachable, or within about twice that if the servers do not join. A process keeps one RPC rank
-    for life (torch's distributed-autograd container), so it may join later jobs with the same rank. With ``ddp=True`` also joins
-    the trainers' gloo process group (the default group, so ``DistributedDataParallel`` uses it).
+    unreachable, or within about twice that if the servers do not join. A process keeps one RPC
+    rank for life (torch's distributed-autograd container), so it may join later jobs with the same
+    rank. With ``ddp=True`` also joins the trainers' gloo process group (the default group, so
+    ``DistributedDataParallel`` uses it). A failure once the RPC group has formed aborts the servers.
     """
     options = job.options
     if not 0 <= rank < job.num_trainers:
         raise RemoteCallError(f"init_trainer: rank must be in 0..{job.num_trainers - 1}, got {rank}")
-    rendezvous.set_interface_env(options)
     name = trainer_name(rank)
+    timeout_s = options.start_timeout_s
     try:
-        rendezvous.meet(
-            job.host, job.port, me=name, timeout_s=options.start_timeout_s,
-            others=[server_name(i) for i in range(job.num_servers)],
-        )
+        rendezvous.meet(job.plan, me=name, others=job.servers, timeout_s=timeout_s)
+        rendezvous.init_rpc(
+            job.plan, name=name, rank=rank, world_size=job.world_size, transport=options,
+            timeout_s=timeout_s,
+        )  # fmt: skip
     except RemoteCallError as err:
         raise RemoteCallError(f"{err}{_log_tail(job)}") from None
-    try:
-        rendezvous.init_rpc(
-            name=name,
-            rank=rank,
-            world_size=job.world_size,
-            port=job.port,
-            options=options,
-            timeout_s=options.start_timeout_s,
-        )
-    except Exception as err:
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        servers = ", ".join(server_name(i) for i in range(job.num_servers))
-        raise RemoteCallError(
-            f"{name}: RPC group ({servers} + {job.num_trainers} trainers) did not form within "
-            f"{options.start_timeout_s:g} s: {first}{_log_tail(job)}"
-        ) from None
-    _SHUTDOWN_TIMEOUT_S[0] = options.rpc_timeout_s
+    _JOINED.append(_Membership(job=job, name=name))
     try:
         client.connect(_discover_routes(job), rpc_timeout_s=options.rpc_timeout_s)
-        _start_heartbeat(name, [server_name(i) for i in range(job.num_servers)],
-                         options.trainer_timeout_s)
+        _start_heartbeat(name, job.servers, options.trainer_timeout_s)
         if ddp:
-            _init_ddp_group(job, rank)
-    except BaseException:
-        _stop_heartbeat(wait=False)
-        rpc.shutdown(graceful=False)
+            rendezvous.init_gloo(
+                job.plan, me=name, rank=rank, world_size=job.num_trainers, timeout_s=timeout_s
+            )
+    except BaseException as err:
+        abort(f"{name} failed to start: {type(err).__name__}: {err}")
         raise
 
 
 def _discover_routes(job: PSJob) -> dict[str, Route]:
     """Ask every server which tables it holds; a table's servers follow its placement order."""
-    servers = [server_name(i) for i in range(job.num_servers)]
-    answers = [rpc.rpc_async(s, ps_server_tables, timeout=job.options.start_timeout_s) for s in servers]
+    answers = [rpc.rpc_async(s, ps_server_tables, timeout=job.options.start_timeout_s) for s in job.servers]
     specs: dict[str, TableSpec] = {}
     for answer in answers:
         for data in answer.wait():
@@ -253,30 +261,21 @@ def _discover_routes(job: PSJob) -> dict[str, Route]:
     }
 
 
-def _init_ddp_group(job: PSJob, rank: int) -> None:
-    if job.ddp_port is None:
-        raise RemoteCallError("init_trainer(ddp=True): the job has no ddp_port")
-    timeout = datetime.timedelta(seconds=job.options.start_timeout_s)
-    if rank == 0:
-        store = rendezvous.host_store(job.host, job.ddp_port, job.options.start_timeout_s)
-    else:
-        store = rendezvous.connect_store(job.host, job.ddp_port, job.options.start_timeout_s,
-                                         what="trainer0's gloo store")
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=job.num_trainers, timeout=timeout)
-
-
 def shutdown(*, graceful: bool = True) -> None:
-    """Leave the job: wait for pending pushes, tell each server we are done, leave both groups.
+    """Leave the job: wait for pending pushes, tell each server we are done, leave both groups,
+    then tell the store host we have left.
 
     A server exits once every trainer has told it so. ``graceful=False`` (after a server died)
-    skips the flush and the goodbyes; :func:`stop_servers` then kills what is left.
+    skips the flush and the goodbyes; :func:`stop_servers` (or :func:`abort`) ends the servers.
     """
+    membership = _JOINED.pop() if _JOINED else None
     _stop_heartbeat(wait=graceful)
     try:
-        if graceful and client._CLIENT is not None:
+        if graceful and client._CLIENT is not None and membership is not None:
             client.flush()
-            byes = [rpc.rpc_async(s, ps_server_trainer_done, args=(rpc.get_worker_info().name,),
-                                  timeout=_SHUTDOWN_TIMEOUT_S[0]) for s in client._CLIENT.servers]
+            timeout_s = membership.job.options.rpc_timeout_s
+            byes = [rpc.rpc_async(s, ps_server_trainer_done, args=(membership.name,), timeout=timeout_s)
+                    for s in client._CLIENT.servers]  # fmt: skip
             for bye in byes:
                 with contextlib.suppress(RuntimeError):
                     bye.wait()
@@ -287,6 +286,28 @@ def shutdown(*, graceful: bool = True) -> None:
         if rpc.api._is_current_rpc_agent_set():
             # Never the graceful store barrier: see distopt.ps.server.serve.
             rpc.shutdown(graceful=False)
+    if graceful and membership is not None:
+        job = membership.job
+        rendezvous.leave(job.plan, me=membership.name, timeout_s=job.options.start_timeout_s)
+
+
+def abort(reason: str) -> None:
+    """Leave the job after a failure, asking every server to exit with status 1 (best effort).
+
+    Without it the servers wait for the failed trainer until ``trainer_timeout_s`` (or until the
+    launcher kills them), and the job and its other trainers fail only then.
+    """
+    membership = _JOINED[-1] if _JOINED else None
+    if membership is not None and rpc.api._is_current_rpc_agent_set():
+        timeout_s = min(_ABORT_TIMEOUT_S, membership.job.options.rpc_timeout_s)
+        asks = []
+        for server in membership.job.servers:
+            with contextlib.suppress(RuntimeError):  # the agent is already shutting down
+                asks.append(rpc.rpc_async(server, ps_server_abort, args=(reason,), timeout=timeout_s))
+        for ask in asks:
+            with contextlib.suppress(RuntimeError):  # that server is already gone
+                ask.wait()
+    shutdown(graceful=False)
 
 
 def _kill(pids: Sequence[int]) -> None:
@@ -299,7 +320,8 @@ def _kill(pids: Sequence[int]) -> None:
 
 
 def stop_servers(job: PSJob, *, timeout_s: float = 10.0) -> list[int | None]:
-    """Wait up to ``timeout_s`` for the servers to exit, then kill the rest by PID; exit codes."""
+    """Wait up to ``timeout_s`` for the servers to exit, kill the rest by PID, close the job's
+    stores; the servers' exit codes."""
     deadline = time.monotonic() + timeout_s
     codes: list[int | None] = []
     for pid in job.pids:
@@ -313,16 +335,18 @@ def stop_servers(job: PSJob, *, timeout_s: float = 10.0) -> list[int | None]:
         except subprocess.TimeoutExpired:
             _kill([pid])
             codes.append(None)
-    _STORES.pop(job.port, None)
+    hosted = _HOSTED.pop(job.plan, None)
+    if hosted is not None:
+        hosted.close()
     return codes
 
 
 @contextlib.contextmanager
-def ps_job(
+def running_servers(
     tables: Sequence[TableSpec], options: ServerOptions | None = None, *, num_trainers: int = 1,
     stop_timeout_s: float = 10.0,
 ) -> Iterator[PSJob]:
-    """Start servers, yield the job, and always reap them (killing by PID if needed)."""
+    """:func:`start_servers`, yield the job, and always :func:`stop_servers` (killing by PID if needed)."""
     job = start_servers(tables, options, num_trainers=num_trainers)
     failed = False
     try:
@@ -337,11 +361,11 @@ def ps_job(
 @contextlib.contextmanager
 def local_job(tables: Sequence[TableSpec], options: ServerOptions | None = None) -> Iterator[PSJob]:
     """Servers in subprocesses, this process as the only trainer; cleaned up however it exits."""
-    with ps_job(tables, options, num_trainers=1) as job:
+    with running_servers(tables, options, num_trainers=1) as job:
         init_trainer(job, rank=0)
-        ok = False
         try:
             yield job
-            ok = True
-        finally:
-            shutdown(graceful=ok)
+        except BaseException as err:
+            abort(f"{trainer_name(0)} failed: {type(err).__name__}: {err}")
+            raise
+        shutdown()

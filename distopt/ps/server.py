@@ -1,9 +1,13 @@
 """The parameter-server process: holds table shards and answers RPCs (TensorPipe).
 
-Run by :func:`distopt.ps.launch.start_servers` as ``python -m distopt.ps.server CONFIG_JSON``.
-Server ``i`` joins the RPC group as ``ps{i}`` with rank ``num_trainers + i``; trainer ``j`` has
-rank ``j`` (a process can hold only one RPC rank in its life, see ``launch.init_trainer``). The group's rendezvous store is hosted by the launcher (see
-``distopt.ps.rendezvous``), which outlives every member, so shutdown never loses it.
+Run by :func:`distopt.ps.launch.start_servers` as ``python -m distopt.ps.server CONFIG_JSON``, and
+by ``distopt.train``'s ``ps`` role (:mod:`distopt.job.ps_roles`) through :func:`serve`. Server ``i``
+joins the RPC group as ``ps{i}`` with rank ``num_trainers + i``; trainer ``j`` has rank ``j`` (a
+process can hold only one RPC rank in its life, see ``launch.init_trainer``). The config's store
+plan (:class:`distopt.rendezvous.StorePlan`) says who hosts the job's stores: the launcher for
+``start_servers``, ``ps0`` for ``distopt.train``; a hosting server keeps them until every trainer
+has left. A server exits with status 0 once every trainer has said it is done, with 1 when a
+trainer aborts the job or falls silent, with 3 when the launcher that started it dies.
 
 The ``ps_server_*`` functions below are the RPC handlers; clients call them through
 ``rpc_async(server, ps_server_fetch, args=(table, ids))``. They run on the RPC thread pool, so each
@@ -201,6 +205,17 @@ def ps_server_tables() -> list[dict[str, Any]]:
     return [dataclasses.asdict(shard.spec) for shard in _state().shards.values()]
 
 
+def ps_server_abort(reason: str) -> None:
+    """A trainer failed: exit with status 1 shortly after answering (``distopt.ps.abort``).
+
+    Otherwise the servers would wait for the failed trainer until ``trainer_timeout_s``, and the
+    job (and its TorchX status) with them.
+    """
+    name = _state().name
+    print(f"distopt.ps.server: error: {name}: parameter server aborting: {reason}", file=sys.stderr, flush=True)
+    threading.Timer(0.2, os._exit, args=(1,)).start()
+
+
 def ps_server_trainer_done(trainer: str) -> None:
     """``trainer`` has finished with this server; once every trainer has, the server exits."""
     state = _state()
@@ -219,13 +234,17 @@ def ps_server_stats() -> dict[str, int]:
 
 
 def serve(config: dict[str, Any]) -> None:
-    """Join the RPC group as a parameter server and serve until every worker shuts down."""
+    """Join the RPC group as a parameter server and serve until every trainer is done."""
     global _STATE
+    import torch.distributed.rpc as rpc
+
     from distopt import rendezvous
 
     options = ServerOptions(**config["options"])
     tables = tuple(TableSpec(**_tuples(t)) for t in config["tables"])
+    plan = rendezvous.StorePlan(**config["plan"])
     index = int(config["index"])
+    name = server_name(index)
     # Handlers are small index_select/index_add calls: one intra-op thread each avoids
     # oversubscribing the cores that trainers and other servers share.
     torch.set_num_threads(1)
@@ -233,30 +252,26 @@ def serve(config: dict[str, Any]) -> None:
     _STATE = _ServerState(index, tables, options)
     num_trainers = int(config["world_size"]) - options.num_servers
     _STATE.num_trainers = num_trainers
-    rendezvous.meet(
-        options.host,
-        int(config["port"]),
-        me=server_name(index),
-        others=[trainer_name(j) for j in range(num_trainers)],
-        timeout_s=options.join_timeout_s,
-    )
-    rendezvous.init_rpc(
-        name=server_name(index),
-        rank=int(config["rank"]),
-        world_size=int(config["world_size"]),
-        port=int(config["port"]),
-        options=options,
-        timeout_s=options.join_timeout_s,
-    )
-    watch_trainers(_STATE, options.trainer_timeout_s)
-    # Serve until every trainer said it is done. Not rpc.shutdown(graceful=True): its store barrier
-    # uses a process-wide counter in torch that a trainer joining its second job no longer agrees
-    # on, which stalls shutdown until the store timeout.
-    _STATE.stop.wait()
-    time.sleep(0.2)  # let the reply to the last trainer_done leave before the pipes close
-    import torch.distributed.rpc as rpc
-
-    rpc.shutdown(graceful=False)
+    trainers = [trainer_name(j) for j in range(num_trainers)]
+    with rendezvous.host_stores(plan, me=name, timeout_s=options.join_timeout_s) as hosted:
+        rendezvous.meet(plan, me=name, others=trainers, timeout_s=options.join_timeout_s)
+        rendezvous.init_rpc(
+            plan, name=name, rank=int(config["rank"]), world_size=int(config["world_size"]),
+            transport=options, timeout_s=options.join_timeout_s,
+        )  # fmt: skip
+        watch_trainers(_STATE, options.trainer_timeout_s)
+        # Serve until every trainer said it is done. Not rpc.shutdown(graceful=True): its store
+        # barrier uses a process-wide counter in torch that a trainer joining its second job no
+        # longer agrees on, which stalls shutdown until the store timeout.
+        _STATE.stop.wait()
+        time.sleep(0.2)  # let the reply to the last trainer_done leave before the pipes close
+        rpc.shutdown(graceful=False)
+        # Trainers mark themselves left in the RPC store after leaving the group: a hosting server
+        # keeps the stores up until they have (bounded, in case one died after saying it was done).
+        late = hosted.wait_until_left(trainers, timeout_s=options.rpc_timeout_s)
+    if late:
+        print(f"distopt.ps.server: {name}: closed the job's stores before {', '.join(late)} left "
+              f"(waited ps.rpc_timeout_s={options.rpc_timeout_s:g})", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _exit_with_launcher(launcher_pid: int | None) -> None:

@@ -1,7 +1,8 @@
 """A stand-in for ``distopt.train`` that follows the same launch contract, for launcher tests.
 
 ``python -m tests.launchers.rendezvous_job --config PATH [--set key=value ...]``: the ``ps`` and
-``trainer`` replicas rendezvous over ``torch.distributed.rpc`` at ``MASTER_ADDR:MASTER_PORT``;
+``trainer`` replicas rendezvous over ``torch.distributed.rpc`` at ``MASTER_ADDR:MASTER_PORT``
+(through :mod:`distopt.rendezvous`, with the plan of ``distopt.train``'s roles);
 trainers push a value to the server by RPC and all-reduce among themselves in a gloo group whose
 store the first server hosts on ``DISTOPT_DDP_PORT``. Each replica writes one JSON line to
 ``<output_dir>/<role>-<replica>.jsonl`` (config keys: ``output_dir``, ``fail_trainer``: the
@@ -15,7 +16,6 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -64,38 +64,36 @@ def main(argv: list[str]) -> int:
     )
     started = time.time()
 
-    stores = []
-    if role == "ps" and replica == 0:
-        # The first server hosts the RPC store and the trainers' gloo store on MASTER_ADDR only
-        # (a plain TCPStore server would listen on every interface).
-        stores = [
-            rendezvous.host_store(addr, port, TIMEOUT_S),
-            rendezvous.host_store(addr, int(os.environ["DISTOPT_DDP_PORT"]), TIMEOUT_S),
-        ]
-    rendezvous.init_rpc(
-        name=f"{role}{replica}", rank=rank, world_size=world, port=port,
-        options=ServerOptions(host=addr), timeout_s=TIMEOUT_S,
-    )  # fmt: skip
+    # The first server hosts the RPC store and the trainers' gloo store on MASTER_ADDR only (a plain
+    # TCPStore server would listen on every interface), as distopt.train's ps role does.
+    plan = rendezvous.StorePlan(
+        host=addr, hosted_by="ps0", rpc_port=port, gloo_port=int(os.environ["DISTOPT_DDP_PORT"])
+    )
+    me = f"{role}{replica}"
     total: float | None = None
-    if role == "trainer":
-        if replica == config.get("fail_trainer", -1):
-            print(f"trainer {replica}: failing on purpose", flush=True)
-            os._exit(3)
-        echoed = rpc.rpc_sync("ps0", push, args=(float(replica + 1),))
-        store = dist.TCPStore(
-            addr, int(os.environ["DISTOPT_DDP_PORT"]), None, False, timedelta(seconds=TIMEOUT_S)
-        )
-        dist.init_process_group(
-            "gloo", store=store, rank=replica, world_size=num_trainers,
-            timeout=timedelta(seconds=TIMEOUT_S),
+    members = [f"ps{i}" for i in range(num_ps)] + [f"trainer{i}" for i in range(num_trainers)]
+    with rendezvous.host_stores(plan, me=me, timeout_s=TIMEOUT_S):
+        others = [m for m in members if m != me]
+        rendezvous.meet(plan, me=me, others=others, timeout_s=TIMEOUT_S)
+        rendezvous.init_rpc(
+            plan, name=me, rank=rank, world_size=world, transport=ServerOptions(host=addr),
+            timeout_s=TIMEOUT_S,
         )  # fmt: skip
-        tensor = torch.tensor([echoed])
-        dist.all_reduce(tensor)
-        total = float(tensor.item())
-        dist.destroy_process_group()
-    # A bounded shutdown: a crashed peer must fail this replica, not hang it.
-    rpc.shutdown(graceful=True, timeout=TIMEOUT_S)
-    del stores  # kept alive until the group is gone
+        if role == "trainer":
+            if replica == config.get("fail_trainer", -1):
+                print(f"trainer {replica}: failing on purpose", flush=True)
+                os._exit(3)
+            echoed = rpc.rpc_sync("ps0", push, args=(float(replica + 1),))
+            rendezvous.init_gloo(
+                plan, me=me, rank=replica, world_size=num_trainers, timeout_s=TIMEOUT_S
+            )
+            tensor = torch.tensor([echoed])
+            dist.all_reduce(tensor)
+            total = float(tensor.item())
+            dist.destroy_process_group()
+        # A bounded shutdown: a crashed peer must fail this replica, not hang it. The store host
+        # leaves the with block (closing the stores) only after this barrier.
+        rpc.shutdown(graceful=True, timeout=TIMEOUT_S)
     out = Path(config.get("output_dir", "out"))
     out.mkdir(parents=True, exist_ok=True)
     record = {

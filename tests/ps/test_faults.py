@@ -11,8 +11,9 @@ import torch
 
 import distopt.ps as ps
 from distopt.errors import RemoteCallError
-from distopt.ps.launch import PSJob, stop_servers
+from distopt.ps.launch import LAUNCHER, PSJob, stop_servers
 from distopt.ps.spec import ServerOptions, TableSpec
+from distopt.rendezvous import StorePlan
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -22,7 +23,8 @@ TABLES = (TableSpec(name="t", num_rows=10, dim=4),)
 
 def test_unreachable_job_store_fails_within_start_timeout() -> None:
     port = free_port()  # nothing listens there
-    job = PSJob(host="127.0.0.1", port=port, num_trainers=1, options=ServerOptions(start_timeout_s=1.5))
+    plan = StorePlan(host="127.0.0.1", hosted_by=LAUNCHER, rpc_port=port)
+    job = PSJob(plan=plan, num_trainers=1, options=ServerOptions(start_timeout_s=1.5))
     start = time.monotonic()
     with pytest.raises(RemoteCallError, match=f"127.0.0.1:{port} unreachable after 1.5 s"):
         ps.init_trainer(job)
@@ -31,7 +33,7 @@ def test_unreachable_job_store_fails_within_start_timeout() -> None:
 
 def test_servers_that_never_join_are_named_within_start_timeout() -> None:
     options = ServerOptions(num_servers=2, start_timeout_s=2.0)
-    with ps.ps_job(TABLES, options, stop_timeout_s=1.0) as job:
+    with ps.running_servers(TABLES, options, stop_timeout_s=1.0) as job:
         for pid in job.pids:  # servers die before the trainer arrives
             os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
@@ -42,7 +44,7 @@ def test_servers_that_never_join_are_named_within_start_timeout() -> None:
 
 def test_server_killed_mid_step_fails_the_wait_naming_it() -> None:
     options = ServerOptions(num_servers=2, latency_ms=500, rpc_timeout_s=5.0, start_timeout_s=20)
-    with ps.ps_job(TABLES, options, stop_timeout_s=1.0) as job:
+    with ps.running_servers(TABLES, options, stop_timeout_s=1.0) as job:
         ps.init_trainer(job)
         try:
             fut = ps.fetch_async("t", torch.arange(10))  # both shards, 500 ms each

@@ -47,7 +47,7 @@ def test_every_listener_of_a_job_is_on_loopback() -> None:
 
 
 def test_servers_exit_cleanly_after_the_trainer_shuts_down() -> None:
-    with ps.ps_job(TABLES, ServerOptions(num_servers=2)) as job:
+    with ps.running_servers(TABLES, ServerOptions(num_servers=2)) as job:
         ps.init_trainer(job)
         ps.push_async("t", torch.tensor([1]), torch.ones(1, 4), lr=1.0)  # flushed by shutdown
         ps.shutdown()

@@ -193,13 +193,15 @@ def rpc_agent():
     from distopt.ps.spec import ServerOptions
 
     # Our loopback store: init_rpc's own (tcp:// init) would listen on every interface.
-    store = rendezvous.host_store("127.0.0.1", 0, 30.0)
-    rendezvous.init_rpc(name="worker0", rank=0, world_size=1, port=store.port, options=ServerOptions(), timeout_s=30.0)
-    try:
-        yield
-    finally:
-        rpc.shutdown()
-        del store
+    plan = rendezvous.StorePlan(host="127.0.0.1", hosted_by="worker0", rpc_port=0)
+    with rendezvous.host_stores(plan, me="worker0", timeout_s=30.0) as hosted:
+        rendezvous.init_rpc(
+            hosted.plan, name="worker0", rank=0, world_size=1, transport=ServerOptions(), timeout_s=30.0
+        )
+        try:
+            yield
+        finally:
+            rpc.shutdown()
 
 
 def test_rpc_sync_is_split_and_its_registered_reads_hoisted(rpc_agent: None) -> None:
