@@ -28,7 +28,8 @@ EffectFn = Callable[[Sequence[Any], Mapping[str, Any]], Effect]
 ResourceFn = Callable[[Sequence[Any], Mapping[str, Any]], Hashable]
 
 
-def _wait_future(fut: Future) -> Any:
+def wait_future(fut: Future) -> Any:
+    """The default ``wait``: ``fut.wait()``."""
     return fut.wait()
 
 
@@ -55,7 +56,7 @@ class RemoteCallSpec:
 
     fn: Callable[..., Any]
     issue: Callable[..., Future]
-    wait: Callable[[Future], Any] = _wait_future
+    wait: Callable[[Future], Any] = wait_future
     effect: Effect | EffectFn = "write"
     resource: ResourceFn | None = None
     batched: Callable[..., Future] | None = None
@@ -80,7 +81,7 @@ def register_remote(
     fn: Callable[..., Any],
     *,
     issue: Callable[..., Future],
-    wait: Callable[[Future], Any] = _wait_future,
+    wait: Callable[[Future], Any] = wait_future,
     effect: Effect | EffectFn = "write",
     resource: ResourceFn | None = None,
     batched: Callable[..., Future] | None = None,
@@ -116,7 +117,7 @@ def register_remote(
 def remote(
     *,
     issue: Callable[..., Future],
-    wait: Callable[[Future], Any] = _wait_future,
+    wait: Callable[[Future], Any] = wait_future,
     effect: Effect | EffectFn = "write",
     resource: ResourceFn | None = None,
     batched: Callable[..., Future] | None = None,

@@ -91,10 +91,6 @@ def _to_here(rref: Any) -> Any:
     return rref.to_here()
 
 
-def _wait(fut: Future) -> Any:
-    return fut.wait()
-
-
 @dataclass(frozen=True, eq=False)
 class RemoteModuleHandle:
     """A ``RemoteModule`` as a graph constant (it refuses most ``nn.Module`` methods, so the graph

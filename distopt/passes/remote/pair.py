@@ -8,11 +8,11 @@ from torch.fx import Node
 
 from distopt.passes.core.base import PassContext, PassResult, register_pass
 from distopt.passes.remote.nodes import remote_ops
-from distopt.remote import rpc
+from distopt.remote import registry, rpc
 from distopt.remote.registry import RemoteCallSpec
 from distopt.remote.wait import source_line
 
-_WAIT_METHODS = {id(rpc._wait): "wait", id(rpc._to_here): "to_here"}
+_WAIT_METHODS = {id(registry.wait_future): "wait", id(rpc._to_here): "to_here"}
 """The method a user calls on an issue's result to wait for it, by the spec's ``wait``."""
 
 

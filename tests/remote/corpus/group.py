@@ -1,0 +1,59 @@
+"""The corpus's RPC group on 127.0.0.1: this process as ``trainer`` (rank 0) and servers ``ps0..``.
+
+This process hosts the group's store (a socket bound to 127.0.0.1 only) and outlives the
+servers, which it starts as subprocesses and reaps by PID however the block ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch.distributed.rpc as rpc
+
+from distopt import rendezvous
+from distopt.ps.spec import ServerOptions
+
+REPO = Path(__file__).resolve().parents[3]
+START_TIMEOUT_S = 60.0
+
+
+@contextlib.contextmanager
+def rpc_group(num_servers: int = 2, *, latency_ms: float = 0.0) -> Iterator[list[str]]:
+    """Form the group; yields the server names. Every request to a server first sleeps
+    ``latency_ms`` there (network and server time)."""
+    world = num_servers + 1
+    plan = rendezvous.StorePlan(host="127.0.0.1", hosted_by="trainer", rpc_port=0)
+    names = [f"ps{i}" for i in range(num_servers)]
+    with rendezvous.host_stores(plan, me="trainer", timeout_s=START_TIMEOUT_S) as hosted:
+        plan_json = json.dumps(dataclasses.asdict(hosted.plan))
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.remote.corpus.server", plan_json, name, str(rank),
+                 str(world), str(latency_ms)],
+                cwd=REPO,
+            )  # fmt: skip
+            for rank, name in enumerate(names, start=1)
+        ]
+        try:
+            rendezvous.meet(hosted.plan, me="trainer", others=names, timeout_s=START_TIMEOUT_S)
+            rendezvous.init_rpc(
+                hosted.plan, name="trainer", rank=0, world_size=world, transport=ServerOptions(),
+                timeout_s=START_TIMEOUT_S,
+            )  # fmt: skip
+            try:
+                yield names
+            finally:
+                rpc.shutdown()
+            for proc in procs:
+                proc.wait(timeout=60)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()

@@ -1,0 +1,37 @@
+"""A plain ``torch.distributed.rpc`` worker: joins the group, serves until everyone shuts down.
+
+``python -m tests.remote.corpus.server PLAN_JSON NAME RANK WORLD LATENCY_MS`` (started by
+:mod:`tests.remote.corpus.group`). It holds whatever the trainer creates on it through
+``rpc.remote``/``RemoteModule``/``create_table`` (see :mod:`tests.remote.corpus.tables`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch.distributed.rpc as rpc
+
+from distopt import rendezvous
+from distopt.ps.spec import ServerOptions
+from tests.remote.corpus import tables
+
+START_TIMEOUT_S = 60.0
+
+
+def main(argv: list[str]) -> int:
+    plan_json, name, rank, world, latency_ms = argv
+    plan = rendezvous.StorePlan(**json.loads(plan_json))
+    tables.LATENCY_S = float(latency_ms) / 1000.0
+    others = [f"ps{i}" for i in range(int(world) - 1) if f"ps{i}" != name] + ["trainer"]
+    rendezvous.meet(plan, me=name, others=others, timeout_s=START_TIMEOUT_S)
+    rendezvous.init_rpc(
+        plan, name=name, rank=int(rank), world_size=int(world), transport=ServerOptions(),
+        timeout_s=START_TIMEOUT_S,
+    )  # fmt: skip
+    rpc.shutdown()  # graceful: serves until every member has called shutdown
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
