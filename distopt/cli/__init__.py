@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 from distopt.errors import DistoptError
@@ -35,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Models, datasets and benchmark factories are named by module path (``mypkg.models:make``):
+    # find them in the current directory, as ``python -m`` would.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args) or 0)

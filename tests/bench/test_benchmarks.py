@@ -4,10 +4,15 @@ Speed targets are checked by the benchmarks themselves (`distopt bench ...`), no
 """
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from distopt.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_optimize_overhead_runs(tmp_path) -> None:
@@ -80,3 +85,22 @@ def test_unknown_kind_is_a_one_line_error(tmp_path, capsys) -> None:
     config.write_text("kind: nope\n")
     assert main(["bench", str(config)]) == 2
     assert "kind: unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_remote_idioms_runs(tmp_path) -> None:
+    config = tmp_path / "remote_idioms.yaml"
+    config.write_text(
+        "kind: remote_idioms\nidioms: [tests.remote.corpus.rref_helper]\n"
+        "reads: [tests.remote.corpus.tables:lookup_rows]\nlatency_ms: 0.0\n"
+        "rounds: 1\nsteps: 3\nwarmup: 1\nbatch_size: 8\n"
+    )
+    out = tmp_path / "out.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "distopt", "bench", str(config), "--json", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    data = json.loads(out.read_text())
+    (row,) = data["results"]
+    assert row["idiom"] == "rref_helper" and set(row["median_step_s"]) == {"baseline", "optimized", "hand"}
