@@ -23,6 +23,7 @@ from typing import Any
 from torch import nn
 
 from distopt.remote import registry, rpc
+from distopt.remote.helpers import declare_helpers
 from distopt.remote.local import local_modules
 
 Handler = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
@@ -46,9 +47,14 @@ def calling_through() -> Iterator[None]:
 
 @contextlib.contextmanager
 def intercepted(root: Any, handler: Handler) -> Iterator[None]:
-    """Route this thread's calls of leaf callables reachable from ``root``'s code to ``handler``."""
-    leaves = {id(fn): fn for fn in registry.leaf_callables()}
+    """Route this thread's calls of leaf callables reachable from ``root``'s code to ``handler``.
+
+    Helpers in that code that wrap a blocking RPC are declared remote calls first
+    (:mod:`distopt.remote.helpers`), so they are routed as one call.
+    """
     namespaces = namespaces_of(root)
+    declare_helpers(namespaces)
+    leaves = {id(fn): fn for fn in registry.leaf_callables()}
     places = [(ns, name) for ns in namespaces for name, v in list(ns.items()) if id(v) in leaves]
     places += [(ns, name) for ns, name in registry.leaf_aliases() if id(ns.get(name)) in leaves]
     places.append((rpc.RREF_PROXY_NAMESPACE, "_invoke_rpc"))

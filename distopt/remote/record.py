@@ -61,7 +61,7 @@ def recording(root: Any) -> Iterator[Recording]:
     Only the outermost call counts: the ``rpc_async`` a ``RemoteModule`` makes inside its
     ``forward`` belongs to that one call. Waits and other leaves run unrecorded.
     """
-    entries = _entry_points()
+    entries: dict[int, Callable[..., Any]] = {}
     record = Recording()
 
     def handler(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -72,6 +72,7 @@ def recording(root: Any) -> Iterator[Recording]:
         return value
 
     with intercepted(root, handler):
+        entries.update(_entry_points())  # helpers found on the way in are entry points too
         yield record
 
 
