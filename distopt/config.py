@@ -194,8 +194,13 @@ class CaptureConfig:
     """Qualified class names (``pkg.mod.Class``) or module paths traced as single nodes."""
     leaf_functions: tuple[str, ...] = ()
     """Qualified function names (``pkg.mod.fn``) recorded as single nodes instead of traced."""
+    symbolic: bool = True
+    """Try symbolic tracing first (off: go straight to Dynamo)."""
     dynamo: bool = True
     """Fall back to Dynamo capture (``torch.compile``) when symbolic tracing fails."""
+
+    def __post_init__(self) -> None:
+        check(self.symbolic or self.dynamo, "capture", "symbolic or dynamo (or both) on", "both off")
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

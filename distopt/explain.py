@@ -85,7 +85,9 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
     if report.parallel is not None:
         _render_parallel(report.parallel, console)
     v = report.verification
-    if v is not None:
+    if v is not None and v.skipped:
+        console.print(f"  verification [yellow]skipped[/yellow]: {escape(v.skipped)}")
+    elif v is not None:
         status = "[green]passed[/green]" if v.passed else "[red]FAILED[/red]"
         console.print(
             f"  verification {status}: {v.compared} tensors (outputs + grads), max abs diff "

@@ -18,9 +18,14 @@ from distopt.config import OptimizeConfig, from_dict
 from distopt.errors import CaptureError, ConfigError, PassError, VerificationError
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
 from distopt.passes.remote.nodes import remote_ops
+from distopt.remote.record import RemoteWriteRefused
 from distopt.remote.wait import source_line
 from distopt.report import GraphRecord, OptimizeReport, VerifyRecord, attach
 from distopt.verify import Reference, compare_modules, run_reference
+
+
+class _SymbolicOff(Exception):
+    """``capture.symbolic`` is off: go straight to Dynamo."""
 
 
 class DistoptFallbackWarning(UserWarning):
@@ -149,9 +154,13 @@ def _capture_and_transform(
 ) -> nn.Module:
     start = time.perf_counter()
     try:
+        if not cfg.capture.symbolic:
+            raise _SymbolicOff()
         gm = symbolic_capture(model, cfg.capture)
     except ConfigError:
         raise
+    except _SymbolicOff:
+        report.reason = "symbolic tracing off (config capture.symbolic=false)"
     except Exception as err:  # any tracing failure moves on to the next tier
         report.reason = f"symbolic tracing failed: {describe_failure(err)}"
     else:
@@ -214,22 +223,17 @@ def _verify_or_fall_back(
     strict: bool,
     report: OptimizeReport,
 ) -> nn.Module:
+    # Checking would apply the model's remote writes once (the original's run): not without the
+    # user's say-so. Writes in a traced graph are known up front; under Dynamo the original's run
+    # stops at the first one, before sending it.
     writes = _remote_writes(optimized)
     if writes and not cfg.verify.remote_writes:
-        # Checking would apply the model's remote writes once (the original's run): not without
-        # the user's say-so.
-        reason = (
-            f"the model writes to remote state ({len(writes)} call(s), first at {writes[0]}); "
-            "set config verify.remote_writes=true to let verification apply them once"
-        )
-        report.verification = VerifyRecord(
-            passed=True, max_abs_diff=0.0, rtol=cfg.verify.rtol, atol=cfg.verify.atol,
-            compared=0, skipped=reason,
-        )  # fmt: skip
-        report.warnings.append(f"verification skipped: {reason}")
-        return optimized
+        return _skip_verification(optimized, cfg, report, f"{len(writes)} call(s), first at {writes[0]}")
     try:
-        reference = run_reference(model, inputs, cfg.verify)
+        reference = run_reference(model, inputs, cfg.verify, allow_writes=cfg.verify.remote_writes)
+    except RemoteWriteRefused as err:
+        return _skip_verification(optimized, cfg, report, f"{err}")
+    try:
         record = compare_modules(model, optimized, inputs, cfg.verify, reference=reference)
     except Exception as err:
         if strict:
@@ -248,6 +252,17 @@ def _verify_or_fall_back(
     if strict:
         raise VerificationError(message, culprit=culprit)
     return _fall_back(model, report, message)
+
+
+def _skip_verification(optimized: nn.Module, cfg: OptimizeConfig, report: OptimizeReport, writes: str) -> nn.Module:
+    reason = (
+        f"the model writes to remote state ({writes}); "
+        "set config verify.remote_writes=true to let verification apply them once"
+    )
+    report.verification = VerifyRecord(
+        passed=True, max_abs_diff=0.0, rtol=cfg.verify.rtol, atol=cfg.verify.atol, compared=0, skipped=reason
+    )
+    return optimized
 
 
 def _remote_writes(module: nn.Module) -> list[str]:

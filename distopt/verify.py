@@ -122,14 +122,20 @@ def _run(
     return RunResult([t.detach().clone() for t in tensors], flat_out, grads)
 
 
-def run_reference(original: nn.Module, example_inputs: tuple[Any, ...], config: VerifyConfig) -> Reference:
-    """Run ``original`` once, its remote calls for real and recorded (the model ends unchanged)."""
+def run_reference(
+    original: nn.Module, example_inputs: tuple[Any, ...], config: VerifyConfig, *, allow_writes: bool = True
+) -> Reference:
+    """Run ``original`` once, its remote calls for real and recorded (the model ends unchanged).
+
+    With ``allow_writes=False`` a remote write raises
+    :class:`~distopt.remote.record.RemoteWriteRefused` before it is sent.
+    """
     seed_state = torch.random.get_rng_state()
     # An eval-mode model is optimized for inference (e.g. conv-bn folding): outputs must match,
     # gradients of parameters folded away are meaningless.
     check_grads = config.check_grads and original.training
     view = with_remote_calls(original)
-    with preserved_state(view), isolated(), recording(view) as record:
+    with preserved_state(view), isolated(), recording(view, allow_writes=allow_writes) as record:
         result = _run(view, view, example_inputs, seed_state, check_grads)
     return Reference(result, record, seed_state, check_grads)
 
@@ -150,9 +156,19 @@ def compare_modules(
     start = time.perf_counter()
     ref = reference or run_reference(original, example_inputs, config)
     forward: Callable[..., Any] = optimized
+    replay: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if isinstance(optimized, torch.fx.GraphModule):
         forward = Replay(optimized, ref.recording).run
-    with preserved_state(optimized), isolated():
+    else:  # Dynamo: the compiled graphs' remote calls answer from the recording
+        from distopt.capture.dynamo_remote import LearningCall
+        from distopt.capture.sites import learn, replaying
+
+        learn(ref.recording)
+        call = getattr(optimized, "_compiled_call_impl", None)
+        if isinstance(call, LearningCall):
+            call.mark_known(example_inputs, {})
+        replay = replaying(ref.recording)
+    with preserved_state(optimized), isolated(), replay:
         got = _run(optimized, forward, example_inputs, ref.seed_state, ref.check_grads)
     return _compare(ref.result, got, config, time.perf_counter() - start)
 

@@ -64,10 +64,11 @@ def test_source_excerpts_keep_their_brackets() -> None:
 def test_explain_reports_what_parallelize_did() -> None:
     import torch.distributed as dist
 
-    from distopt.rendezvous import host_store
+    from distopt import rendezvous
 
-    store = host_store("127.0.0.1", 0, timeout_s=30)  # listens on loopback only
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    plan = rendezvous.StorePlan(host="127.0.0.1", hosted_by="trainer0", gloo_port=0)
+    hosted = rendezvous.host_stores(plan, me="trainer0", timeout_s=30)  # loopback only
+    rendezvous.init_gloo(hosted.plan, me="trainer0", rank=0, world_size=1, timeout_s=30)
     try:
         model = models.build("gpt", layers=2, dropout=0.0)
         inputs = models.make_inputs("gpt", model, 2)
@@ -75,6 +76,7 @@ def test_explain_reports_what_parallelize_did() -> None:
         text = distopt.explain(wrapped, show_code=False)
     finally:
         dist.destroy_process_group()
+        hosted.close()
     assert "capture tier: symbolic_trace" in text and "verification passed" in text
     assert "parallelize: fsdp, 4 units (MiB: " in text
     assert "FSDP2 schedule: units left to the root" in text

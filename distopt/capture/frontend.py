@@ -11,8 +11,10 @@ import torch
 import torch.fx
 from torch import nn
 
+from distopt.capture.dynamo_remote import LearningCall, polyfill_remote_calls
 from distopt.capture.tracer import DistoptTracer, check_leaves
 from distopt.config import CaptureConfig
+from distopt.remote.intercept import makes_remote_calls
 from distopt.remote.local import with_remote_calls
 from distopt.remote.record import CALL_INDEX
 from distopt.where import describe_failure, user_frame
@@ -135,9 +137,16 @@ def dynamo_capture(model: nn.Module, backend: Callable[..., Callable[..., object
     """Tier 2: a shallow copy of ``model`` whose calls run through ``torch.compile(backend=...)``.
 
     The copy shares parameters, buffers and submodules with ``model`` (same ``state_dict`` keys,
-    no ``_orig_mod.`` prefix) while the user's module itself stays uncompiled.
+    no ``_orig_mod.`` prefix) while the user's module itself stays uncompiled. A model that makes
+    remote calls gets them as graph nodes (:mod:`distopt.capture.dynamo_remote`): its
+    ``RemoteModule`` objects are local stand-ins, and its calls go through a
+    :class:`~distopt.capture.dynamo_remote.LearningCall`.
     """
-    clone = copy.copy(model)
+    view = with_remote_calls(model)
+    clone = copy.copy(view)
     # Called through nn.Module: some libraries define their own ``compile`` (Keras-style).
     nn.Module.compile(clone, backend=backend, dynamic=False)
+    if makes_remote_calls(view) and clone._compiled_call_impl is not None:
+        polyfill_remote_calls()
+        clone._compiled_call_impl = LearningCall(clone._compiled_call_impl, clone)
     return clone

@@ -24,7 +24,7 @@ from torch import nn
 
 from distopt.remote import registry, rpc
 from distopt.remote.helpers import declare_helpers
-from distopt.remote.local import local_modules
+from distopt.remote.local import RemoteModuleCall, local_modules
 
 Handler = Callable[[Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 """``handler(fn, args, kwargs)``: what a routed call returns instead of ``fn(*args, **kwargs)``.
@@ -75,6 +75,26 @@ def intercepted(root: Any, handler: Handler) -> Iterator[None]:
             ns[name] = original
 
 
+def makes_remote_calls(root: Any) -> bool:
+    """Whether ``root``'s code can reach a registered remote function (declaring the RPC helpers
+    it uses on the way)."""
+    namespaces = namespaces_of(root, with_leaf_modules=False)
+    declare_helpers(namespaces)
+    if any(isinstance(m, RemoteModuleCall) for m in local_modules(root)):
+        return True
+    specs = registry.registered_specs()
+    remote = {id(spec.fn) for spec in specs} | {id(spec.issue) for spec in specs}
+    aliased = {id(ns) for ns, _ in registry.leaf_aliases()}  # e.g. torch.distributed.rpc itself
+    for ns in namespaces:
+        values = list(ns.values())
+        if any(id(v) in remote for v in values):
+            return True
+        # ``rpc.rpc_sync(...)`` reaches rpc_sync through the module object.
+        if any(isinstance(v, types.ModuleType) and id(vars(v)) in aliased for v in values):
+            return True
+    return False
+
+
 def _route(fn: Callable[..., Any], handler: Handler, thread: int, *, proxy: bool) -> Callable[..., Any]:
     def routed(*args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != thread or getattr(_STATE, "through", False):
@@ -89,7 +109,7 @@ def _route(fn: Callable[..., Any], handler: Handler, thread: int, *, proxy: bool
     return routed
 
 
-def namespaces_of(root: Any) -> list[dict[str, Any]]:
+def namespaces_of(root: Any, *, with_leaf_modules: bool = True) -> list[dict[str, Any]]:
     """Globals of every module whose code running ``root`` may execute.
 
     The modules of the root's and its submodules' classes (for a GraphModule, its generated
@@ -124,6 +144,6 @@ def namespaces_of(root: Any) -> list[dict[str, Any]]:
         for value in list(namespace.values()):
             if isinstance(value, types.FunctionType) and not (value.__module__ or "").startswith("torch."):
                 add(value.__globals__)
-    for fn in registry.leaf_callables():
+    for fn in registry.leaf_callables() if with_leaf_modules else ():
         add_module(getattr(fn, "__module__", None))
     return result

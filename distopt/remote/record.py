@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -24,7 +25,9 @@ from torch.utils._pytree import tree_map
 from distopt.errors import VerificationError
 from distopt.remote import registry
 from distopt.remote.intercept import calling_through, intercepted
+from distopt.remote.registry import RemoteCallSpec
 from distopt.remote.wait import is_wait
+from distopt.where import caller_stack
 
 CALL_INDEX = "distopt_call"
 """``node.meta`` key: a remote call's position among the model's remote calls, in the order the
@@ -37,6 +40,13 @@ class RemoteCallRecord:
     """What the model called: a blocking remote function or an issue (``rpc_async``...)."""
     value: Any
     """What it returned: the result, or the future/RRef of an issue."""
+    args: tuple[Any, ...] | None = None
+    kwargs: dict[str, Any] | None = None
+    """The call's arguments (Dynamo sites are keyed by them)."""
+
+
+class RemoteWriteRefused(VerificationError):
+    """A run that must not change remote state reached a remote write; names where."""
 
 
 @dataclasses.dataclass
@@ -44,31 +54,37 @@ class Recording:
     calls: list[RemoteCallRecord] = dataclasses.field(default_factory=list)
 
 
-def _entry_points() -> dict[int, Callable[..., Any]]:
-    """Blocking remote functions and issues: what a model calls to start a remote operation."""
-    found: dict[int, Callable[..., Any]] = {}
+def _entry_points() -> dict[int, RemoteCallSpec]:
+    """Blocking remote functions and issues (what a model calls to start a remote operation),
+    with their specs."""
+    found: dict[int, RemoteCallSpec] = {}
     for spec in registry.registered_specs():
         for fn in (spec.fn, spec.issue, spec.batched):
             if fn is not None:
-                found[id(fn)] = fn
+                found.setdefault(id(fn), spec)
     return found
 
 
 @contextlib.contextmanager
-def recording(root: Any) -> Iterator[Recording]:
+def recording(root: Any, *, allow_writes: bool = True) -> Iterator[Recording]:
     """Inside: ``root``'s remote calls (on this thread) run for real and are recorded in order.
 
     Only the outermost call counts: the ``rpc_async`` a ``RemoteModule`` makes inside its
-    ``forward`` belongs to that one call. Waits and other leaves run unrecorded.
+    ``forward`` belongs to that one call. Waits and other leaves run unrecorded. With
+    ``allow_writes=False`` a remote write raises :class:`RemoteWriteRefused` before it is sent.
     """
-    entries: dict[int, Callable[..., Any]] = {}
+    entries: dict[int, RemoteCallSpec] = {}
     record = Recording()
 
     def handler(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        spec = entries.get(id(fn))
+        if spec is not None and not allow_writes and fn is not spec.batched:
+            if registry.effect_of(spec, args, kwargs) == "write":
+                raise RemoteWriteRefused(f"{spec.name} (called at {caller_stack(sys._getframe(1), limit=1).strip()})")
         with calling_through():
             value = fn(*args, **kwargs)
-        if id(fn) in entries:
-            record.calls.append(RemoteCallRecord(fn, value))
+        if spec is not None:
+            record.calls.append(RemoteCallRecord(fn, value, args, kwargs))
         return value
 
     with intercepted(root, handler):

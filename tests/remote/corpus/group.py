@@ -18,6 +18,7 @@ import torch.distributed.rpc as rpc
 
 from distopt import rendezvous
 from distopt.ps.spec import ServerOptions
+from tests.remote.corpus import tables
 
 REPO = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 60.0
@@ -49,7 +50,11 @@ def rpc_group(num_servers: int = 2, *, latency_ms: float = 0.0) -> Iterator[list
             try:
                 yield names
             finally:
-                rpc.shutdown()
+                stops = [rpc.rpc_async(name, tables.stop_server) for name in names]
+                for stop in stops:
+                    with contextlib.suppress(RuntimeError):
+                        stop.wait()
+                rpc.shutdown(graceful=False)
             for proc in procs:
                 proc.wait(timeout=60)
         finally:

@@ -29,7 +29,8 @@ def main(argv: list[str]) -> int:
         plan, name=name, rank=int(rank), world_size=int(world), transport=ServerOptions(),
         timeout_s=START_TIMEOUT_S,
     )  # fmt: skip
-    rpc.shutdown()  # graceful: serves until every member has called shutdown
+    tables.STOP.wait()  # serve until the trainer says stop
+    rpc.shutdown(graceful=False)
     return 0
 
 
