@@ -97,10 +97,19 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     if unknown:
         known = ", ".join(sorted(fields))
         raise ConfigError(f"{dotted}{unknown[0]}: unknown key (known keys: {known})")
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in data
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise ConfigError(f"{dotted}{missing[0]}: missing (a required key of {cls.__name__})")
     kwargs = {name: _coerce(value, hints[name], f"{dotted}{name}") for name, value in data.items()}
     try:
         return cls(**kwargs)
-    except TypeError as err:  # a required field is missing
+    except TypeError as err:  # a __post_init__ check meeting a value it cannot compare
         raise ConfigError(f"{prefix or cls.__name__}: {err}") from None
     except ConfigError as err:
         if prefix:
@@ -154,6 +163,26 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     return dict(data)
 
 
+# Where configs/... is found when the working directory has no such file: the copy a wheel
+# installs inside the package (package-dir in pyproject.toml), else the checkout's own folder
+# (editable installs and PYTHONPATH=checkout import distopt from the checkout).
+_SHIPPED_CONFIGS = (Path(__file__).with_name("configs"), Path(__file__).parents[1] / "configs")
+
+
+def find_config_file(path: str | Path) -> Path:
+    """``path`` when it names a file (relative to the working directory), else the copy of
+    ``configs/...`` shipped with distopt, so ``configs/jobs/ps_dlrm.yaml`` works outside a
+    checkout too. Returns ``path`` unchanged when neither exists."""
+    path = Path(path)
+    if path.is_file() or path.is_absolute() or path.parts[:1] != ("configs",):
+        return path
+    for root in _SHIPPED_CONFIGS:
+        shipped = root.joinpath(*path.parts[1:])
+        if shipped.is_file():
+            return shipped
+    return path
+
+
 def load_config(cls: type[T], path: str | Path, overrides: list[str] | None = None) -> T:
     """Load ``cls`` from a YAML file, applying ``key.sub=value`` overrides (values parsed as YAML)."""
     data = load_yaml(path)
@@ -163,12 +192,17 @@ def load_config(cls: type[T], path: str | Path, overrides: list[str] | None = No
 
 
 def apply_override(data: dict[str, Any], item: str) -> None:
+    """Set the dotted ``key`` of ``key=value`` in ``data``, the value parsed as YAML."""
     if "=" not in item:
         raise ConfigError(f"override {item!r}: expected key=value")
     key, raw = item.split("=", 1)
     if not key:
         raise ConfigError(f"override {item!r}: empty key")
-    value = yaml.safe_load(raw) if raw else ""
+    try:
+        value = yaml.safe_load(raw) if raw else ""
+    except yaml.YAMLError as err:
+        problem = " ".join(str(getattr(err, "problem", None) or "invalid YAML").split())
+        raise ConfigError(f"{key}: cannot parse {raw!r} as YAML ({problem})") from None
     node = data
     parts = key.split(".")
     for part in parts[:-1]:

@@ -1,4 +1,5 @@
 import dataclasses
+from pathlib import Path
 from typing import Literal
 
 import pytest
@@ -9,6 +10,7 @@ from distopt.config import (
     OptimizeConfig,
     apply_override,
     check,
+    find_config_file,
     from_dict,
     load_config,
     load_yaml,
@@ -60,7 +62,7 @@ def test_overrides_are_parsed_as_yaml(tmp_path) -> None:
         ({"name": "x", "inner": {"mode": "c"}}, "inner.mode: expected one of 'a', 'b', got 'c'"),
         ({"name": "x", "inner": {"speed": 1}}, "inner.speed: unknown key"),
         ({"name": "x", "tags": "a"}, "tags: expected a list, got 'a'"),
-        ({"steps": 1}, "Outer:"),
+        ({"steps": 1}, "name: missing (a required key of Outer)"),
     ],
 )
 def test_errors_name_the_key_and_value(data, message) -> None:
@@ -86,6 +88,26 @@ def test_missing_file_and_bad_yaml(tmp_path) -> None:
 def test_override_needs_key_value() -> None:
     with pytest.raises(ConfigError, match="expected key=value"):
         apply_override({}, "steps")
+
+
+def test_override_value_that_is_not_yaml_names_the_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        apply_override({}, "inner.sizes=[8,4")
+    assert str(err.value) == (
+        "inner.sizes: cannot parse '[8,4' as YAML (expected ',' or ']', but got '<stream end>')"
+    )
+
+
+def test_find_config_file_prefers_the_working_directory(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    shipped = find_config_file("configs/jobs/ps_dlrm.yaml")  # the checkout's, or the package's
+    assert shipped.is_absolute() and shipped.parts[-3:] == ("configs", "jobs", "ps_dlrm.yaml")
+    assert load_yaml(shipped)["model"] == "dlrm"
+    (tmp_path / "configs" / "jobs").mkdir(parents=True)
+    (tmp_path / "configs" / "jobs" / "ps_dlrm.yaml").write_text("model: mine\n")
+    assert find_config_file("configs/jobs/ps_dlrm.yaml") == Path("configs/jobs/ps_dlrm.yaml")
+    assert find_config_file("configs/jobs/nope.yaml") == Path("configs/jobs/nope.yaml")
+    assert find_config_file("elsewhere/ps_dlrm.yaml") == Path("elsewhere/ps_dlrm.yaml")
 
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=5))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from distopt.job.checkpoint import latest_complete
+from distopt.job.config import JobConfig
 from distopt.job.state import read_tensors
 from distopt.metrics.compare import compare_runs
 from distopt.metrics.qps_log import load_run
@@ -110,6 +112,24 @@ def test_bad_config_is_a_one_line_error(
     assert main(["--config", MLP, "--set", f"output_dir={tmp_path}", *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("distopt.train: error: ") and message in err and "\n" not in err
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("stpes=5", "stpes: unknown key (known keys: {known})"),
+        ("steps=abc", "steps: expected an integer, got 'abc'"),
+        ("model_kwargs.sizes=[8,4",
+         "model_kwargs.sizes: cannot parse '[8,4' as YAML (expected ',' or ']', but got '<stream end>')"),
+    ],
+)  # fmt: skip
+def test_overrides_fail_with_the_components_messages(
+    override: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The same one-line messages as ``torchx run ... distopt.ps_job --set`` (after its ``--set: ``)."""
+    known = ", ".join(sorted(f.name for f in dataclasses.fields(JobConfig)))
+    assert main(["--config", str(DLRM_TINY), "--set", override]) == 2
+    assert capsys.readouterr().err == f"distopt.train: error: {message.format(known=known)}\n"
 
 
 def test_missing_config_file_exits_2(tmp_path: Path) -> None:

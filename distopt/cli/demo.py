@@ -3,22 +3,24 @@
 Launches ``configs/jobs/ps_dlrm.yaml`` twice through TorchX on ``local_cwd`` (1 parameter server
 + 2 DDP trainers each): once as written (``variant=baseline``) and once rewritten by
 ``distopt.optimize`` (``variant=optimized``); then prints the ``distopt compare`` table and writes
-the plot.
+the plot (with matplotlib: ``pip install 'distopt[plot]'``). Runs from any directory: the config
+is read relative to it, else from the copy shipped with distopt; logs go under ``--out`` there.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from distopt.errors import DistoptError
+from distopt.config import find_config_file
+from distopt.errors import ConfigError, DistoptError
+from distopt.metrics.compare import DEFAULT_WARMUP
 from distopt.rendezvous import free_port
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,17 +31,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _launch(args: argparse.Namespace, variant: str, run_id: str, out: Path) -> None:
-    overrides = f"variant={variant},steps={args.steps},output_dir={out}"
+def _launch(config: Path, steps: int, variant: str, run_id: str, out: Path) -> None:
+    overrides = f"variant={variant},steps={steps},output_dir={out}"
     cmd = [
         sys.executable, "-m", "torchx.cli.main", "run", "-s", "local_cwd",
         "-cfg", f"log_dir={out / 'torchx'}",
-        "launchers/components.py:ps_job", "--config", args.config, "--set", overrides,
-        "--run_id", run_id, "--master_port", str(free_port()),
-    ]
+        "distopt.ps_job", "--config", str(config), "--set", overrides,
+        "--run_id", run_id, "--master_port", str(free_port(consecutive=2)),
+    ]  # fmt: skip
     print(f"$ {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
         raise DistoptError(f"demo: the {variant} job failed (exit {proc.returncode}); logs in {out / 'torchx'}")
     print(f"{variant} job finished in {time.perf_counter() - start:.0f} s", flush=True)
@@ -48,13 +50,22 @@ def _launch(args: argparse.Namespace, variant: str, run_id: str, out: Path) -> N
 def run(args: argparse.Namespace) -> int:
     from distopt.cli import main as distopt_main
 
-    out = (REPO / args.out).resolve() if not Path(args.out).is_absolute() else Path(args.out)
+    if args.steps < 1:
+        raise ConfigError(f"--steps: expected an integer >= 1, got {args.steps}")
+    config = find_config_file(args.config)
+    if not config.is_file():
+        raise ConfigError(f"--config: config file not found: {args.config}")
+    out = Path(args.out).resolve()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs = []
     for variant in ("baseline", "optimized"):
         run_id = f"demo-{stamp}-{variant}"
-        _launch(args, variant, run_id, out)
+        _launch(config.resolve(), args.steps, variant, run_id, out)
         runs.append(str(out / run_id))
-    plot = out / f"demo-{stamp}.png"
-    code = distopt_main(["compare", *runs, "--plot", str(plot)])
-    return code
+    # Short runs (--steps 3 in tests) still leave steps to compare after the warm-up.
+    compare = [*runs, "--warmup", str(min(DEFAULT_WARMUP, args.steps // 2))]
+    if importlib.util.find_spec("matplotlib") is not None:
+        compare += ["--plot", str(out / f"demo-{stamp}.png")]
+    else:
+        print("no plot: matplotlib is not installed (pip install 'distopt[plot]')", flush=True)
+    return distopt_main(["compare", *compare])

@@ -24,8 +24,11 @@ the process where it stands through the environment (the contract with ``distopt
 ==========================  ===================================================================
 
 Overrides (``--set a.b=1,c=x``) are passed on as ``--set a.b=1 --set c=x``; ``--output_dir DIR``
-is ``--set output_dir=DIR``. The config file and the overrides are checked on the submitting
-machine, so a typo fails before anything is scheduled.
+is ``--set output_dir=DIR``; list values keep their commas
+(``--set optimize_config.passes=[a,b],steps=5``). The config file and the overrides are checked on
+the submitting machine (:mod:`.checks`), merged and built as a
+:class:`~distopt.job.config.JobConfig` when the module is ``distopt.train``, so an unknown key or a
+wrong type fails before anything is scheduled.
 """
 
 # TorchX derives each flag's parser from the annotation; it understands typing's List/Dict/Optional.
@@ -33,23 +36,14 @@ machine, so a typo fails before anything is scheduled.
 
 import shlex
 import sys
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torchx.specs as specs
-from torchx.specs.finder import ComponentValidationException
 
-from distopt.config import apply_override, load_yaml
-from distopt.errors import ConfigError
+from distopt.job.config import JobConfig
+from distopt.launch.checks import check_port, check_positive, checked_overrides
 
 TRAIN_MODULE = "distopt.train"
-
-
-class ComponentArgError(ConfigError, ComponentValidationException):
-    """A component argument is invalid; the message names the flag.
-
-    Also a TorchX ``ComponentValidationException``, so ``torchx run`` prints the one-line
-    message and exits 1 instead of showing a traceback.
-    """
 
 
 def ps_job(
@@ -79,7 +73,7 @@ def ps_job(
         config: path of the job's YAML config, relative to the workspace (e.g. configs/jobs/ps.yaml)
         num_ps: number of parameter-server replicas
         num_trainers: number of trainer replicas
-        set: config overrides as key=value pairs, comma-separated (e.g. steps=5,variant=optimized)
+        set: config overrides as key=value pairs, comma-separated (e.g. steps=5,variant=optimized; lists keep their commas: passes=[a,b])
         output_dir: directory for QPS logs and checkpoints (same as --set output_dir=DIR)
         name: job name
         run_id: run id shared by every process (DISTOPT_RUN_ID; default: chosen by the job)
@@ -96,11 +90,11 @@ def ps_job(
     Returns:
         the TorchX application
     """
-    _check_positive("--num_ps", num_ps)
-    _check_positive("--num_trainers", num_trainers)
-    overrides = _overrides(config, set, output_dir)
+    check_positive("--num_ps", num_ps)
+    check_positive("--num_trainers", num_trainers)
+    overrides = _overrides(config, set, output_dir, module)
     resource = _resource(cpu, memMB)
-    _check_port("--master_port", master_port)
+    check_port("--master_port", master_port)
     world_size = num_ps + num_trainers
     common = {
         "DISTOPT_LAUNCH": "ps",
@@ -241,10 +235,10 @@ def _torchrun_role(
     max_retries: int,
 ) -> specs.Role:
     """The one role of ``ddp``/``fsdp``: torchrun starting the trainers on each node."""
-    _check_positive("--nnodes", nnodes)
-    _check_positive("--nproc_per_node", nproc_per_node)
-    _check_port("--rdzv_port", rdzv_port)
-    overrides = _overrides(config, set_, output_dir)
+    check_positive("--nnodes", nnodes)
+    check_positive("--nproc_per_node", nproc_per_node)
+    check_port("--rdzv_port", rdzv_port)
+    overrides = _overrides(config, set_, output_dir, module)
     resource = _resource(cpu, memMB)
     # One node: port 0 lets torchrun pick a free port. Several: the first node hosts the store.
     if nnodes == 1:
@@ -302,41 +296,19 @@ def _set_args(overrides: List[str]) -> List[str]:
     return [arg for item in overrides for arg in ("--set", item)]
 
 
-def _overrides(config: str, items: Optional[List[str]], output_dir: Optional[str]) -> List[str]:
-    """Check the config file and the overrides; returns the overrides to pass on."""
-    if not config:
-        raise ComponentArgError("--config: a config file path is required")
-    try:
-        data = load_yaml(config)
-    except ConfigError as err:
-        raise ComponentArgError(f"--config: {err}") from None
-    overrides = [item.strip() for item in items or [] if item.strip()]
-    if output_dir:
-        overrides.append(f"output_dir={output_dir}")
-    for item in overrides:
-        try:
-            apply_override(data, item)
-        except ConfigError as err:
-            raise ComponentArgError(f"--set: {err}") from None
-    return overrides
+def _overrides(
+    config: str, items: Optional[List[str]], output_dir: Optional[str], module: str
+) -> List[str]:
+    # The config's schema is distopt.train's; another --module reads its own kind of config.
+    schema: Optional[type[Any]] = JobConfig if module == TRAIN_MODULE else None
+    return checked_overrides(config, items, output_dir, schema=schema)
 
 
 def _resource(cpu: int, memMB: int) -> specs.Resource:
-    _check_positive("--cpu", cpu)
-    _check_positive("--memMB", memMB)
+    check_positive("--cpu", cpu)
+    check_positive("--memMB", memMB)
     return specs.Resource(cpu=cpu, gpu=0, memMB=memMB)
 
 
 def _iface_env(iface: str) -> Dict[str, str]:
     return {"GLOO_SOCKET_IFNAME": iface, "TP_SOCKET_IFNAME": iface} if iface else {}
-
-
-def _check_positive(flag: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ComponentArgError(f"{flag}: expected an integer >= 1, got {value!r}")
-
-
-def _check_port(flag: str, value: int) -> None:
-    # ps_job also uses value + 1, so the top port is excluded.
-    if not 1 <= value < 65535:
-        raise ComponentArgError(f"{flag}: expected a port in 1..65534, got {value!r}")

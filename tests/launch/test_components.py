@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -10,13 +11,17 @@ from torchx.runner import get_runner
 from torchx.specs import AppDef
 
 from distopt.errors import ConfigError
-from launchers import components
-from tests.launchers.conftest import REPO, job_config, torchx
+from distopt.job.config import JobConfig
+from distopt.launch import components
+from tests.launchers.conftest import JOB_MODULE, REPO, job_config, torchx
+
+TINY = "configs/jobs/ps_dlrm_tiny.yaml"
+KNOWN = ", ".join(sorted(f.name for f in dataclasses.fields(JobConfig)))
 
 
 @pytest.fixture
 def config(tmp_path: Path) -> str:
-    return str(job_config(tmp_path, steps=3))
+    return str(job_config(tmp_path, model="mlp", steps=3))
 
 
 def _script(app: AppDef, role: int = 0) -> str:
@@ -51,14 +56,14 @@ def test_ps_job_master_address_comes_from_scheduler_rank0_variable(config: str) 
 
 @pytest.mark.parametrize("component", [components.ddp, components.fsdp])
 def test_torchrun_components(component, config: str) -> None:
-    app = component(config, nnodes=2, nproc_per_node=3, set=["a.b=1"])
+    app = component(config, nnodes=2, nproc_per_node=3, set=["model_kwargs.depth=1"])
     (role,) = app.roles
     assert role.num_replicas == 2 and role.env["DISTOPT_NUM_PS"] == "0"
     assert role.env["DISTOPT_LAUNCH"] == component.__name__
     script = _script(app)
     assert "-m torch.distributed.run" in script and "--nproc_per_node 3" in script
     assert '--rdzv_endpoint "${${rank0_env}:-127.0.0.1}":29500' in script
-    assert script.endswith(f"-m distopt.train --config {config} --set a.b=1")
+    assert script.endswith(f"-m distopt.train --config {config} --set model_kwargs.depth=1")
     single = _script(component(config, nnodes=1))
     assert "--rdzv_endpoint 127.0.0.1:0" in single
 
@@ -91,6 +96,50 @@ def test_missing_and_malformed_config(tmp_path: Path) -> None:
         components.fsdp(str(tmp_path / "nope.yaml"), nproc_per_node=0)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["stpes=5"], f"--set: stpes: unknown key (known keys: {KNOWN})"),
+        (["steps=abc"], "--set: steps: expected an integer, got 'abc'"),
+        (["ps.latency_ms=[1"], "--set: ps.latency_ms: cannot parse '[1' as YAML "
+                               "(expected ',' or ']', but got '<stream end>')"),
+    ],
+)  # fmt: skip
+def test_merged_config_is_checked_before_scheduling(overrides: list[str], message: str) -> None:
+    for component in (components.ps_job, components.ddp, components.fsdp):
+        with pytest.raises(ConfigError) as err:
+            component(TINY, set=overrides)
+        assert str(err.value) == message
+
+
+def test_config_file_errors_name_the_file(tmp_path: Path) -> None:
+    typo = job_config(tmp_path, model="mlp", stpes=5)
+    with pytest.raises(ConfigError) as err:
+        components.ps_job(str(typo))
+    assert str(err.value) == f"--config: {typo}: stpes: unknown key (known keys: {KNOWN})"
+    # A --set that fixes the file is fine; one that names no key of the file blames the file.
+    no_model = job_config(tmp_path, steps=5)
+    components.ps_job(str(no_model), set=["model=mlp"])
+    with pytest.raises(ConfigError) as err:
+        components.ps_job(str(no_model), set=["lr=0.5"])
+    assert str(err.value) == f"--config: {no_model}: model: missing (a required key of JobConfig)"
+
+
+def test_list_values_survive_torchx_comma_split() -> None:
+    # What TorchX hands the component for --set model_kwargs.sizes=[8,4],steps=5
+    app = components.ps_job(TINY, set=["model_kwargs.sizes=[8", "4]", "steps=5"])
+    argv = shlex.split(_script(app, 1).split("exec ", 1)[1])
+    assert argv[-4:] == ["--set", "model_kwargs.sizes=[8,4]", "--set", "steps=5"]
+
+
+def test_other_modules_bring_their_own_config(tmp_path: Path) -> None:
+    """The JobConfig schema is distopt.train's; the rendezvous job has keys of its own."""
+    config = str(job_config(tmp_path, fail_trainer=1))
+    components.ps_job(config, module=JOB_MODULE, set=["fail_trainer=-1"])
+    with pytest.raises(ConfigError, match=r"^--config: .*: fail_trainer: unknown key"):
+        components.ps_job(config)
+
+
 def test_dryrun_on_each_scheduler(config: str) -> None:
     """The runner turns the component into each scheduler's request without submitting it."""
     with get_runner() as runner:
@@ -116,12 +165,17 @@ def test_dryrun_on_each_scheduler(config: str) -> None:
         assert all(a.num_cpus == 1 for a in actors)
 
 
-def test_builtins_lists_ours_and_torchx_builtins() -> None:
+def test_builtins_lists_ours_and_every_torchx_builtin() -> None:
+    from torchx.specs.finder import ModuleComponentsFinder
+
+    # What TorchX lists when no package registers components (see also tests/test_packaging.py).
+    theirs = {c.name for c in ModuleComponentsFinder("torchx.components", "").find()
+              if not c.validation_errors}  # fmt: skip
     out = torchx("builtins")
     assert out.returncode == 0, out.stderr
-    for name in ("distopt.ps_job", "distopt.ddp", "distopt.fsdp", "dist.ddp", "utils.echo"):
-        assert f" {name}\n" in out.stdout
-    assert "_" + "torchrun" not in out.stdout and "ComponentArgError" not in out.stdout
+    listed = {line.split(". ", 1)[1] for line in out.stdout.splitlines() if ". " in line}
+    assert listed == theirs | {"distopt.ps_job", "distopt.ddp", "distopt.fsdp"}
+    assert {"metrics.tensorboard", "serve.torchserve", "dist.ddp"} <= listed
 
 
 def test_cli_help_comes_from_docstrings() -> None:
@@ -147,6 +201,13 @@ def test_cli_dryrun_prints_both_roles(config: str) -> None:
         (["distopt.ps_job", "--config", "missing.yaml"], "--config: config file not found: missing.yaml"),
         (["distopt.ps_job", "--config", "{config}", "--num_trainers", "0"],
          "--num_trainers: expected an integer >= 1, got 0"),
+        (["distopt.ps_job", "--config", TINY, "--set", "stpes=5"],
+         f"--set: stpes: unknown key (known keys: {KNOWN})"),
+        (["distopt.ps_job", "--config", TINY, "--set", "steps=abc"],
+         "--set: steps: expected an integer, got 'abc'"),
+        (["distopt.ps_job", "--config", TINY, "--set", "model_kwargs.sizes=[8,4,steps=5"],
+         "--set: model_kwargs.sizes: cannot parse '[8,4,steps=5' as YAML "
+         "(expected ',' or ']', but got '<stream end>')"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_is_one_line(config: str, args: list[str], expected: str) -> None:
@@ -154,7 +215,16 @@ def test_cli_bad_input_is_one_line(config: str, args: list[str], expected: str) 
     out = torchx("run", "-s", "local_cwd", "--dryrun", *args)
     assert out.returncode == 1
     assert "Traceback" not in out.stderr
-    assert expected in _last_error_line(out.stderr)
+    line = _last_error_line(out.stderr)
+    # Our errors are the whole line; TorchX's own say more after theirs.
+    assert line == expected if expected.startswith("--") else expected in line
+
+
+def test_cli_list_values_reach_the_job() -> None:
+    out = torchx("run", "-s", "local_cwd", "--dryrun", "distopt.ps_job", "--config", TINY,
+                 "--set", "model_kwargs.sizes=[8,4],steps=5")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "'model_kwargs.sizes=[8,4]' --set steps=5" in out.stdout  # one argument, list intact
 
 
 def test_cli_unknown_scheduler(config: str) -> None:

@@ -1,0 +1,8 @@
+"""Launching distopt jobs with TorchX.
+
+:mod:`.components` holds the components ``ps_job``, ``ddp`` and ``fsdp``, which the
+``torchx.components`` entry point names ``distopt.ps_job``, ``distopt.ddp`` and ``distopt.fsdp``
+(``torchx run -s local_cwd distopt.ps_job --config ...``); :mod:`.checks` holds the checks they
+run on the submitting machine. The local Ray and Slurm clusters used to try the ``ray`` and
+``slurm`` schedulers are scripts of the repository (``launchers/``), not part of the package.
+"""

@@ -1,0 +1,111 @@
+"""Packaging: the wheel that ``python -m build`` makes installs into a fresh venv, adds distopt's
+TorchX components without hiding TorchX's own, and ``distopt demo`` runs from outside the checkout.
+
+Torch comes from the CPU build pinned by ``constraints/cpu.txt`` (a file on this project's
+machines), so nothing big is downloaded. The package list of pyproject.toml is checked without a
+build.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+
+from tests.launchers.conftest import require
+
+REPO = Path(__file__).resolve().parents[1]
+OURS = {"distopt.ps_job", "distopt.ddp", "distopt.fsdp"}
+
+
+def test_pyproject_lists_every_package() -> None:
+    """A package missing from [tool.setuptools] packages would be left out of the wheel."""
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {".".join(p.parent.relative_to(REPO).parts) for p in REPO.glob("distopt/**/__init__.py")}
+    assert set(setuptools["packages"]) == found | {"distopt.configs"}
+    assert setuptools["package-dir"] == {"distopt.configs": "configs"}
+
+
+def _run(*cmd: str | Path, cwd: Path, env: dict[str, str], timeout: float) -> str:
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)  # fmt: skip
+    assert proc.returncode == 0, f"{cmd}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def _copy_checkout(dest: Path) -> Path:
+    """The files git would commit (tracked or new, not ignored), links kept as links: the build
+    sees what a clean clone has, and nothing is written into the checkout."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=REPO, capture_output=True, text=True, check=True,
+    ).stdout.split("\0")  # fmt: skip
+    for name in filter(None, listed):
+        src, dst = REPO / name, dest / name
+        if not src.is_symlink() and not src.is_file():
+            continue  # deleted in the working tree
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        if src.is_symlink():
+            dst.symlink_to(os.readlink(src))
+        else:
+            shutil.copy2(src, dst)
+    return dest
+
+
+def _builtins(venv: Path, cwd: Path, env: dict[str, str]) -> set[str]:
+    out = _run(venv / "bin" / "torchx", "builtins", cwd=cwd, env=env, timeout=300)
+    return {line.split(". ", 1)[1] for line in out.splitlines() if ". " in line}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
+    require([] if find_spec("build") else ["build (pip install -e '.[dev]')"], "the packaging test")
+    started = time.monotonic()
+    # Nothing of the checkout or of this venv may leak into the fresh one.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env["OMP_NUM_THREADS"] = "1"
+    src = _copy_checkout(tmp_path / "src")
+    _run(sys.executable, "-m", "build", "--outdir", tmp_path / "dist", src,
+         cwd=tmp_path, env=env, timeout=600)  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("distopt-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"
+    assert {n.split("/", 1)[0] for n in names} == {"distopt", dist_info}  # no launchers/
+    assert {"distopt/configs/jobs/ps_dlrm.yaml", "distopt/launch/components.py"} <= set(names)
+    built = time.monotonic()
+
+    venv = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", venv, cwd=tmp_path, env=env, timeout=300)
+    env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
+    pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet",
+           "-c", REPO / "constraints" / "cpu.txt"]  # fmt: skip
+    _run(*pip, "torch", "torchx", cwd=tmp_path, env=env, timeout=900)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    before = _builtins(venv, elsewhere, env)
+    _run(*pip, wheel, cwd=tmp_path, env=env, timeout=900)
+    installed = time.monotonic()
+    after = _builtins(venv, elsewhere, env)
+    assert {"dist.ddp", "metrics.tensorboard", "serve.torchserve", "utils.echo"} <= before
+    assert after == before | OURS, (sorted(after - before), sorted(before - after))
+
+    out = _run("distopt", "demo", "--steps", "3", "--out", tmp_path / "runs",
+               cwd=elsewhere, env=env, timeout=600)  # fmt: skip
+    assert "baseline job finished" in out and "optimized job finished" in out, out
+    for variant in ("baseline", "optimized"):
+        (run,) = (tmp_path / "runs").glob(f"demo-*-{variant}")
+        assert sorted(p.name for p in run.glob("qps-rank*.jsonl")) == ["qps-rank0.jsonl",
+                                                                        "qps-rank1.jsonl"]
+    assert not any(elsewhere.iterdir())  # everything went under --out
+    print(f"packaging: build {built - started:.0f}s, venv+install {installed - built:.0f}s, "
+          f"demo {time.monotonic() - installed:.0f}s")
+    shutil.rmtree(venv)  # about 1 GB; kept when the test fails, to look into
