@@ -5,12 +5,13 @@ from distopt.errors import (
     CaptureError,
     ConfigError,
     DistoptError,
+    DistoptFallbackWarning,
     PassError,
     RemoteCallError,
     VerificationError,
 )
 from distopt.explain import explain
-from distopt.optimize import DistoptFallbackWarning, optimize
+from distopt.optimize import optimize
 from distopt.parallel import ParallelizeConfig, parallelize
 from distopt.passes import PassContext, PassResult, register_pass
 from distopt.remote import register_read, register_remote, remote

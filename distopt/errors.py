@@ -34,3 +34,7 @@ class VerificationError(DistoptError):
 
 class RemoteCallError(DistoptError, RuntimeError):
     """A remote (parameter-server) call failed; raised at the wait with the server's message."""
+
+
+class DistoptFallbackWarning(UserWarning):
+    """distopt returned (part of) the original model unoptimized; the message says why."""

@@ -15,7 +15,13 @@ from torch import nn
 
 from distopt.capture import Tier, describe_failure, dynamo_capture, symbolic_capture
 from distopt.config import OptimizeConfig, from_dict
-from distopt.errors import CaptureError, ConfigError, PassError, VerificationError
+from distopt.errors import (
+    CaptureError,
+    ConfigError,
+    DistoptFallbackWarning,
+    PassError,
+    VerificationError,
+)
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
 from distopt.passes.remote.nodes import remote_ops
 from distopt.remote.record import RemoteWriteRefused
@@ -26,10 +32,6 @@ from distopt.verify import Reference, compare_modules, run_reference
 
 class _SymbolicOff(Exception):
     """``capture.symbolic`` is off: go straight to Dynamo."""
-
-
-class DistoptFallbackWarning(UserWarning):
-    """distopt returned (part of) the original model unoptimized; the message says why."""
 
 
 def _normalize_config(config: OptimizeConfig | Mapping[str, Any] | None) -> OptimizeConfig:

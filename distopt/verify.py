@@ -160,14 +160,9 @@ def compare_modules(
     if isinstance(optimized, torch.fx.GraphModule):
         forward = Replay(optimized, ref.recording).run
     else:  # Dynamo: the compiled graphs' remote calls answer from the recording
-        from distopt.capture.dynamo_remote import LearningCall
-        from distopt.capture.sites import learn, replaying
+        from distopt.capture.dynamo_remote import checking
 
-        learn(ref.recording)
-        call = getattr(optimized, "_compiled_call_impl", None)
-        if isinstance(call, LearningCall):
-            call.mark_known(example_inputs, {})
-        replay = replaying(ref.recording)
+        replay = checking(optimized, example_inputs, ref.recording)
     with preserved_state(optimized), isolated(), replay:
         got = _run(optimized, forward, example_inputs, ref.seed_state, ref.check_grads)
     return _compare(ref.result, got, config, time.perf_counter() - start)

@@ -16,7 +16,7 @@ and batching, so a Dynamo graph is rewritten like a traced one.
 Dynamo computes every node's output on fake tensors first. A remote call cannot run on them, so
 its output shapes come from a real run of the original model (:func:`learn`): the example inputs'
 verification run, or — without example inputs — the first call of each new input shape, which
-runs the original model eagerly (see :class:`LearningCall`). Outside a distopt capture the
+runs the original model eagerly (see :class:`CapturedCall`). Outside a distopt capture the
 polyfills step aside and Dynamo treats the functions as it always did.
 """
 
@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import threading
 import types
+import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -45,10 +46,14 @@ from distopt.capture.sites import (
     leaves,
     missed,
     replayer,
+    replaying,
     site_for,
     structure,
 )
+from distopt.errors import DistoptFallbackWarning
 from distopt.remote import registry
+from distopt.remote.record import Recording
+from distopt.where import describe_failure
 
 _STATE = threading.local()
 
@@ -251,26 +256,36 @@ def polyfill_remote_calls() -> int:
 # -------------------------------------------------------------------------------- learning
 
 
-class LearningCall:
-    """The call of a Dynamo-captured module with remote calls.
+class CapturedCall:
+    """The call of a module distopt captured with Dynamo: the compiled module, run safely.
 
-    The first call with a new input signature runs the module as written, its remote calls
-    recorded so their output shapes are known (:func:`learn`); later calls run the compiled
-    module, whose graphs then hold the remote calls as nodes. Either way each remote call runs
-    once per call.
+    With ``learns`` (a model making remote calls), the first call with a new input signature runs
+    the module as written, its remote calls recorded so their output shapes are known
+    (:func:`learn`); later calls run the compiled module, whose graphs then hold the remote calls
+    as nodes. Either way each remote call runs once per call.
+
+    A failure of Dynamo itself (not of the model: the same call runs as written first, and the
+    model's own error is raised as is) switches this module to running as written, with one
+    :class:`~distopt.errors.DistoptFallbackWarning` naming the cause and the user's line.
     """
 
-    def __init__(self, compiled: Callable[..., Any], module: torch.nn.Module) -> None:
+    def __init__(self, compiled: Callable[..., Any], module: torch.nn.Module, *, learns: bool) -> None:
         self.compiled = compiled
         self.module = module
+        self.learns = learns
         self.known: set[Hashable] = set()
+        self.eager_reason: str | None = None
+        self.raising = False
+        """Let a Dynamo failure raise (verification reports it instead of hiding it)."""
 
     def mark_known(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         self.known.add(input_signature(args, kwargs))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        signature = input_signature(args, kwargs)
-        if signature not in self.known:
+        if self.eager_reason is not None:
+            return self.module._call_impl(*args, **kwargs)
+        signature = input_signature(args, kwargs) if self.learns else None
+        if self.learns and signature not in self.known:
             from distopt.remote.record import recording
 
             with recording(self.module) as record:
@@ -278,5 +293,35 @@ class LearningCall:
             learn(record)
             self.known.add(signature)
             return out
-        with capturing():
-            return self.compiled(*args, **kwargs)
+        try:
+            with capturing():
+                return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            if self.raising:
+                raise
+            out = self.module._call_impl(*args, **kwargs)  # the model's own error raises here
+            self.eager_reason = describe_failure(err)
+            warnings.warn(
+                f"distopt: running {type(self.module).__name__} as written from now on: Dynamo failed: "
+                f"{self.eager_reason}",
+                DistoptFallbackWarning,
+                stacklevel=2,
+            )
+            return out
+
+
+@contextlib.contextmanager
+def checking(module: torch.nn.Module, example_inputs: Sequence[Any], record: Recording) -> Iterator[None]:
+    """A verification run of a Dynamo-captured ``module``: remote calls' shapes learned from the
+    original's recorded run, their results answered from it, and Dynamo failures raised."""
+    learn(record)
+    call = getattr(module, "_compiled_call_impl", None)
+    if isinstance(call, CapturedCall):
+        call.mark_known(example_inputs, {})
+        call.raising = True
+    try:
+        with replaying(record):
+            yield
+    finally:
+        if isinstance(call, CapturedCall):
+            call.raising = False

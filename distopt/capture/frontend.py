@@ -11,7 +11,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from distopt.capture.dynamo_remote import LearningCall, polyfill_remote_calls
+from distopt.capture.dynamo_remote import CapturedCall, polyfill_remote_calls
 from distopt.capture.tracer import DistoptTracer, check_leaves
 from distopt.config import CaptureConfig
 from distopt.remote.intercept import makes_remote_calls
@@ -138,15 +138,18 @@ def dynamo_capture(model: nn.Module, backend: Callable[..., Callable[..., object
 
     The copy shares parameters, buffers and submodules with ``model`` (same ``state_dict`` keys,
     no ``_orig_mod.`` prefix) while the user's module itself stays uncompiled. A model that makes
-    remote calls gets them as graph nodes (:mod:`distopt.capture.dynamo_remote`): its
-    ``RemoteModule`` objects are local stand-ins, and its calls go through a
-    :class:`~distopt.capture.dynamo_remote.LearningCall`.
+    remote calls gets them as graph nodes (:mod:`distopt.capture.dynamo_remote`), its
+    ``RemoteModule`` objects as local stand-ins. Calls go through a
+    :class:`~distopt.capture.dynamo_remote.CapturedCall`, which never lets a Dynamo failure break
+    the module.
     """
     view = with_remote_calls(model)
     clone = copy.copy(view)
     # Called through nn.Module: some libraries define their own ``compile`` (Keras-style).
     nn.Module.compile(clone, backend=backend, dynamic=False)
-    if makes_remote_calls(view) and clone._compiled_call_impl is not None:
+    learns = makes_remote_calls(view)
+    if learns:
         polyfill_remote_calls()
-        clone._compiled_call_impl = LearningCall(clone._compiled_call_impl, clone)
+    assert clone._compiled_call_impl is not None
+    clone._compiled_call_impl = CapturedCall(clone._compiled_call_impl, clone, learns=learns)
     return clone

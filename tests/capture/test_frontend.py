@@ -79,3 +79,33 @@ def test_user_model_is_not_modified() -> None:
     for key, value in model.state_dict().items():
         assert torch.equal(value, before[key]), key
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_dynamo_failure_runs_the_module_as_written_with_one_warning() -> None:
+    import torch._dynamo.exc
+
+    from distopt.capture.dynamo_remote import CapturedCall
+
+    model = Branchy()
+
+    def broken(*args, **kwargs):
+        raise torch._dynamo.exc.InternalTorchDynamoError("Method named_modules not supported")
+
+    call = CapturedCall(broken, model, learns=False)
+    x = torch.randn(2, 4)
+    with pytest.warns(distopt.DistoptFallbackWarning, match="running Branchy as written from now on"):
+        torch.testing.assert_close(call(x), model(x))
+    torch.testing.assert_close(call(x), model(x))  # stays eager, no second warning
+
+
+def test_the_models_own_error_is_raised_as_is() -> None:
+    import torch._dynamo.exc
+
+    from distopt.capture.dynamo_remote import CapturedCall
+
+    def broken(*args, **kwargs):
+        raise torch._dynamo.exc.TorchRuntimeError("shape mismatch")
+
+    call = CapturedCall(broken, Branchy(), learns=False)
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
+        call(torch.randn(2, 3))
