@@ -195,23 +195,15 @@ def rpc_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
     return (worker_name(to), table)
 
 
-_RREF_CLASSES: dict[int, tuple[Any, type | None]] = {}
-
-
 def _rref_class(rref: Any) -> type | None:
-    """The class of the value an RRef points to (one RPC per RRef, cached; the RRef is kept so
-    its id is never reused while cached)."""
-    found = _RREF_CLASSES.get(id(rref))
-    if found is None:
-        try:
-            # Non-blocking, as RRefProxy asks: an RRef caches the first answer as given (a type
-            # for a blocking call, a future otherwise), and RRefProxy needs the future.
-            answer = rref._get_type(blocking=False)
-            cls = answer if isinstance(answer, type) else answer.wait()
-        except Exception:
-            cls = None
-        found = _RREF_CLASSES[id(rref)] = (rref, cls)
-    return found[1]
+    """The class of the value an RRef points to: one RPC the first time, cached by the RRef."""
+    try:
+        # Non-blocking, as RRefProxy asks: an RRef caches the first answer as given (a type for a
+        # blocking call, a future otherwise), and RRefProxy needs the future.
+        answer = rref._get_type(blocking=False)
+        return answer if isinstance(answer, type) else answer.wait()
+    except Exception:
+        return None
 
 
 def _rref_call_effect(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Effect:

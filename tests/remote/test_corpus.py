@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 distopt.register_read(tables.lookup_rows)
 
 OVERLAPPING = ["rref_helper", "rref_proxy", "remote_module", "remote_to_here", "by_name", "user_async"]
-IDIOMS = [*OVERLAPPING, "chained", "reads_writes"]
+IDIOMS = [*OVERLAPPING, "chained", "reads_writes", "recommender"]
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +81,16 @@ def test_a_chained_lookup_waits_for_the_one_it_depends_on(group) -> None:
     issues, waits, tower = _schedule(gm)
     assert len(issues) == 2 and issues[0] < min(tower)  # the first read overlaps the tower
     assert waits[0] < issues[1]  # the second read needs the first's rows
+    torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
+
+
+def test_six_tables_one_chained_all_other_reads_overlap_the_towers(group) -> None:
+    model, inputs = _idiom("recommender").build(seed=8), common.inputs()
+    gm = _optimize(model, inputs)
+    issues, waits, towers = _schedule(gm)
+    assert len(issues) == 6 and len(waits) == 6
+    # Five independent reads go out before any tower; the chained one after the first's rows.
+    assert sum(i < min(towers) for i in issues) == 5
     torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
 
 

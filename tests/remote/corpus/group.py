@@ -1,4 +1,4 @@
-"""The corpus's RPC group on 127.0.0.1: this process as ``trainer`` (rank 0) and servers ``ps0..``.
+"""The corpus's RPC group on 127.0.0.1: this process as ``trainer0`` (rank 0, the name distopt.ps gives it too: a process keeps one RPC identity for dist_autograd) and servers ``ps0..``.
 
 This process hosts the group's store (a socket bound to 127.0.0.1 only) and outlives the
 servers, which it starts as subprocesses and reaps by PID however the block ends.
@@ -29,9 +29,9 @@ def rpc_group(num_servers: int = 2, *, latency_ms: float = 0.0) -> Iterator[list
     """Form the group; yields the server names. Every request to a server first sleeps
     ``latency_ms`` there (network and server time)."""
     world = num_servers + 1
-    plan = rendezvous.StorePlan(host="127.0.0.1", hosted_by="trainer", rpc_port=0)
+    plan = rendezvous.StorePlan(host="127.0.0.1", hosted_by="trainer0", rpc_port=0)
     names = [f"ps{i}" for i in range(num_servers)]
-    with rendezvous.host_stores(plan, me="trainer", timeout_s=START_TIMEOUT_S) as hosted:
+    with rendezvous.host_stores(plan, me="trainer0", timeout_s=START_TIMEOUT_S) as hosted:
         plan_json = json.dumps(dataclasses.asdict(hosted.plan))
         procs = [
             subprocess.Popen(
@@ -42,9 +42,9 @@ def rpc_group(num_servers: int = 2, *, latency_ms: float = 0.0) -> Iterator[list
             for rank, name in enumerate(names, start=1)
         ]
         try:
-            rendezvous.meet(hosted.plan, me="trainer", others=names, timeout_s=START_TIMEOUT_S)
+            rendezvous.meet(hosted.plan, me="trainer0", others=names, timeout_s=START_TIMEOUT_S)
             rendezvous.init_rpc(
-                hosted.plan, name="trainer", rank=0, world_size=world, transport=ServerOptions(),
+                hosted.plan, name="trainer0", rank=0, world_size=world, transport=ServerOptions(),
                 timeout_s=START_TIMEOUT_S,
             )  # fmt: skip
             try:

@@ -23,7 +23,7 @@ def main(argv: list[str]) -> int:
     plan_json, name, rank, world, latency_ms = argv
     plan = rendezvous.StorePlan(**json.loads(plan_json))
     tables.LATENCY_S = float(latency_ms) / 1000.0
-    others = [f"ps{i}" for i in range(int(world) - 1) if f"ps{i}" != name] + ["trainer"]
+    others = [f"ps{i}" for i in range(int(world) - 1) if f"ps{i}" != name] + ["trainer0"]
     rendezvous.meet(plan, me=name, others=others, timeout_s=START_TIMEOUT_S)
     rendezvous.init_rpc(
         plan, name=name, rank=int(rank), world_size=int(world), transport=ServerOptions(),
