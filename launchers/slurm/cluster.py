@@ -34,11 +34,17 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from launchers._proc import free_port, read_pid, stop_pids, tail
+from launchers._proc import read_pid, stop_pids, tail
+from launchers.slurm.config import (
+    CLUSTER_NAME,
+    Layout,
+    add_hosts,
+    daemon_ports,
+    remove_hosts,
+    write_configs,
+)
 
 DEFAULT_STATE_DIR = Path(os.environ.get("DISTOPT_SLURM_STATE_DIR", "/tmp/distopt-slurm"))
-CLUSTER_NAME = "distopt"
-HOSTS_MARK = "# distopt-slurm"
 REQUIRED = ("munged", "mariadbd", "mariadb-install-db", "slurmdbd", "slurmctld", "slurmd",
             "sbatch", "sacct", "sacctmgr", "sinfo", "setpriv")  # fmt: skip
 
@@ -74,46 +80,9 @@ def _which(prog: str) -> str:
     return shutil.which(prog, path=f"{os.environ.get('PATH', '')}:/usr/sbin:/usr/bin") or prog
 
 
-@dataclass(frozen=True, slots=True)
-class _Layout:
-    root: Path
-
-    @property
-    def munge_dir(self) -> Path:
-        return self.root / "munge"
-
-    @property
-    def munge_socket(self) -> Path:
-        # Slurm's clients (sacctmgr among them) look for munge's default socket whatever
-        # AuthInfo says, so munged serves it there.
-        return Path("/run/munge/munge.socket.2")
-
-    @property
-    def db_dir(self) -> Path:
-        return self.root / "mysql"
-
-    @property
-    def db_socket(self) -> Path:
-        return self.root / "mysql-run" / "mysqld.sock"
-
-    @property
-    def etc(self) -> Path:
-        return self.root / "etc"
-
-    @property
-    def slurm_conf(self) -> Path:
-        return self.etc / "slurm.conf"
-
-    def pid(self, name: str) -> Path:
-        return self.root / "pids" / f"{name}.pid"
-
-    def log(self, name: str) -> Path:
-        return self.root / "logs" / f"{name}.log"
-
-
 def running(state_dir: Path = DEFAULT_STATE_DIR) -> SlurmCluster | None:
     """The cluster recorded in ``state_dir`` if all its daemons are alive."""
-    lay = _Layout(Path(state_dir))
+    lay = Layout(Path(state_dir))
     try:
         data = json.loads((lay.root / "cluster.json").read_text())
     except (OSError, ValueError):
@@ -138,7 +107,7 @@ def up(
         raise SlurmClusterError(
             f"missing programs: {', '.join(missing)} (run launchers/slurm/install_packages.sh)"
         )
-    lay = _Layout(Path(state_dir))
+    lay = Layout(Path(state_dir))
     existing = running(lay.root)
     if existing is not None and len(existing.nodes) >= nodes:
         return existing
@@ -146,9 +115,9 @@ def up(
         (lay.root / sub).mkdir(parents=True, exist_ok=True)
     lay.root.chmod(0o755)  # munge and mysql users must traverse it
     names = tuple(f"dn{i}" for i in range(1, nodes + 1))
-    _add_hosts(names)
-    ports = _ports(lay, names)
-    _write_configs(lay, names, ports)
+    add_hosts(names)
+    ports = daemon_ports(lay, names)
+    write_configs(lay, names, ports)
     env = dict(os.environ, SLURM_CONF=str(lay.slurm_conf), MYSQL_UNIX_PORT=str(lay.db_socket))
 
     _start_munged(lay)
@@ -169,7 +138,7 @@ def up(
 
 def down(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
     """Stop the daemons recorded in ``state_dir`` (reverse start order); returns their names."""
-    lay = _Layout(Path(state_dir))
+    lay = Layout(Path(state_dir))
     pid_dir = lay.root / "pids"
     stopped = []
     order = ["slurmd-", "slurmctld", "slurmdbd", "mariadbd", "munged"]
@@ -182,7 +151,7 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
                 stopped.append(path.stem)
             path.unlink(missing_ok=True)
     (lay.root / "cluster.json").unlink(missing_ok=True)
-    _remove_hosts()
+    remove_hosts()
     return stopped
 
 
@@ -190,7 +159,7 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
 
 
 def _start(
-    lay: _Layout,
+    lay: Layout,
     name: str,
     cmd: list[str],
     env: dict[str, str],
@@ -224,7 +193,7 @@ def _start(
     return proc.pid
 
 
-def _start_munged(lay: _Layout) -> None:
+def _start_munged(lay: Layout) -> None:
     if _socket_up(lay.munge_socket) and read_pid(lay.pid("munged")) is None:
         return  # another munged (the system's, or another state dir's) serves the same key
     for path in (lay.munge_dir, lay.munge_socket.parent):
@@ -241,7 +210,7 @@ def _start_munged(lay: _Layout) -> None:
     )
 
 
-def _start_mariadb(lay: _Layout) -> None:
+def _start_mariadb(lay: Layout) -> None:
     if read_pid(lay.pid("mariadbd")) is not None:
         return
     if not (lay.db_dir / "mysql").is_dir():
@@ -290,7 +259,7 @@ def _wait_idle(cluster: SlurmCluster, env: dict[str, str], timeout_s: float) -> 
             subprocess.run([_which("scontrol"), "update", f"NodeName={node}", "State=RESUME"],
                            capture_output=True, env=env)  # fmt: skip
         time.sleep(0.5)
-    lay = _Layout(Path(cluster.state_dir))
+    lay = Layout(Path(cluster.state_dir))
     raise SlurmClusterError(
         f"nodes not idle after {timeout_s}s: {states}; last lines of slurmctld log:\n{tail(lay.log('slurmctld-file'))}"
     )
@@ -308,103 +277,6 @@ def _socket_up(path: Path) -> bool:
     with socket.socket(socket.AF_UNIX) as sock:
         sock.settimeout(0.3)
         return sock.connect_ex(str(path)) == 0
-
-
-# --- configuration -----------------------------------------------------------------------------
-
-
-def _ports(lay: _Layout, names: tuple[str, ...]) -> dict[str, int]:
-    """Ports of the daemons, chosen free once and kept so a restart reuses its configs."""
-    path = lay.root / "ports.json"
-    try:
-        ports = {k: int(v) for k, v in json.loads(path.read_text()).items()}
-    except (OSError, ValueError):
-        ports = {}
-    for key in ("dbd", "ctld", *names):
-        ports.setdefault(key, free_port())
-    path.write_text(json.dumps(ports))
-    return ports
-
-
-def _write_configs(lay: _Layout, names: tuple[str, ...], ports: dict[str, int]) -> None:
-    host = socket.gethostname().split(".")[0]
-    auth = "AuthType=auth/munge\n"
-    dbd = f"""# generated by launchers/slurm/cluster.py
-{auth}DbdHost=localhost
-DbdAddr=127.0.0.1
-DbdPort={ports["dbd"]}
-CommunicationParameters=NoInAddrAny
-SlurmUser=root
-PidFile={lay.root / "slurmdbd.pid"}
-LogFile={lay.log("slurmdbd-file")}
-StorageType=accounting_storage/mysql
-StorageHost=localhost
-StorageUser=root
-StorageLoc=slurm_acct_db
-"""
-    nodes = "\n".join(
-        f"NodeName={n} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports[n]} CPUs=2 RealMemory=4000 State=UNKNOWN"
-        for n in names
-    )
-    conf = f"""# generated by launchers/slurm/cluster.py
-ClusterName={CLUSTER_NAME}
-SlurmctldHost={host}(127.0.0.1)
-SlurmctldPort={ports["ctld"]}
-SlurmUser=root
-SlurmdUser=root
-{auth}CredType=cred/munge
-StateSaveLocation={lay.root / "state"}
-SlurmdSpoolDir={lay.root / "spool"}/%n
-SlurmctldPidFile={lay.root / "slurmctld.pid"}
-SlurmdPidFile={lay.root / "slurmd-%n.pid"}
-SlurmctldLogFile={lay.log("slurmctld-file")}
-SlurmdLogFile={lay.root / "logs"}/slurmd-%n-file.log
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-JobAcctGatherType=jobacct_gather/none
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-SchedulerType=sched/backfill
-# Heterogeneous jobs start from the backfill pass; run it every second, not every 30 s.
-SchedulerParameters=bf_interval=1
-SlurmdParameters=config_overrides
-# Bind every daemon to the address its host name resolves to (127.0.0.1 here), not 0.0.0.0.
-CommunicationParameters=NoInAddrAny
-MpiDefault=none
-ReturnToService=2
-MinJobAge=60
-KillWait=5
-InactiveLimit=0
-SlurmctldTimeout=30
-SlurmdTimeout=60
-AccountingStorageType=accounting_storage/slurmdbd
-AccountingStorageHost=localhost
-AccountingStoragePort={ports["dbd"]}
-JobCompType=jobcomp/none
-{nodes}
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-"""
-    lay.slurm_conf.write_text(conf)
-    dbd_path = lay.etc / "slurmdbd.conf"
-    dbd_path.write_text(dbd)
-    dbd_path.chmod(0o600)  # slurmdbd refuses a readable config (it could hold a password)
-
-
-def _add_hosts(names: tuple[str, ...]) -> None:
-    """Map the node names to 127.0.0.1 in /etc/hosts (rewritten in place: it may be a mount)."""
-    hosts = Path("/etc/hosts")
-    lines = [line for line in hosts.read_text().splitlines() if HOSTS_MARK not in line]
-    lines.append(f"127.0.0.1 {' '.join(names)} {HOSTS_MARK}")
-    with open(hosts, "w") as f:
-        f.write("\n".join(lines) + "\n")
-
-
-def _remove_hosts() -> None:
-    hosts = Path("/etc/hosts")
-    text = hosts.read_text()
-    if HOSTS_MARK in text:
-        with open(hosts, "w") as f:
-            f.write("\n".join(ln for ln in text.splitlines() if HOSTS_MARK not in ln) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -429,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             f"slurm down: stopped {', '.join(stopped)}" if stopped else "no slurm daemons running"
         )
     elif args.action == "env":
-        print(f"export SLURM_CONF={_Layout(args.state_dir).slurm_conf}")
+        print(f"export SLURM_CONF={Layout(args.state_dir).slurm_conf}")
     else:
         cluster = running(args.state_dir)
         print(json.dumps(asdict(cluster)) if cluster else "not running")
