@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
 import torch.distributed.rpc as rpc
 
 from distopt import rendezvous
@@ -22,6 +23,21 @@ from tests.remote.corpus import tables
 
 REPO = Path(__file__).resolve().parents[3]
 START_TIMEOUT_S = 60.0
+
+
+def _check_rrefs_reach(server: str) -> None:
+    # PyTorch binds the RRef context to the first RPC agent that used RRefs in a process
+    # (a leaky singleton in rref_context.cpp) and keeps it across shutdown and re-init.
+    try:
+        rpc.remote(server, torch.add, args=(torch.zeros(1), 0)).owner()
+    except RuntimeError as error:
+        if "could not find destination" not in str(error):
+            raise
+        raise RuntimeError(
+            f"RRefs cannot reach {server} in this process ({error}): an earlier RPC group of "
+            "another size used RRefs here; run tests/remote in its own pytest process "
+            "(make test does)"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -48,6 +64,7 @@ def rpc_group(num_servers: int = 2, *, latency_ms: float = 0.0) -> Iterator[list
                 timeout_s=START_TIMEOUT_S,
             )  # fmt: skip
             try:
+                _check_rrefs_reach(names[-1])
                 yield names
             finally:
                 stops = [rpc.rpc_async(name, tables.stop_server) for name in names]
