@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import sys
 
 from distopt.config import load_config
 from distopt.errors import DistoptError, RemoteCallError
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
+
+logger = logging.getLogger("distopt.train")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,10 +42,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(config: JobConfig, env: JobEnv) -> int:
     """Run this process's role of the job."""
-    if config.num_threads is not None:
-        import torch
+    import torch
 
+    if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
+    if env.role == "trainer":
+        from distopt.job.device import resolve_device
+
+        resolve_device(config.device, local_rank=env.local_rank)  # no GPU: fail before any group
     if env.role == "ps" or env.num_ps > 0:
         from distopt.job.ps_roles import run_ps_role  # imports torch.distributed.rpc
 
@@ -54,21 +61,25 @@ def run(config: JobConfig, env: JobEnv) -> int:
     with trainer_group(env) if needs_group else contextlib.nullcontext():
         result = train(config, env)
     if env.rank == 0:
-        print(f"run {result.run_id}: {result.steps} steps, QPS log {result.log_path}", flush=True)
+        logger.info("run %s: %d steps, QPS log %s", result.run_id, result.steps, result.log_path)
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, prog: str = "distopt.train") -> int:
+    """Parse ``argv``, load the config and run this process's role; the exit status."""
     args = build_parser().parse_args(argv)
     try:
+        from distopt.job.logs import configure
+
         config = load_config(JobConfig, args.config, args.overrides)
         env = JobEnv.from_environ()
+        configure(env.role, env.rank)
         return run(config, env)
     except RemoteCallError as err:  # a server failed mid-run: not a configuration problem
-        print(f"distopt.train: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 1
     except DistoptError as err:
-        print(f"distopt.train: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
 
 

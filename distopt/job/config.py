@@ -6,10 +6,15 @@ import dataclasses
 from typing import Any, Literal
 
 from distopt.config import check
+from distopt.data.config import DataConfig
+from distopt.job.evaluate import EvalConfig
+from distopt.job.optim import OptimConfig
 from distopt.ps.spec import ServerOptions
 
 Variant = Literal["baseline", "optimized", "hand"]
 Parallel = Literal["none", "ddp", "fsdp"]
+Device = Literal["auto", "cpu", "cuda"]
+Precision = Literal["fp32", "bf16"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -30,19 +35,33 @@ class JobConfig:
     optimize_config: dict[str, Any] = dataclasses.field(default_factory=dict)
     """``config`` mapping passed to ``distopt.optimize`` (see ``distopt.config.OptimizeConfig``)."""
     parallel: Parallel = "none"
-    """Data parallelism among trainers: none, DDP (gloo) or FSDP (``distopt.parallelize``)."""
+    """Data parallelism among trainers: none, DDP or FSDP2 (``distopt.parallelize`` when
+    optimized); over NCCL on CUDA, gloo on CPU."""
+    device: Device = "auto"
+    """Where each trainer computes: ``cuda`` (GPU ``LOCAL_RANK``; an error before anything starts
+    when there is none), ``cpu``, or ``auto`` (CUDA when available)."""
+    precision: Precision = "fp32"
+    """``bf16``: autocast to bfloat16 on CPU and CUDA; under FSDP, parameters are gathered in bf16
+    and gradients reduced in fp32 (FSDP2 ``MixedPrecisionPolicy``) instead."""
     steps: int = 100
-    """Training steps per trainer."""
+    """Optimizer steps per trainer (each of ``optim.accumulate_steps`` micro-batches)."""
     batch_size: int = 32
-    """Samples per trainer per step; the global batch is ``batch_size × trainers``."""
-    lr: float = 0.01
-    """Learning rate of the trainer's SGD optimizer (dense parameters)."""
+    """Samples per trainer per micro-batch; a step's global batch is
+    ``batch_size × optim.accumulate_steps × trainers``."""
     seed: int = 0
-    """Seeds parameters (same on every trainer) and synthetic data (different per trainer)."""
-    data_batches: int = 4
-    """Distinct synthetic batches generated up front and cycled (keeps data out of step time)."""
+    """Seeds parameters (same on every trainer), data order and synthetic data (per trainer)."""
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Training and held-out data and their loaders (see ``docs/data.md``)."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """Dense optimizer, learning-rate schedule, clipping and accumulation. Parameter-server
+    tables use their own optimizer (``TableSpec.optimizer``) at ``optim.lr``."""
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    """Held-out evaluation every ``eval.every`` steps and at the end."""
     output_dir: str = "runs"
-    """QPS logs go to ``<output_dir>/<run_id>/qps-rank<r>.jsonl``."""
+    """QPS logs go to ``<output_dir>/<run_id>/qps-rank<r>.jsonl``, TensorBoard events to
+    ``<output_dir>/<run_id>/tensorboard``."""
+    tensorboard: bool = True
+    """Trainer 0 writes TensorBoard scalars (loss, QPS, lr, remote wait, eval metrics)."""
     run_id: str | None = None
     """Run id; default ``$DISTOPT_RUN_ID``, else ``<variant>-<time>-<random>`` chosen by rank 0."""
     checkpoint_every: int = 0
@@ -60,7 +79,7 @@ class JobConfig:
     are applied in trainer-rank order and before any trainer's next fetch (costs a barrier per
     trainer per step). A lone trainer is reproducible without it."""
     log_every: int = 10
-    """Without a TTY, print a progress line every N steps."""
+    """Without a TTY, log a progress line every N steps (level INFO; ``DISTOPT_LOG_LEVEL``)."""
     num_threads: int | None = None
     """torch intra-op threads per process; ``None`` keeps torch's default (``OMP_NUM_THREADS``)."""
     ps: ServerOptions = dataclasses.field(default_factory=ServerOptions)
@@ -71,8 +90,6 @@ class JobConfig:
         check(bool(self.model), "model", "a model name", self.model)
         check(self.steps >= 1, "steps", "an integer >= 1", self.steps)
         check(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
-        check(self.lr > 0, "lr", "a number > 0", self.lr)
-        check(self.data_batches >= 1, "data_batches", "an integer >= 1", self.data_batches)
         check(
             self.checkpoint_every >= 0, "checkpoint_every", "an integer >= 0", self.checkpoint_every
         )
@@ -95,6 +112,20 @@ class JobConfig:
                 "a non-empty name without '/'",
                 self.run_id,
             )
+
+        builtin = self.data.source in ("synthetic", "criteo", "tokens")
+        held_out = self.data.holdout_fraction > 0 or self.data.eval_path is not None
+        check(
+            self.eval.every == 0 or not builtin or held_out,
+            "eval.every",
+            "0 without held-out data (set data.holdout_fraction or data.eval_path)",
+            self.eval.every,
+        )
+
+    @property
+    def lr(self) -> float:
+        """Learning rate of parameter-server pushes: ``optim.lr`` (not a config key)."""
+        return self.optim.lr
 
     @property
     def runs_optimize(self) -> bool:

@@ -14,27 +14,32 @@ both give the same value, ties included.
 
 The model runs in eval mode under ``torch.no_grad`` and every module's training flag is restored
 afterwards. Parameter-server models need nothing more: fetches made without grad mode are not
-recorded for pushing (:mod:`distopt.ps.context`).
+recorded for pushing (:mod:`distopt.ps.context`). A model whose forward is collective (FSDP
+gathers parameters in it) needs ``lockstep``: shards differ by up to one batch, so trainers agree
+before each batch whether any still has one, and a trainer that has run out repeats its last
+batch uncounted until all have.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn import functional as F
 
 from distopt import models
 from distopt.config import check
 from distopt.data.batch import Batch, to_batch
 from distopt.data.config import Task
 from distopt.errors import ConfigError
+from distopt.job.device import to_device
+from distopt.job.loss import click_loss, token_loss
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -92,14 +97,6 @@ class _Modes:
             module.training = training
 
 
-def _to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device, non_blocking=True)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to(v, device) for v in value)
-    return value
-
-
 def _batch_size(inputs: tuple[Any, ...]) -> int:
     for value in inputs:
         if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -121,31 +118,64 @@ def _gather(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     return torch.cat([part[: int(n.item())] for part, n in zip(parts, sizes, strict=True)])
 
 
+def _any_rank(flag: bool, group: Any, op: Any = None) -> bool:
+    """``flag`` reduced over the group (MAX: any rank; MIN: every rank)."""
+    value = torch.tensor([int(flag)])
+    dist.all_reduce(value, op=op or dist.ReduceOp.MAX, group=group)
+    return bool(value.item())
+
+
+def _lockstep(batches: Iterator[Batch], group: Any) -> Iterator[tuple[Batch, bool]]:
+    """``(batch, counted)`` until no rank has a batch left; a rank that ran out gets its last
+    batch again, uncounted, so every rank runs the same number of forwards."""
+    last = next(batches, None)
+    if not _any_rank(last is not None, group, dist.ReduceOp.MIN):
+        raise ConfigError("eval: a trainer has no held-out batch; the held-out set needs at least "
+                          "one batch per trainer (more data or a smaller eval.batch_size)")
+    current: Batch | None = last
+    while True:
+        if not _any_rank(current is not None, group):
+            return
+        if current is None:
+            assert last is not None
+            yield last, False
+        else:
+            yield current, True
+            last = current
+        current = next(batches, None)
+
+
 def evaluate(model: nn.Module, batches: Iterable[Any], *, task: Task,
              loss_fn: Callable[[Any, tuple[Any, ...]], torch.Tensor] | None = None,
              max_batches: int | None = None, device: torch.device | str | None = None,
-             group: Any = None) -> EvalResult:
+             group: Any = None, host_inputs: Sequence[int] | frozenset[int] = (),
+             lockstep: bool = False) -> EvalResult:
     """Metrics of ``model`` on held-out ``batches`` (:class:`~distopt.data.Batch` or what
     :func:`~distopt.data.batch.to_batch` accepts), all-reduced over ``group`` (default: the
     default process group) when one is initialized. ``loss_fn(outputs, inputs)`` scores ``none``
-    data (default :func:`distopt.models.default_loss`). Every rank of the group must call this."""
+    data (default :func:`distopt.models.default_loss`). Inputs at ``host_inputs`` stay on the
+    host; ``lockstep`` for models whose forward is collective (see the module docstring). Every
+    rank of the group must call this."""
     if device is None:
         first = next(model.parameters(), None)
         device = first.device if first is not None else torch.device("cpu")
     device = torch.device(device)
+    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     loss_sum, count = 0.0, 0
     scores: list[torch.Tensor] = []
     labels: list[torch.Tensor] = []
+    chosen = (to_batch(raw) for raw in itertools.islice(batches, max_batches))
+    steps = _lockstep(chosen, group) if lockstep and distributed else ((b, True) for b in chosen)
     modes = _Modes(model)
     model.eval()
     try:
         with torch.no_grad():
-            for index, raw in enumerate(batches):
-                if max_batches is not None and index >= max_batches:
-                    break
-                batch: Batch = to_batch(raw)
-                inputs = _to(batch.inputs, device)
+            for host_batch, counted in steps:
+                batch: Batch = to_device(host_batch, device, keep=host_inputs)
+                inputs = batch.inputs
                 outputs = model(*inputs)
+                if not counted:
+                    continue
                 if task == "none":
                     n = _batch_size(inputs)
                     loss = (loss_fn or models.default_loss)(outputs, inputs)
@@ -154,20 +184,17 @@ def evaluate(model: nn.Module, batches: Iterable[Any], *, task: Task,
                 if batch.targets is None:
                     raise ConfigError(f"data.task: {task} evaluation needs targets; the held-out "
                                       "batches have none")
-                targets = batch.targets.to(device)
+                targets = batch.targets
                 if task == "click":
-                    logits, target = outputs.float().reshape(-1), targets.float().reshape(-1)
-                    loss_sum += float(F.binary_cross_entropy_with_logits(logits, target, reduction="sum"))
-                    count += target.numel()
-                    scores.append(torch.sigmoid(logits).cpu())
-                    labels.append(target.cpu())
+                    loss_sum += float(click_loss(outputs, targets, reduction="sum"))
+                    count += targets.numel()
+                    scores.append(torch.sigmoid(outputs.float().reshape(-1)).cpu())
+                    labels.append(targets.float().reshape(-1).cpu())
                 else:
-                    flat = outputs.float().reshape(-1, outputs.shape[-1])
-                    loss_sum += float(F.cross_entropy(flat, targets.reshape(-1), reduction="sum"))
+                    loss_sum += float(token_loss(outputs, targets, reduction="sum"))
                     count += targets.numel()
     finally:
         modes.restore()
-    distributed = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
     if distributed:
         totals = torch.tensor([loss_sum, float(count)], dtype=torch.float64)
         dist.all_reduce(totals, group=group)

@@ -1,14 +1,20 @@
-"""Training progress: a tqdm bar on a terminal, plain periodic log lines otherwise (CI, log files)."""
+"""Training progress: a tqdm bar on a terminal, periodic log lines otherwise (CI, log files)."""
 
 from __future__ import annotations
 
+import logging
 import sys
 import time
 from typing import TextIO
 
+logger = logging.getLogger(__name__)
+
 
 class Progress:
-    """Reports steps of one trainer; silent on every rank but ``rank`` 0 unless ``all_ranks``."""
+    """Reports steps of one trainer; silent on every rank but ``rank`` 0 unless ``all_ranks``.
+
+    Without a terminal every ``log_every`` steps is an INFO record of ``distopt.job.progress``.
+    """
 
     def __init__(
         self,
@@ -42,12 +48,19 @@ class Progress:
             self._bar.set_postfix(loss=f"{loss:.4g}", qps=f"{qps:,.0f}", refresh=False)
             self._bar.update(1)
         elif (step + 1) % self.log_every == 0 or step + 1 == self.total:
-            print(
-                f"[trainer {self.rank}] step {step + 1}/{self.total} loss {loss:.4g} "
-                f"qps {qps:,.1f} elapsed {time.perf_counter() - self._started:.1f}s",
-                file=self.stream,
-                flush=True,
+            logger.info(
+                "step %d/%d loss %.4g qps %s elapsed %.1fs", step + 1, self.total, loss,
+                f"{qps:,.1f}", time.perf_counter() - self._started,
             )
+
+    def note(self, message: str) -> None:
+        """An INFO line that does not tear the bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(message, file=self.stream)
+        else:
+            logger.info("%s", message)
 
     def close(self) -> None:
         if self._bar is not None:

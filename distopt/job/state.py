@@ -4,9 +4,12 @@ What makes a resumed run end with exactly the parameters of an uninterrupted one
 
 - dense model and optimizer state through ``torch.distributed.checkpoint`` (DCP): the state dict
   of ``get_state_dict`` (FQN keys, DDP's ``module.`` prefix dropped, FSDP shards as DTensors);
-- the data position: the completed step count (batches depend only on seed, rank and step);
-- the RNG states (torch CPU generator, Python's ``random``; NumPy's global generator is not used by
-  distopt and not saved), restored immediately before the first resumed step;
+- the data position: the completed step count, and in the rank file the micro-batches consumed
+  (batches depend only on seed, rank and position; see ``distopt.data.Loader.batches``);
+- the learning-rate scheduler's state and anything else the trainer passes as ``extra``;
+- the RNG states (torch CPU generator, the current CUDA device's when CUDA is in use, Python's
+  ``random``; NumPy's global generator is not used by distopt and not saved), restored
+  immediately before the first resumed step;
 - the parameter-server tables and their optimizer state, written by each server
   (``Hooks.save_remote``) after every trainer drained its pushes (``Hooks.before_checkpoint``),
   while every trainer waits at a barrier: no push lands during the save.
@@ -20,8 +23,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import io
+import logging
 import random
-import sys
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -38,6 +41,8 @@ from distopt.atomic import atomic_torch_save
 from distopt.errors import ConfigError
 from distopt.job import checkpoint
 from distopt.job.checkpoint import Checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -84,12 +89,17 @@ def trainer_state(
 
 def rng_state() -> dict[str, Any]:
     """The RNG states a training step may draw from."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device: one GPU per trainer
+    return state
 
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 @contextlib.contextmanager
@@ -111,13 +121,16 @@ def cut(
     state: TrainerState,
     *,
     step: int,
+    extra: Mapping[str, Any] | None = None,
     before: Callable[[], None] | None = None,
     save_remote: Callable[[Path], None] | None = None,
 ) -> Checkpoint | None:
     """Write the checkpoint after ``step`` steps; every trainer calls this at the same step.
 
-    ``before`` runs on every trainer first (drain pushes), ``save_remote(path)`` on trainer 0 while
-    the others wait (the servers write their shards). Returns the checkpoint on trainer 0.
+    ``extra`` goes into this trainer's rank file next to ``step`` and ``rng`` (plain data and
+    tensors: it is loaded with ``weights_only``). ``before`` runs on every trainer first (drain
+    pushes), ``save_remote(path)`` on trainer 0 while the others wait (the servers write their
+    shards). Returns the checkpoint on trainer 0.
     """
     begin = time.perf_counter()
     if before is not None:
@@ -130,12 +143,13 @@ def cut(
         save_remote(path)
     with _single_process(state):
         dcp.save(_dense(state), checkpoint_id=path / state.dense_dir, no_dist=not state.collective)
-    atomic_torch_save({"step": step, "rng": rng_state()}, path / f"rank{state.rank}.pt")
+    rank_file = {**(extra or {}), "step": step, "rng": rng_state()}
+    atomic_torch_save(rank_file, path / f"rank{state.rank}.pt")
     barrier()  # every file is written; no trainer pushes before the servers have saved
     if state.rank != 0:
         return None
     done = checkpoint.finish(path, step=step, job=state.job)
-    print(f"[trainer 0] checkpoint {path} ({time.perf_counter() - begin:.2f} s)", flush=True)
+    logger.info("checkpoint %s (%.2f s)", path, time.perf_counter() - begin)
     return done
 
 
@@ -162,17 +176,18 @@ def _check_shape(found: Checkpoint, job: Mapping[str, Any]) -> None:
             )
 
 
-def find(root: Path, state: TrainerState) -> Checkpoint | None:
-    """The newest complete checkpoint under ``root`` (trainer 0 decides; incomplete ones named)."""
+def find(root: Path, *, rank: int, job: Mapping[str, Any]) -> Checkpoint | None:
+    """The newest complete checkpoint under ``root`` (trainer 0 decides; incomplete ones named),
+    checked against the shape of ``job``. Every trainer calls this; it needs only the group, so
+    a trainer can look before it builds what the checkpoint restores."""
 
     def skipped(path: Path, reason: str) -> None:
-        print(f"[trainer 0] ignoring incomplete checkpoint {path}: {reason}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        logger.warning("ignoring incomplete checkpoint %s: %s", path, reason)
 
-    found = checkpoint.latest_complete(root, on_skip=skipped) if state.rank == 0 else None
+    found = checkpoint.latest_complete(root, on_skip=skipped) if rank == 0 else None
     found = _agree(found, root)
     if found is not None:
-        _check_shape(found, state.job)
+        _check_shape(found, job)
     return found
 
 
@@ -180,7 +195,8 @@ def restore(
     found: Checkpoint, state: TrainerState, *, load_remote: Callable[[Path], None] | None = None
 ) -> dict[str, Any]:
     """Load dense state (and, on trainer 0, the servers' tables) from ``found``; returns this
-    trainer's rank file (``step`` and ``rng``, applied later by :func:`set_rng_state`)."""
+    trainer's rank file (``step``, ``rng`` — applied later by :func:`set_rng_state` — and the
+    ``extra`` it was cut with)."""
     dense = _dense(state)
     with _single_process(state):
         dcp.load(dense, checkpoint_id=found.path / state.dense_dir, no_dist=not state.collective)
@@ -201,7 +217,7 @@ def restore(
         load_remote(found.path)
     barrier()  # no trainer starts before the servers hold the checkpoint's tables
     if state.rank == 0:
-        print(f"[trainer 0] resumed from {found.path} (step {found.step})", flush=True)
+        logger.info("resumed from %s (step %d)", found.path, found.step)
     return saved
 
 

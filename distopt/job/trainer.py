@@ -1,11 +1,21 @@
-"""The trainer role: build the model, optionally optimize and parallelize it, train, log QPS."""
+"""The trainer role: build the model and its data, optionally optimize and parallelize the model,
+train with the configured optimizer, evaluate on held-out data, checkpoint, and record it all.
+
+One step is ``optim.accumulate_steps`` micro-batches and one optimizer update. Its time, from the
+end of the previous step's bookkeeping to the update done (on CUDA, synchronized), includes
+waiting for the batch: a loader that cannot keep up shows as lower QPS. Evaluations and
+checkpoints are timed on their own and are in no step's time.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
+import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +23,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+import distopt.ps as ps
 from distopt import models
 from distopt.config import to_dict
+from distopt.data import Batch, DataSource, build_data, to_batch
 from distopt.errors import CaptureError, ConfigError, RemoteCallError
 from distopt.estimate import predict_gain
 from distopt.job import checkpoint
+from distopt.job import device as job_device
 from distopt.job import state as job_state
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
+from distopt.job.evaluate import EvalResult, evaluate
+from distopt.job.loss import task_loss
+from distopt.job.optim import Stepper
 from distopt.job.progress import Progress
+from distopt.job.record import Recorder, tensorboard_writer
 from distopt.metrics.qps_log import QpsLogWriter
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -56,6 +75,8 @@ class TrainResult:
     """Checkpoint directories this trainer completed (trainer 0 only)."""
     resumed_from: int
     """Completed steps of the checkpoint this run resumed from (0: a fresh start)."""
+    evaluation: EvalResult | None = None
+    """The last held-out evaluation (``None``: no held-out data or none due)."""
 
 
 def resolve_run_id(config: JobConfig, env: JobEnv) -> str:
@@ -94,20 +115,55 @@ def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]
     return prediction.to_header()
 
 
-def _parallelize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> nn.Module:
+def _parallelize(model: nn.Module, example: tuple[Any, ...], config: JobConfig, *,
+                 device: torch.device, group: Any) -> nn.Module:
     """Wrap for data parallelism; for ``optimized`` FSDP, distopt.parallelize also optimizes."""
     if config.parallel == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
+        ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=group)
     if config.parallel == "fsdp":
+        mesh = job_device.device_mesh(device, group)
         if config.runs_optimize:
             from distopt import parallelize
 
-            return parallelize(model, "fsdp", example_inputs=example)
-        from torch.distributed.fsdp import fully_shard
+            dtypes = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+            return parallelize(model, "fsdp", example_inputs=example, mesh=mesh,
+                               **(dtypes if config.precision == "bf16" else {}))
+        from distopt.parallel.apply import apply_fsdp
 
-        fully_shard(model)  # in place; plain FSDP2 without inner units: the baseline
-        return model
+        # Plain FSDP2 without inner units: the baseline.
+        return apply_fsdp(model, [], mesh=mesh, mp_policy=job_device.mixed_precision(config.precision))
     return model
+
+
+def _gradient_sync(module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    """Skip the gradient all-reduce of a micro-batch that is not the last of its step."""
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else module.no_sync()
+    set_sync = getattr(module, "set_requires_gradient_sync", None)  # FSDP2
+    if callable(set_sync):
+        set_sync(enabled)
+    return contextlib.nullcontext()
+
+
+def _job_shape(config: JobConfig, env: JobEnv, run_id: str, name: str) -> dict[str, Any]:
+    return {"run_id": run_id, "model": name, "seed": config.seed, "num_trainers": env.num_trainers,
+            "num_ps": env.num_ps, "parallel": config.parallel}
+
+
+def _recorder(config: JobConfig, env: JobEnv, run_id: str, header: dict[str, Any],
+              start: int) -> Recorder:
+    global_batch = config.batch_size * config.optim.accumulate_steps * env.num_trainers
+    board = None
+    if config.tensorboard and env.rank == 0:
+        board = tensorboard_writer(Path(config.output_dir) / run_id / "tensorboard")
+    log = QpsLogWriter.create(
+        config.output_dir, run_id=run_id, variant=config.variant, rank=env.rank,
+        world_size=env.num_trainers, global_batch_size=global_batch,
+        config={**to_dict(config), "run_id": run_id}, extra={"num_ps": env.num_ps, **header},
+    )
+    progress = Progress(total=config.steps, rank=env.rank, log_every=config.log_every, start=start)
+    return Recorder(log, progress, board)
 
 
 def train(
@@ -116,120 +172,134 @@ def train(
     *,
     hooks: Hooks | None = None,
     header_extra: dict[str, Any] | None = None,
+    source: DataSource | None = None,
 ) -> TrainResult:
     """Train ``config.steps`` steps as trainer ``env.rank``; the trainers' gloo group (if any) must
-    already be initialized. Writes this rank's QPS log and, on rank 0, checkpoints."""
+    already be initialized. Writes this rank's QPS log and, on rank 0, checkpoints and TensorBoard
+    events. ``source`` replaces the config's data (benchmarks)."""
     run_id = resolve_run_id(config, env)
+    device = job_device.resolve_device(config.device, local_rank=env.local_rank)
     name = config.model_name
     torch.manual_seed(config.seed)  # identical initial parameters on every trainer
     model = models.build(name, **config.model_kwargs)
-    loss_fn = models.loss_function(name, model)
-    # Different data on each trainer; generated before the loop so data creation is not timed.
-    # Step s uses batch s % data_batches: the data order depends only on (seed, rank, step), so a
-    # resumed run sees exactly the batches an uninterrupted one would.
-    batches = [
-        models.make_inputs(
-            name, model, config.batch_size, seed=config.seed * 100_003 + env.rank * 1009 + i
-        )
-        for i in range(config.data_batches)
-    ]
-    header = dict(header_extra or {})
-    trained: nn.Module = model
-    if config.runs_optimize and config.parallel != "fsdp":
-        trained = _optimize(model, batches[0], config)
-        header.update(_prediction(model, trained, batches[0]))
-    trained = _parallelize(trained, batches[0], config)
-    # After wrapping: FSDP replaces parameters by shards (the optimized module shares them).
-    optimizer = torch.optim.SGD(trained.parameters(), lr=config.lr)
+    model_loss = models.loss_function(name, model)
+    source = source or build_data(config.data, model_name=name, model=model,
+                                  batch_size=config.batch_size, seed=config.seed)
+    keep = job_device.host_inputs(model)
+    model.to(device)
+    if ps.client.is_connected():
+        ps.set_device(device)  # fetched rows land next to the dense parameters
 
     checkpoint_dir = Path(config.checkpoint_dir or Path(config.output_dir) / run_id / "checkpoints")
     hooks = hooks or Hooks()
+    job = _job_shape(config, env, run_id, name)
+    found = None
+    if config.resume or env.restarts > 0:  # a restarted job always continues its run
+        found = job_state.find(checkpoint_dir, rank=env.rank, job=job)
+    if found is not None and found.step > config.steps:
+        raise ConfigError(
+            f"resume: checkpoint {found.path} is at step {found.step}, steps is {config.steps}"
+        )
+    start = found.step if found is not None else 0
+    accumulate = config.optim.accumulate_steps
+    # The data position is the micro-batch count: a resumed run reads what an uninterrupted one
+    # would from here on. The first batch is also the example optimize/parallelize trace with.
+    loader = source.train_loader(rank=env.rank, world_size=env.num_trainers,
+                                 batch_size=config.batch_size, seed=config.seed)
+    stream = (to_batch(b) for b in loader.batches(start * accumulate))
+    first = next(stream)
+    batches: Iterator[Batch] = itertools.chain([first], stream)
+    example = job_device.to_device(first, device, keep=keep).inputs
+
+    header = dict(header_extra or {})
+    trained: nn.Module = model
+    if config.runs_optimize and config.parallel != "fsdp":
+        trained = _optimize(model, example, config)
+        header.update(_prediction(model, trained, example))
+    group = job_device.data_parallel_group(device)
+    trained = _parallelize(trained, example, config, device=device, group=group)
+    # After wrapping: FSDP replaces parameters by shards (the optimized module shares them).
+    stepper = Stepper(trained.parameters(), config.optim, total_steps=config.steps)
     saver = job_state.trainer_state(
-        model=_state_module(model, trained, optimizer),
-        optimizer=optimizer,
-        rank=env.rank,
-        parallel=config.parallel,
-        num_trainers=env.num_trainers,
-        job={
-            "run_id": run_id,
-            "model": name,
-            "seed": config.seed,
-            "num_trainers": env.num_trainers,
-            "num_ps": env.num_ps,
-            "parallel": config.parallel,
-        },
-    )
-    start = 0
+        model=_state_module(model, trained, stepper.optimizer), optimizer=stepper.optimizer,
+        rank=env.rank, parallel=config.parallel, num_trainers=env.num_trainers, job=job,
+    )  # fmt: skip
     rng: dict[str, Any] | None = None
-    resume = config.resume or env.restarts > 0  # a restarted job always continues its run
-    if resume and (found := job_state.find(checkpoint_dir, saver)) is not None:
-        if found.step > config.steps:
-            raise ConfigError(
-                f"resume: checkpoint {found.path} is at step {found.step}, steps is {config.steps}"
-            )
-        rng = job_state.restore(found, saver, load_remote=hooks.load_remote)["rng"]
-        start = found.step
+    if found is not None:
+        saved = job_state.restore(found, saver, load_remote=hooks.load_remote)
+        stepper.scheduler.load_state_dict(saved["scheduler"])
+        rng = saved["rng"]
 
     if hooks.before_loop is not None:
         hooks.before_loop()
+    ps.take_wait_time()  # waits so far (verification, prediction) belong to no step
     if rng is not None:
         # Last, so that nothing between here and the first step (model building, optimize's
         # verification) shifts the random streams of the resumed steps.
         job_state.set_rng_state(rng)
-    global_batch = config.batch_size * env.num_trainers
-    saved: list[Path] = []
+    eval_model = trained.module if isinstance(trained, nn.parallel.DistributedDataParallel) else trained
+    eval_loader = source.eval_loader(rank=env.rank, world_size=env.num_trainers,
+                                     batch_size=config.eval.batch_size or config.batch_size)
+    waits = ps.client.is_connected()
+    saved_paths: list[Path] = []
     loss_value = float("nan")
-    progress = Progress(total=config.steps, rank=env.rank, log_every=config.log_every, start=start)
-    writer = QpsLogWriter.create(
-        config.output_dir,
-        run_id=run_id,
-        variant=config.variant,
-        rank=env.rank,
-        world_size=env.num_trainers,
-        global_batch_size=global_batch,
-        config={**to_dict(config), "run_id": run_id},
-        extra={"num_ps": env.num_ps, **header},
-    )
+    evaluation: EvalResult | None = None
+    recorder = _recorder(config, env, run_id, header, start)
     try:
-        with writer:
+        with recorder:
+            tick = time.perf_counter()
             for step in range(start, config.steps):
-                inputs = batches[step % len(batches)]
-                begin = time.perf_counter()
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss_fn(trained(*inputs), inputs)
-                loss.backward()
-                if hooks.after_backward is not None:
-                    hooks.after_backward(trained)
-                optimizer.step()
-                step_time = time.perf_counter() - begin
-                loss_value = float(loss.detach())
-                record = writer.log_step(step, step_time)
-                progress.update(step, loss=loss_value, qps=record.qps)
+                losses = []
+                lr = stepper.lr  # the rate this step's update uses
+                for micro in range(accumulate):
+                    batch = job_device.to_device(next(batches), device, keep=keep)
+                    with _gradient_sync(trained, micro == accumulate - 1):
+                        with job_device.autocast(device, config.precision):
+                            loss = task_loss(source.task, trained(*batch.inputs), batch, model_loss)
+                        stepper.scale(loss).backward()
+                    if hooks.after_backward is not None:
+                        hooks.after_backward(trained)
+                    losses.append(loss.detach())
+                    stepper.step(step * accumulate + micro)
+                loss_value = float(torch.stack(losses).float().mean())
+                job_device.synchronize(device)
+                step_time = time.perf_counter() - tick
+                recorder.step(step, step_time, loss=loss_value, lr=lr,
+                              wait_s=ps.take_wait_time() if waits else None)
                 done = step + 1
+                if eval_loader is not None and config.eval.due(done, config.steps):
+                    began = time.perf_counter()
+                    with job_device.autocast(device, config.precision):
+                        evaluation = evaluate(
+                            eval_model, eval_loader, task=source.task, loss_fn=model_loss,
+                            max_batches=config.eval.max_batches, device=device, host_inputs=keep,
+                            lockstep=config.parallel == "fsdp",
+                        )  # fmt: skip
+                    recorder.evaluation(done, evaluation, time.perf_counter() - began)
+                    ps.take_wait_time()
                 every = config.checkpoint_every
                 if every and (done % every == 0 or done == config.steps):
                     cut = job_state.cut(
-                        checkpoint_dir,
-                        saver,
-                        step=done,
-                        before=hooks.before_checkpoint,
-                        save_remote=hooks.save_remote,
-                    )
+                        checkpoint_dir, saver, step=done,
+                        extra={"scheduler": stepper.scheduler.state_dict(),
+                               "data": {"micro_batches": done * accumulate}},
+                        before=hooks.before_checkpoint, save_remote=hooks.save_remote,
+                    )  # fmt: skip
                     if cut is not None:
-                        saved.append(cut.path)
+                        saved_paths.append(cut.path)
                         checkpoint.prune(checkpoint_dir, keep=config.keep_checkpoints)
+                tick = time.perf_counter()
     except RuntimeError as err:
         raise peer_lost(err, env) or err from None
-    finally:
-        progress.close()
     return TrainResult(
         run_id=run_id,
         rank=env.rank,
         steps=config.steps - start,
-        log_path=writer.path,
+        log_path=recorder.path,
         final_loss=loss_value,
-        checkpoints=tuple(saved),
+        checkpoints=tuple(saved_paths),
         resumed_from=start,
+        evaluation=evaluation,
     )
 
 

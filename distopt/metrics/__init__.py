@@ -3,6 +3,7 @@ behind ``distopt compare`` (:mod:`.compare`)."""
 
 from distopt.metrics.compare import CompareError, Comparison, Gain, RunSummary, compare_runs
 from distopt.metrics.qps_log import (
+    EvalRecord,
     MergedStep,
     QpsLogError,
     QpsLogWriter,
@@ -16,6 +17,7 @@ from distopt.metrics.qps_log import (
 
 __all__ = [
     "CompareError",
+    "EvalRecord",
     "Comparison",
     "Gain",
     "MergedStep",

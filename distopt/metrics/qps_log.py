@@ -1,4 +1,6 @@
-"""QPS logs: one JSON Lines file per trainer rank, a header record then one record per step.
+"""QPS logs: one JSON Lines file per trainer rank, a header record then one record per step
+(with the step's loss, learning rate and remote wait when the trainer knows them) and one per
+held-out evaluation.
 
 Layout: ``<output_dir>/<run_id>/qps-rank<r>.jsonl``. The format is documented in
 ``docs/qps_log_format.md``; :data:`FORMAT_VERSION` is bumped on incompatible changes.
@@ -7,7 +9,8 @@ Writing (one writer per trainer rank; every line is flushed so a crashed job kee
 
     with QpsLogWriter.create("runs", run_id="r1", variant="baseline", rank=0, world_size=2,
                              global_batch_size=64, config=to_dict(job)) as log:
-        log.log_step(0, step_time_s=0.012)
+        log.log_step(0, step_time_s=0.012, loss=0.69, lr=0.01)
+        log.log_eval(100, {"eval_loss": 0.52, "eval_auc": 0.78}, eval_time_s=1.2)
 
 Reading (a run directory or a single rank file)::
 
@@ -31,7 +34,9 @@ from typing import Any, TextIO
 
 from distopt.errors import DistoptError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2 added ``eval`` records and the optional ``loss``, ``lr`` and ``wait_s`` of step records;
+version 1 logs read as before."""
 _FILE_GLOB = "qps-rank*.jsonl"
 
 
@@ -67,6 +72,24 @@ class StepRecord:
     """``global_batch_size / step_time_s``: job throughput if every rank were as fast as this one."""
     timestamp: float
     """Unix time (seconds) at the end of the step."""
+    loss: float | None = None
+    """Training loss of this rank's step (mean over its micro-batches), when logged."""
+    lr: float | None = None
+    """Learning rate the step's optimizer update used, when logged."""
+    wait_s: float | None = None
+    """Seconds this rank spent blocked waiting for remote (parameter-server) calls, when logged."""
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class EvalRecord:
+    """One held-out evaluation, as seen by one trainer rank (metrics are over all ranks)."""
+
+    step: int
+    """Training steps completed before the evaluation."""
+    rank: int
+    eval_time_s: float
+    metrics: dict[str, float | int]
+    """``eval_loss``, ``eval_samples`` and, by task, ``eval_auc`` or ``eval_perplexity``."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -77,6 +100,7 @@ class RankLog:
     header: dict[str, Any]
     steps: tuple[StepRecord, ...]
     footer: dict[str, Any] | None
+    evals: tuple[EvalRecord, ...] = ()
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -272,9 +296,17 @@ class QpsLogWriter:
         return writer
 
     def log_step(
-        self, step: int, step_time_s: float, *, timestamp: float | None = None
+        self,
+        step: int,
+        step_time_s: float,
+        *,
+        timestamp: float | None = None,
+        loss: float | None = None,
+        lr: float | None = None,
+        wait_s: float | None = None,
     ) -> StepRecord:
-        """Record one step of this rank; ``qps`` is derived from the global batch size."""
+        """Record one step of this rank; ``qps`` is derived from the global batch size. The
+        optional values are written only when given."""
         if step_time_s <= 0:
             raise QpsLogError(f"step {step}: step_time_s must be > 0, got {step_time_s!r}")
         record = StepRecord(
@@ -287,9 +319,22 @@ class QpsLogWriter:
             step_time_s=step_time_s,
             qps=self.global_batch_size / step_time_s,
             timestamp=time.time() if timestamp is None else timestamp,
+            loss=loss,
+            lr=lr,
+            wait_s=wait_s,
         )
-        self._write({"type": "step", **dataclasses.asdict(record)})
+        fields = {k: v for k, v in dataclasses.asdict(record).items() if v is not None}
+        self._write({"type": "step", **fields})
         self.steps_logged += 1
+        return record
+
+    def log_eval(
+        self, step: int, metrics: Mapping[str, float | int], *, eval_time_s: float
+    ) -> EvalRecord:
+        """Record a held-out evaluation after ``step`` completed steps."""
+        record = EvalRecord(step=step, rank=self.rank, eval_time_s=eval_time_s, metrics=dict(metrics))
+        self._write({"type": "eval", "run_id": self.run_id, "step": step, "rank": self.rank,
+                     "eval_time_s": eval_time_s, **record.metrics})
         return record
 
     def close(self, *, status: str = "ok", error: str | None = None) -> None:
@@ -341,7 +386,11 @@ _HEADER_FIELDS: dict[str, type | tuple[type, ...]] = {
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
 _STEP_FIELDS: dict[str, type | tuple[type, ...]] = {
     f.name: _FIELD_TYPES[str(f.type)] for f in dataclasses.fields(StepRecord)
+    if str(f.type) in _FIELD_TYPES
 }
+_STEP_OPTIONAL = ("loss", "lr", "wait_s")
+_EVAL_FIELDS: dict[str, type | tuple[type, ...]] = {"step": int, "rank": int, "eval_time_s": (int, float)}
+_RECORD_TYPES = ("header", "step", "eval", "footer")
 
 
 def _check_fields(
@@ -364,13 +413,9 @@ def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise QpsLogError(f"{path}:{lineno}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict) or record.get("type") not in (
-                "header",
-                "step",
-                "footer",
-            ):
+            if not isinstance(record, dict) or record.get("type") not in _RECORD_TYPES:
                 raise QpsLogError(
-                    f"{path}:{lineno}: expected an object with type header/step/footer, "
+                    f"{path}:{lineno}: expected an object with type header/step/eval/footer, "
                     f"got {line.strip()[:80]!r}"
                 )
             yield lineno, record
@@ -384,6 +429,7 @@ def read_log(path: str | Path) -> RankLog:
     header: dict[str, Any] | None = None
     footer: dict[str, Any] | None = None
     steps: list[StepRecord] = []
+    evals: list[EvalRecord] = []
     for lineno, record in _records(path):
         where = f"{path}:{lineno}"
         kind = record["type"]
@@ -413,12 +459,25 @@ def read_log(path: str | Path) -> RankLog:
                 raise QpsLogError(
                     f"{where}: step_time_s must be > 0, got {record['step_time_s']!r}"
                 )
-            steps.append(StepRecord(**{name: record[name] for name in _STEP_FIELDS}))
+            optional = {name: _optional_float(record, name, where) for name in _STEP_OPTIONAL}
+            steps.append(StepRecord(**{name: record[name] for name in _STEP_FIELDS}, **optional))
+        elif kind == "eval":
+            _check_fields(record, _EVAL_FIELDS, where)
+            metrics = {k: v for k, v in record.items() if k.startswith("eval_") and k != "eval_time_s"}
+            evals.append(EvalRecord(step=record["step"], rank=record["rank"],
+                                    eval_time_s=record["eval_time_s"], metrics=metrics))
         else:
             footer = record
     if header is None:
         raise QpsLogError(f"{path}: empty QPS log (no header record)")
-    return RankLog(path=path, header=header, steps=tuple(steps), footer=footer)
+    return RankLog(path=path, header=header, steps=tuple(steps), footer=footer, evals=tuple(evals))
+
+
+def _optional_float(record: Mapping[str, Any], name: str, where: str) -> float | None:
+    value = record.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise QpsLogError(f"{where}: step field {name!r} has bad value {value!r}")
+    return value
 
 
 def load_run(path: str | Path) -> RunLog:

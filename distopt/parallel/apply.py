@@ -19,6 +19,7 @@ from distopt.parallel.fsdp_schedule import FsdpSchedule
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
     from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
 def apply_compile(units: Sequence[nn.Module], *, backend: str = "inductor") -> None:
@@ -35,6 +36,7 @@ def apply_fsdp(
     reshard_after_forward: bool = True,
     schedule: FsdpSchedule | None = None,
     prefetch: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
 ) -> nn.Module:
     """FSDP2: ``fully_shard`` every unit, then the root (which keeps the leftover parameters).
 
@@ -46,18 +48,22 @@ def apply_fsdp(
     gathered from forward into backward; without it only the last unit is kept (backward needs it
     at once; torchtitan does the same for its last block). With ``prefetch`` each unit's forward
     issues the next unit's all-gather (FSDP2 prefetches implicitly only in backward). None of this
-    changes numerics.
+    changes numerics; ``mp_policy`` does (e.g. bf16 parameters for compute, fp32 gradient
+    reduction), the same policy on every unit and the root.
     """
     from torch.distributed.fsdp import fully_shard
+
+    precision: dict[str, Any] = {} if mp_policy is None else {"mp_policy": mp_policy}
 
     held = schedule.root_held if schedule is not None else frozenset()
     kept = schedule.keep_after_forward if schedule is not None else frozenset({len(units) - 1})
     sharded = [(i, unit) for i, unit in enumerate(units) if i not in held]
     for index, unit in sharded:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and index not in kept)
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and index not in kept,
+                    **precision)
     # FSDP2 keeps the root's own parameters unsharded after forward whatever this says (they are
     # needed again at once by backward), so the setting only matters for the inner units.
-    fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward, **precision)
     if prefetch:
         for (_, unit), (_, following) in zip(sharded, sharded[1:], strict=False):
             unit.set_modules_to_forward_prefetch([following])  # type: ignore[operator]

@@ -20,6 +20,7 @@ from distopt.passes import resolve_pipeline
 from distopt.report import OptimizeReport, ParallelRecord, attach, report_of
 
 Strategy = Literal["ddp", "fsdp", "fsdp1"]
+DType = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -47,6 +48,10 @@ class ParallelizeConfig:
     last units, which the schedule keeps because backward needs them at once."""
     prefetch: bool = True
     """FSDP2: each unit's forward issues the next unit's all-gather (explicit forward prefetch)."""
+    param_dtype: DType | None = None
+    """FSDP2 mixed precision: dtype parameters are gathered and computed in (``None``: theirs)."""
+    reduce_dtype: DType | None = None
+    """FSDP2 mixed precision: dtype gradients are reduced in (``None``: ``param_dtype``'s)."""
     memory_slack: float = 0.2
     """FSDP2: extra per-rank parameter memory (fraction of the leanest schedule's) that may be
     spent to save all-gathers — edge units left to the root, the last units kept gathered from
@@ -61,6 +66,22 @@ class ParallelizeConfig:
             raise ConfigError(f"strategy: expected 'ddp', 'fsdp' or 'fsdp1', got {self.strategy!r}")
         if self.memory_slack < 0:
             raise ConfigError(f"memory_slack: expected a number >= 0, got {self.memory_slack!r}")
+        if (self.param_dtype or self.reduce_dtype) and self.strategy != "fsdp":
+            raise ConfigError(f"param_dtype: mixed precision needs strategy 'fsdp' (FSDP2), got "
+                              f"{self.strategy!r}")
+
+    def mp_policy(self) -> Any:
+        """FSDP2 ``MixedPrecisionPolicy`` of ``param_dtype``/``reduce_dtype`` (``None``: neither)."""
+        if self.param_dtype is None and self.reduce_dtype is None:
+            return None
+        import torch
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        def dtype(name: str | None) -> Any:
+            return None if name is None else getattr(torch, name)
+
+        return MixedPrecisionPolicy(param_dtype=dtype(self.param_dtype),
+                                    reduce_dtype=dtype(self.reduce_dtype))
 
 
 def timing_of(module: nn.Module) -> ParallelRecord | None:
@@ -165,7 +186,7 @@ def parallelize(
         )
         timing.schedule = schedule
         result = apply_fsdp(root, units, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
-                            schedule=schedule, prefetch=cfg.prefetch)
+                            schedule=schedule, prefetch=cfg.prefetch, mp_policy=cfg.mp_policy())
     elif cfg.strategy == "fsdp1":
         result = apply_fsdp1(root, units, process_group=process_group)
     else:

@@ -19,15 +19,12 @@ from distopt.ps.client import (
     fetch_batched,
     fetch_many_async,
     flush,
-    load_servers,
-    load_state_dict,
     push,
     push_async,
     push_gradients,
     routes,
-    save_servers,
-    server_stats,
-    state_dict,
+    set_device,
+    take_wait_time,
     wait,
 )
 from distopt.ps.context import FetchRecord, discard_step
@@ -42,6 +39,7 @@ from distopt.ps.launch import (
     start_servers,
     stop_servers,
 )
+from distopt.ps.servers import load_servers, load_state_dict, save_servers, server_stats, state_dict
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
 
 __all__ = [
@@ -71,10 +69,12 @@ __all__ = [
     "save_servers",
     "server_name",
     "server_stats",
+    "set_device",
     "shutdown",
     "start_servers",
     "state_dict",
     "stop_servers",
+    "take_wait_time",
     "trainer_name",
     "wait",
 ]

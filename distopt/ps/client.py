@@ -24,11 +24,22 @@ completed. Fetches of a table run concurrently with each other.
 
 Errors: anything raised on a server surfaces at the wait as :class:`RemoteCallError` with the
 server's name and its one-line message; a dead server fails the wait within ``rpc_timeout_s``.
+
+Devices: rows come back on the trainer's device (:func:`set_device`). On CUDA the answer is
+copied into a pinned host buffer and sent to the GPU with a non-blocking copy on a side stream as
+soon as it arrives (on the RPC thread), so the copy overlaps whatever the trainer computes until
+its wait; the wait makes the current stream wait for the copy. Ids and gradients travel to the
+servers from host memory: keep ids on the host (``host_inputs`` of a model, see
+:mod:`distopt.models`) to spare a device-to-host copy per fetch.
+
+Wait time: :func:`take_wait_time` returns the seconds this process spent blocked in :func:`wait`
+since the last call (the trainer logs it per step).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,12 +54,7 @@ from distopt.ps.futures import after, gather, rpc_call, when_all
 from distopt.ps.server import (
     ps_server_fetch,
     ps_server_fetch_many,
-    ps_server_load,
-    ps_server_load_state_dict,
     ps_server_push,
-    ps_server_save,
-    ps_server_state_dict,
-    ps_server_stats,
 )
 from distopt.ps.spec import TableSpec
 
@@ -70,6 +76,9 @@ class _Client:
         self.lock = threading.Lock()
         self.last_write: dict[str, Future] = {}
         self.reads: dict[str, list[Future]] = {}
+        self.device = torch.device("cpu")
+        self.copy_stream: Any = None
+        """CUDA stream of host-to-device row copies (made on the first fetch to a GPU)."""
 
     def route(self, table: str) -> Route:
         route = self.routes.get(table)
@@ -102,10 +111,32 @@ def disconnect() -> None:
     _CLIENT = None
 
 
+def is_connected() -> bool:
+    """Whether this process is a parameter-server trainer (:func:`connect` was called)."""
+    return _CLIENT is not None
+
+
 def _client() -> _Client:
     if _CLIENT is None:
         raise RemoteCallError("parameter server client not initialized: call distopt.ps.init_trainer(...) first")
     return _CLIENT
+
+
+def set_device(device: torch.device | str) -> None:
+    """Fetched rows land on ``device`` from now on (the trainer's device; default CPU)."""
+    client = _client()
+    client.device = torch.device(device)
+    if client.device.type == "cuda" and client.copy_stream is None:
+        client.copy_stream = torch.cuda.Stream(client.device)
+
+
+_WAITED = [0.0]
+
+
+def take_wait_time() -> float:
+    """Seconds spent blocked in :func:`wait` since the previous call (then reset to 0)."""
+    waited, _WAITED[0] = _WAITED[0], 0.0
+    return waited
 
 
 def routes() -> dict[str, Route]:
@@ -130,12 +161,19 @@ class FetchFuture(Future):
         self.label = label
         self._leaves: Any = None
         self._leaves_lock = threading.Lock()
+        self.copied: Any = None
+        """CUDA event recorded after the rows' host-to-device copy (``None`` on the CPU)."""
 
     def leaves(self, value: Any) -> Any:
         """The fetched rows as leaves, made (and recorded) once however often this is called."""
         with self._leaves_lock:
             if self._leaves is None:
                 rows = [value] if self.single else list(value)
+                if self.copied is not None:  # the copy ran on the side stream: order after it
+                    stream = torch.cuda.current_stream(rows[0].device)
+                    stream.wait_event(self.copied)
+                    for r in rows:
+                        r.record_stream(stream)  # its memory is used on this stream from now on
                 track = torch.is_grad_enabled()
                 made = []
                 for (table, ids), r in zip(self.requests, rows, strict=True):
@@ -155,8 +193,12 @@ def wait(fut: Future) -> Any:
     are re-raised here as :class:`RemoteCallError`.
     """
     label = getattr(fut, "label", "remote")
+    begin = time.perf_counter()
     with record_function(f"distopt.wait:{label}"):
-        value = fut.wait()
+        try:
+            value = fut.wait()
+        finally:
+            _WAITED[0] += time.perf_counter() - begin
     if isinstance(fut, FetchFuture):
         return fut.leaves(value)
     return value
@@ -172,7 +214,7 @@ def _as_ids(route: Route, ids: Ids) -> torch.Tensor:
         ids = torch.as_tensor(ids)
     if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise ConfigError(f"table {route.spec.name!r}: ids must be integers, got dtype {ids.dtype}")
-    return ids.to(torch.int64)
+    return ids.to("cpu", torch.int64)  # requests are sent from host memory
 
 
 def _split(ids: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor | None, torch.Tensor]]:
@@ -244,6 +286,8 @@ def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
                 else:
                     results[index].index_copy_(0, pos, rows)
         shaped = [r.reshape(*ids.shape, route.spec.dim) for r, (_, ids, route) in zip(results, resolved, strict=True)]
+        if client.device.type == "cuda":
+            shaped = _to_device(shaped, client, out)
         return shaped[0] if single else shaped
 
     with client.lock:
@@ -254,6 +298,21 @@ def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
             client.reads[table] = [*live, out]
     after(out, writes=writes, reads=(), start=start, finish=finish, what=label)
     return out
+
+
+def _to_device(rows: list[torch.Tensor], client: _Client, out: FetchFuture) -> list[torch.Tensor]:
+    """``rows`` copied to the client's GPU through pinned buffers on the copy stream (not waited:
+    :meth:`FetchFuture.leaves` orders the consumer's stream after ``out.copied``)."""
+    with torch.cuda.stream(client.copy_stream):
+        moved = []
+        for r in rows:
+            pinned = torch.empty(r.shape, dtype=r.dtype, pin_memory=True)
+            pinned.copy_(r)
+            moved.append(pinned.to(client.device, non_blocking=True))
+        event = torch.cuda.Event()
+        event.record(client.copy_stream)
+    out.copied = event
+    return moved
 
 
 # --- push --------------------------------------------------------------------------------------
@@ -274,7 +333,7 @@ def push_async(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> Future:
             f"push to {table!r}: grads of shape {tuple(grads.shape)} do not match {flat.numel()} ids "
             f"of dim {route.spec.dim}"
         )
-    rows = grads.detach().reshape(-1, route.spec.dim)
+    rows = grads.detach().reshape(-1, route.spec.dim).to("cpu")  # sent from host memory
     label = f"ps.push:{table}"
     out: Future = Future()
     out.label = label  # type: ignore[attr-defined]
@@ -339,60 +398,6 @@ def flush() -> None:
             fut.wait()
         except RemoteCallError:
             pass  # reported to whoever waits on it; flush only orders
-
-
-# --- whole-server calls ---------------------------------------------------------------------------
-
-
-def state_dict() -> dict[str, dict[str, Any]]:
-    """Every server's shards, ``{server: {table: shard_state}}``, after pending pushes complete."""
-    client = _client()
-    flush()
-    futures = {s: rpc_call(s, ps_server_state_dict, (), what="state_dict", timeout_s=client.timeout_s)
-               for s in client.servers}
-    return {s: f.wait() for s, f in futures.items()}
-
-
-def load_state_dict(state: Mapping[str, Mapping[str, Any]]) -> None:
-    """Restore :func:`state_dict` output (same servers and sharding) on every server."""
-    client = _client()
-    flush()
-    missing = [s for s in client.servers if s not in state]
-    if missing:
-        raise ConfigError(f"parameter-server checkpoint lacks server {missing[0]!r}")
-    futures = [rpc_call(s, ps_server_load_state_dict, (dict(state[s]),), what="load_state_dict",
-                        timeout_s=client.timeout_s) for s in client.servers]
-    for fut in futures:
-        fut.wait()
-
-
-def save_servers(directory: str) -> dict[str, int]:
-    """Each server writes its shards (weights, optimizer state) to ``<directory>/ps<i>.pt``.
-
-    Flushes this trainer's pending pushes first; pushes of other trainers are the caller's to
-    drain (the job's checkpoint barrier). Returns ``{file name: size}``. ``directory`` must be on a
-    filesystem the servers share with the trainers.
-    """
-    client = _client()
-    flush()
-    futures = [rpc_call(s, ps_server_save, (str(directory),), what="checkpoint save",
-                        timeout_s=client.timeout_s) for s in client.servers]
-    return dict(fut.wait() for fut in futures)
-
-
-def load_servers(directory: str) -> None:
-    """Each server restores its shards from ``<directory>/ps<i>.pt`` (see :func:`save_servers`)."""
-    client = _client()
-    flush()
-    futures = [rpc_call(s, ps_server_load, (str(directory),), what="checkpoint load",
-                        timeout_s=client.timeout_s) for s in client.servers]
-    for fut in futures:
-        fut.wait()
-
-
-def server_stats(server: str) -> dict[str, int]:
-    """Request counts of ``server`` by operation (``fetch``, ``fetch_many``, ``push``, ``requests``)."""
-    return rpc_call(server, ps_server_stats, (), what="stats", timeout_s=_client().timeout_s).wait()
 
 
 # --- registration for the graph passes ------------------------------------------------------------

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import logging
+
+import pytest
 
 from distopt.job.progress import Progress
 
@@ -20,11 +23,11 @@ def _run(stream: io.StringIO, *, rank: int = 0, total: int = 10, log_every: int 
     return stream.getvalue()
 
 
-def test_plain_lines_without_a_terminal() -> None:
-    lines = _run(io.StringIO()).splitlines()
-    assert [line.split(" loss")[0] for line in lines] == [
-        "[trainer 0] step 4/10", "[trainer 0] step 8/10", "[trainer 0] step 10/10",
-    ]  # fmt: skip
+def test_log_records_without_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="distopt.job.progress"):
+        assert _run(io.StringIO()) == ""
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split(" loss")[0] for line in lines] == ["step 4/10", "step 8/10", "step 10/10"]
     assert "qps 1,234.0" in lines[0]
 
 
@@ -34,6 +37,8 @@ def test_bar_on_a_terminal() -> None:
     assert "[trainer 0] step" not in out
 
 
-def test_other_ranks_are_silent() -> None:
-    assert _run(io.StringIO(), rank=1) == ""
+def test_other_ranks_are_silent(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="distopt.job.progress"):
+        assert _run(io.StringIO(), rank=1) == ""
+    assert not caplog.records
     assert _run(_Terminal(), rank=1) == ""

@@ -48,7 +48,7 @@ def test_cut_then_restore_brings_back_dense_state_rng_and_remote(tmp_path: Path)
     expected = (torch.rand(3), random.random())  # what the next step would draw
 
     fresh = _trainer(1)  # other parameters and momentum
-    found = find(tmp_path, fresh)
+    found = find(tmp_path, rank=fresh.rank, job=fresh.job)
     assert found is not None and found.path == done.path
     rank_file = restore(found, fresh, load_remote=lambda p: remote.append(p.name))
     assert remote == ["drain", "step-00000003"]
@@ -75,16 +75,16 @@ def test_resume_refuses_a_checkpoint_of_another_job_shape(tmp_path: Path) -> Non
         job={**JOB, "num_ps": 2},
     )  # fmt: skip
     with pytest.raises(ConfigError, match="written with num_ps=0, this job has num_ps=2"):
-        find(tmp_path, other)
+        find(tmp_path, rank=other.rank, job=other.job)
 
 
 def test_find_skips_an_incomplete_newer_checkpoint(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     state = _trainer(0)
     cut(tmp_path, state, step=2)
     partial = checkpoint.begin(tmp_path, 4)
     (partial / "rank0.pt").write_bytes(b"half")
-    found = find(tmp_path, state)
+    found = find(tmp_path, rank=state.rank, job=state.job)
     assert found is not None and found.step == 2
-    assert f"ignoring incomplete checkpoint {partial}: no MANIFEST.json" in capsys.readouterr().err
+    assert f"ignoring incomplete checkpoint {partial}: no MANIFEST.json" in caplog.text

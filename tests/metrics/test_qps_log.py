@@ -95,7 +95,7 @@ def test_reserved_header_keys_cannot_be_overridden(tmp_path: Path) -> None:
     ("line", "message"),
     [
         ("{not json", "not valid JSON"),
-        ('["a list"]', "expected an object with type header/step/footer"),
+        ('["a list"]', "expected an object with type header/step/eval/footer"),
         ('{"type": "step"}', "lacks 'run_id'"),
         ('{"type": "header"}', "a second header record"),
     ],

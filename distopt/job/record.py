@@ -1,0 +1,91 @@
+"""Where a trainer's measurements go: its QPS log (JSON Lines, every trainer), TensorBoard scalars
+(trainer 0) and the progress bar or log lines.
+
+The JSON Lines log is the record of truth (``distopt compare`` reads it); TensorBoard gets the
+same numbers for watching a run: ``train/loss``, ``train/qps``, ``train/lr``, ``train/wait_s``
+(parameter-server jobs) per step, ``eval/loss``, ``eval/auc``, ``eval/perplexity`` per
+evaluation, all at the global step (completed steps). Events go to
+``<output_dir>/<run_id>/tensorboard``; ``tensorboard --logdir <output_dir>`` shows every run.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from distopt.errors import ConfigError
+from distopt.job.evaluate import EvalResult
+from distopt.job.progress import Progress
+from distopt.metrics.qps_log import QpsLogWriter
+
+logger = logging.getLogger(__name__)
+
+
+def tensorboard_writer(log_dir: Path) -> Any:
+    """A ``torch.utils.tensorboard.SummaryWriter`` for ``log_dir``; a one-line error when the
+    ``tensorboard`` package is missing."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as err:
+        raise ConfigError(
+            f"tensorboard: torch.utils.tensorboard is unavailable ({err}); install the "
+            "tensorboard package or set tensorboard: false"
+        ) from None
+    return SummaryWriter(log_dir=str(log_dir))
+
+
+class Recorder:
+    """Fans one trainer's step and evaluation records out to the log, TensorBoard and progress."""
+
+    def __init__(self, log: QpsLogWriter, progress: Progress, board: Any = None) -> None:
+        self.log = log
+        self.progress = progress
+        self.board = board
+
+    @property
+    def path(self) -> Path:
+        return self.log.path
+
+    def step(self, step: int, step_time_s: float, *, loss: float, lr: float,
+             wait_s: float | None) -> None:
+        record = self.log.log_step(step, step_time_s, loss=loss, lr=lr, wait_s=wait_s)
+        self.progress.update(step, loss=loss, qps=record.qps)
+        if self.board is not None:
+            done = step + 1
+            self.board.add_scalar("train/loss", loss, done)
+            self.board.add_scalar("train/qps", record.qps, done)
+            self.board.add_scalar("train/lr", lr, done)
+            if wait_s is not None:
+                self.board.add_scalar("train/wait_s", wait_s, done)
+
+    def evaluation(self, done: int, result: EvalResult, seconds: float) -> None:
+        metrics = result.as_dict()
+        self.log.log_eval(done, metrics, eval_time_s=seconds)
+        shown = " ".join(f"{k.removeprefix('eval_')} {v:.4g}" for k, v in metrics.items())
+        self.progress.note(f"eval after step {done}: {shown} ({seconds:.1f} s)")
+        if self.board is not None:
+            for key, value in metrics.items():
+                if key != "eval_samples":
+                    self.board.add_scalar(f"eval/{key.removeprefix('eval_')}", value, done)
+
+    def close(self, *, error: BaseException | None = None) -> None:
+        self.progress.close()
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+        if error is None:
+            self.log.close()
+        else:
+            self.log.close(status="failed", error=f"{type(error).__name__}: {error}")
+
+    def __enter__(self) -> Recorder:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close(error=exc)
+
+
+__all__ = ["Recorder", "tensorboard_writer"]
