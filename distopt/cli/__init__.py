@@ -16,6 +16,8 @@ _SUBCOMMANDS = (
     "distopt.cli.compare",
     "distopt.cli.demo",
     "distopt.cli.coverage",
+    "distopt.cli.train",
+    "distopt.cli.launch",
 )
 
 

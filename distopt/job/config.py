@@ -54,7 +54,7 @@ class JobConfig:
     """Training and held-out data and their loaders (see ``docs/data.md``)."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     """Dense optimizer, learning-rate schedule, clipping and accumulation. Parameter-server
-    tables use their own optimizer (``TableSpec.optimizer``) at ``optim.lr``."""
+    tables use their own optimizer (``TableSpec.optimizer``) at ``optim.sparse_lr``."""
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
     """Held-out evaluation every ``eval.every`` steps and at the end."""
     output_dir: str = "runs"
@@ -124,8 +124,9 @@ class JobConfig:
 
     @property
     def lr(self) -> float:
-        """Learning rate of parameter-server pushes: ``optim.lr`` (not a config key)."""
-        return self.optim.lr
+        """Learning rate of parameter-server pushes, ``optim.table_lr`` (not a config key: the
+        parameter-server role reads it here)."""
+        return self.optim.table_lr
 
     @property
     def runs_optimize(self) -> bool:

@@ -88,6 +88,9 @@ class OptimConfig:
     """A ``torch.optim`` class, case-insensitive: ``sgd``, ``adam``, ``adamw``, ``adagrad``, ..."""
     lr: float = 0.01
     """Peak learning rate (reached after warm-up)."""
+    sparse_lr: float | None = None
+    """Learning rate of parameter-server tables, whose optimizer is their own
+    (``TableSpec.optimizer``: sgd, adagrad, rowwise_adagrad) and unscheduled; ``None``: ``lr``."""
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Other keyword arguments of the class, e.g. ``{betas: [0.9, 0.95], weight_decay: 0.1}``
     (lists become tuples)."""
@@ -112,6 +115,8 @@ class OptimConfig:
                                   f"(accepted: {', '.join(accepted)})")
         self.kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in self.kwargs.items()}
         check(self.lr > 0, "optim.lr", "a number > 0", self.lr)
+        if self.sparse_lr is not None:
+            check(self.sparse_lr > 0, "optim.sparse_lr", "a number > 0", self.sparse_lr)
         if self.clip_grad_norm is not None:
             check(self.clip_grad_norm > 0, "optim.clip_grad_norm", "a number > 0", self.clip_grad_norm)
         check(self.accumulate_steps >= 1, "optim.accumulate_steps", "an integer >= 1", self.accumulate_steps)
@@ -122,6 +127,11 @@ class OptimConfig:
         except (TypeError, ValueError, RuntimeError) as err:
             detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ConfigError(f"optim.kwargs: {cls.__name__} rejects {self.kwargs!r}: {detail}") from None
+
+    @property
+    def table_lr(self) -> float:
+        """The learning rate parameter-server pushes use: ``sparse_lr``, else ``lr``."""
+        return self.lr if self.sparse_lr is None else self.sparse_lr
 
     @property
     def optimizer_class(self) -> type[torch.optim.Optimizer]:

@@ -128,6 +128,8 @@ class DLRM(nn.Module):
 
     pair_rows: torch.Tensor  # buffers registered in _build
     pair_cols: torch.Tensor
+    host_inputs = (1,)
+    """``sparse`` stays in host memory on a GPU trainer: its ids only address server rows."""
 
     def __init__(self, config: DLRMConfig) -> None:
         super().__init__()

@@ -1,0 +1,222 @@
+"""``distopt.launch``: submit a job config through TorchX, the same way on every scheduler.
+
+::
+
+    job = distopt.launch("configs/jobs/dlrm_criteo.yaml", "local_cwd",
+                         overrides=["variant=optimized"], num_trainers=2)
+    status = job.wait()                      # local schedulers: keep ``job`` until it is done
+    print(job.handle, job.run_id, job.run_dir)
+
+What it does, in order, so bad input fails before anything is scheduled:
+
+1. loads and validates the whole config (unknown keys, bad values, optimizer names and arguments,
+   data factories that do not import: :class:`~distopt.job.config.JobConfig`);
+2. :func:`check_job`: builds the model and opens its data (missing or malformed files, with the
+   line), and on a local scheduler checks ``device: cuda`` against this host's GPUs;
+3. writes the resolved config, run id included, to ``<output_dir>/<run_id>/job.yaml`` and runs
+   the TorchX component for the job's shape (:data:`COMPONENTS`) on it with
+   ``torchx.runner.get_runner()``. Scheduler options come from ``**cfg`` over ``.torchxconfig``
+   (``[<scheduler>]`` sections); component defaults from its ``[component:<name>]`` sections.
+
+The job's processes read ``job.yaml``, so ``output_dir`` must be where they can read it: the
+workspace (``local_cwd``, Ray's working directory) or a shared filesystem (Slurm).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from distopt.config import load_config, to_dict
+from distopt.errors import ConfigError
+from distopt.job.config import JobConfig
+
+COMPONENTS = {"ps": "distopt.ps_job", "ddp": "distopt.ddp", "fsdp": "distopt.fsdp"}
+"""The TorchX component that runs each shape of job: with parameter servers, or trainers only
+(DDP or FSDP). Names are ``torchx.components`` entry points (see ``pyproject.toml``)."""
+LOCAL_SCHEDULERS = ("local_cwd", "local_docker")
+"""Schedulers whose processes run on this host: the GPU check applies here."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class Launched:
+    """A submitted job (or a dry run). Local schedulers' processes are children of ``runner``:
+    keep this object until :meth:`wait` returns (closing it stops them)."""
+
+    handle: str | None
+    """TorchX app handle, e.g. ``local_cwd://torchx/distopt-ps-x1y2``; ``None`` for a dry run."""
+    run_id: str
+    """The run id every process logs under."""
+    run_dir: Path
+    """``<output_dir>/<run_id>``: QPS logs, TensorBoard events, checkpoints, ``job.yaml``."""
+    component: str
+    args: list[str]
+    """The component's arguments."""
+    dryrun: Any = None
+    """TorchX ``AppDryRunInfo`` of a dry run (its ``request`` is what would be submitted)."""
+    runner: Any = None
+
+    def status(self) -> Any:
+        """TorchX ``AppStatus`` of the job."""
+        return None if self.handle is None else self.runner.status(self.handle)
+
+    def wait(self, interval_s: float = 1.0) -> Any:
+        """Block until the job ends; its final TorchX ``AppStatus``."""
+        if self.handle is None:
+            return None
+        return self.runner.wait(self.handle, wait_interval=interval_s)
+
+    def close(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+
+    def __enter__(self) -> Launched:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _build_model(config: JobConfig) -> Any:
+    """The job's model on the meta device (no memory, no initialization), else on the CPU."""
+    import torch
+
+    from distopt import models
+
+    try:
+        with torch.device("meta"):
+            return models.build(config.model_name, **config.model_kwargs)
+    except ConfigError:
+        raise
+    except Exception:  # a factory that needs real tensors to build
+        return models.build(config.model_name, **config.model_kwargs)
+
+
+def check_job(config: JobConfig, *, local: bool = True) -> Any:
+    """What a job needs before it is scheduled: the model builds, its data opens (files read and
+    validated), TensorBoard is importable when on, and (``local``) a GPU for ``device: cuda``.
+    Returns the model (on the meta device when it builds there)."""
+    if local:
+        from distopt.job.device import resolve_device
+
+        resolve_device(config.device)
+    model = _build_model(config)
+    from distopt.data import build_data
+
+    build_data(config.data, model_name=config.model_name, model=model,
+               batch_size=config.batch_size, seed=config.seed)
+    if config.tensorboard:
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError as err:
+            raise ConfigError(f"tensorboard: torch.utils.tensorboard is unavailable ({err}); "
+                              "install the tensorboard package or set tensorboard: false") from None
+    return model
+
+
+def _write_config(config: JobConfig, run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "job.yaml"
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    return path
+
+
+def _component_args(kind: str, config_path: Path, num_trainers: int, num_ps: int,
+                    extra: Mapping[str, Any]) -> list[str]:
+    args = ["--config", str(config_path)]
+    if kind == "ps":
+        args += ["--num_ps", str(num_ps), "--num_trainers", str(num_trainers)]
+    else:
+        args += ["--nproc_per_node", str(num_trainers)]
+    for key, value in extra.items():
+        if isinstance(value, Mapping):
+            value = ",".join(f"{k}={v}" for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            value = ",".join(map(str, value))
+        args += [f"--{key}", str(value)]
+    return args
+
+
+def launch(
+    config: str | os.PathLike[str] | JobConfig,
+    scheduler: str = "local_cwd",
+    *,
+    overrides: Sequence[str] = (),
+    num_trainers: int = 2,
+    num_ps: int | None = None,
+    run_id: str | None = None,
+    component_args: Mapping[str, Any] | None = None,
+    dryrun: bool = False,
+    **cfg: Any,
+) -> Launched:
+    """Submit a job through TorchX (see the module docstring) and return its handle and run id.
+
+    Args:
+        config: a job YAML file or a :class:`JobConfig`.
+        scheduler: a TorchX scheduler (``local_cwd``, ``slurm``, ``ray``, ``kubernetes``, ...).
+        overrides: ``key.sub=value`` overrides of the config, as ``--set`` takes them.
+        num_trainers: trainer processes (``--num_trainers``; per node for DDP/FSDP jobs).
+        num_ps: parameter-server processes; ``None``: 1 when the model has ``ps_tables()``,
+            else 0 (a DDP or FSDP job, by ``parallel``).
+        run_id: default: the config's, else ``<variant>-<time>-<random>``.
+        component_args: more component arguments by name, e.g. ``{"cpu": 4, "memMB": 8192}``.
+        dryrun: build the request without submitting it (``Launched.dryrun``).
+        **cfg: scheduler options (``log_dir`` for local_cwd; ``partition``, ``account`` for slurm;
+            ``dashboard_address`` for ray), over those of ``.torchxconfig``.
+    """
+    if isinstance(config, JobConfig):
+        job = load_config(JobConfig, _scratch_yaml(config), list(overrides))
+    else:
+        job = load_config(JobConfig, config, list(overrides))
+    if num_trainers < 1:
+        raise ConfigError(f"num_trainers: expected an integer >= 1, got {num_trainers!r}")
+    model = check_job(job, local=scheduler in LOCAL_SCHEDULERS)
+    if num_ps is None:
+        num_ps = 1 if callable(getattr(model, "ps_tables", None)) else 0
+    if num_ps < 0:
+        raise ConfigError(f"num_ps: expected an integer >= 0, got {num_ps!r}")
+    run_id = run_id or job.run_id or f"{job.variant}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    job = dataclasses.replace(job, run_id=run_id)
+    run_dir = Path(job.output_dir) / run_id
+    kind = "ps" if num_ps else ("fsdp" if job.parallel == "fsdp" else "ddp")
+    component = COMPONENTS[kind]
+    args = _component_args(kind, _write_config(job, run_dir), num_trainers, num_ps,
+                           component_args or {})
+    from torchx.runner import config as torchx_config
+    from torchx.runner import get_runner
+
+    options: dict[str, Any] = dict(cfg)
+    torchx_config.apply(scheduler=scheduler, cfg=options, dirs=[os.getcwd()])
+    runner = get_runner(component_defaults=torchx_config.load_sections("component", [os.getcwd()]))
+    launched = Launched(handle=None, run_id=run_id, run_dir=run_dir, component=component,
+                        args=args, runner=runner)
+    try:
+        if dryrun:
+            launched.dryrun = runner.dryrun_component(component, args, scheduler, cfg=options)
+        else:
+            launched.handle = runner.run_component(component, args, scheduler, cfg=options)
+    except Exception as err:
+        runner.close()
+        message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"launch: {scheduler} refused {component}: {message}") from None
+    return launched
+
+
+def _scratch_yaml(config: JobConfig) -> Path:
+    """A config object as a file, so it is validated (and written) the same way as YAML."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="distopt-job-")) / "job.yaml"
+    path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    return path
+
+
+__all__ = ["COMPONENTS", "LOCAL_SCHEDULERS", "Launched", "check_job", "launch"]
