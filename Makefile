@@ -7,7 +7,7 @@ STAMP := $(VENV)/.distopt-installed
 CONSTRAINT := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constraints/cpu.txt")
 PYTEST_ARGS ?=
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test test-gpu lint bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -n 2 --ignore=tests/remote $(PYTEST_ARGS)
 	$(PY) -m pytest -n 2 tests/remote $(PYTEST_ARGS)
+
+# Tests that need a CUDA GPU (marked `cuda`; skipped elsewhere).
+test-gpu: $(STAMP)
+	$(PY) -m pytest -m cuda $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check distopt launchers tests examples

@@ -16,12 +16,14 @@ from distopt.job.config import JobConfig
 from distopt.passes.core.base import resolve_pipeline
 from distopt.report import report_of
 
-JOB_KEYS = ["model", "model_kwargs", "variant", "optimize", "parallel", "steps", "batch_size", "lr",
-            "seed", "checkpoint_every", "resume", "ps", "num_threads", "bogus"]
+JOB_KEYS = ["model", "model_kwargs", "variant", "optimize", "parallel", "steps", "batch_size", "optim",
+            "data", "eval", "device", "precision", "seed", "checkpoint_every", "resume", "ps",
+            "num_threads", "bogus"]
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True),
                     st.sampled_from(["mlp", "dlrm", "ddp", "fsdp", "optimized", "x", ""]))
 values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(
-    st.sampled_from(["latency_ms", "num_servers", "host", "depth", "junk"]), c, max_size=3), max_leaves=5)
+    st.sampled_from(["latency_ms", "num_servers", "host", "depth", "junk", "name", "lr", "source",
+                     "every", "kwargs"]), c, max_size=3), max_leaves=5)
 
 
 @settings(max_examples=300, deadline=None)

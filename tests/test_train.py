@@ -37,7 +37,8 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def _base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
     env["OMP_NUM_THREADS"] = "1"  # several processes share two cores
-    env["PYTHONPATH"] = str(ROOT)  # tests.job.remote_model is importable by the job
+    # tests.job.remote_model is importable by the job; what the caller's path adds stays.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return env
 
 

@@ -183,6 +183,14 @@ def launch(
         num_ps = 1 if callable(getattr(model, "ps_tables", None)) else 0
     if num_ps < 0:
         raise ConfigError(f"num_ps: expected an integer >= 0, got {num_ps!r}")
+    from torchx.runner import config as torchx_config
+    from torchx.runner import get_runner
+
+    runner = get_runner(component_defaults=torchx_config.load_sections("component", [os.getcwd()]))
+    options: dict[str, Any] = dict(cfg)
+    _check_options(runner, scheduler, options)  # what the caller gave
+    torchx_config.apply(scheduler=scheduler, cfg=options, dirs=[os.getcwd()])
+
     run_id = run_id or job.run_id or f"{job.variant}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     job = dataclasses.replace(job, run_id=run_id)
     run_dir = Path(job.output_dir) / run_id
@@ -190,12 +198,6 @@ def launch(
     component = COMPONENTS[kind]
     args = _component_args(kind, _write_config(job, run_dir), num_trainers, num_ps,
                            component_args or {})
-    from torchx.runner import config as torchx_config
-    from torchx.runner import get_runner
-
-    options: dict[str, Any] = dict(cfg)
-    torchx_config.apply(scheduler=scheduler, cfg=options, dirs=[os.getcwd()])
-    runner = get_runner(component_defaults=torchx_config.load_sections("component", [os.getcwd()]))
     launched = Launched(handle=None, run_id=run_id, run_dir=run_dir, component=component,
                         args=args, runner=runner)
     try:
@@ -208,6 +210,20 @@ def launch(
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"launch: {scheduler} refused {component}: {message}") from None
     return launched
+
+
+def _check_options(runner: Any, scheduler: str, options: Mapping[str, Any]) -> None:
+    """Unknown schedulers and scheduler options are errors (TorchX would ignore the options)."""
+    if scheduler not in runner.scheduler_backends():
+        runner.close()
+        known = ", ".join(sorted(runner.scheduler_backends()))
+        raise ConfigError(f"scheduler: unknown TorchX scheduler {scheduler!r} (known: {known})")
+    known_options = {name for name, _ in runner.scheduler_run_opts(scheduler)}
+    for key in options:
+        if key not in known_options:
+            runner.close()
+            raise ConfigError(f"cfg.{key}: not an option of the {scheduler} scheduler "
+                              f"(known: {', '.join(sorted(known_options))})")
 
 
 def _scratch_yaml(config: JobConfig) -> Path:

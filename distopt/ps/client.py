@@ -38,6 +38,7 @@ since the last call (the trainer logs it per step).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Hashable, Mapping, Sequence
@@ -45,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed.rpc as rpc
 from torch.autograd.profiler import record_function
 from torch.futures import Future
 
@@ -89,7 +91,13 @@ class _Client:
 
     @property
     def servers(self) -> tuple[str, ...]:
-        return tuple(sorted({s for r in self.routes.values() for s in r.servers}, key=_server_order))
+        """Every server of the job: those holding tables, and the RPC group's other ``ps<i>``
+        (a model may keep its remote state in its own functions and hold no table)."""
+        names = {s for r in self.routes.values() for s in r.servers}
+        with contextlib.suppress(RuntimeError, AttributeError):  # no RPC agent (tests)
+            agent = rpc.api._get_current_rpc_agent()
+            names |= {w.name for w in agent.get_worker_infos() if _server_order(w.name)[0] < 1 << 30}
+        return tuple(sorted(names, key=_server_order))
 
 
 def _server_order(name: str) -> tuple[int, str]:

@@ -39,7 +39,17 @@ def test_variant_decides_optimize_and_model() -> None:
         ({"model": "mlp", "stepz": 3}, "stepz: unknown key"),
         ({"model": "mlp", "steps": "many"}, "steps: expected an integer, got 'many'"),
         ({"model": "mlp", "steps": 0}, "steps: expected an integer >= 1, got 0"),
-        ({"model": "mlp", "lr": -1}, "lr: expected a number > 0, got -1.0"),
+        ({"model": "mlp", "lr": 0.1}, "lr: unknown key"),  # one name per thing: optim.lr
+        ({"model": "mlp", "optim": {"lr": -1}}, "optim.lr: expected a number > 0, got -1.0"),
+        ({"model": "mlp", "optim": {"name": "adamx"}}, "optim.name: unknown optimizer 'adamx'"),
+        ({"model": "mlp", "device": "tpu"}, "device: expected one of 'auto', 'cpu', 'cuda'"),
+        ({"model": "mlp", "precision": "fp16"}, "precision: expected one of 'fp32', 'bf16'"),
+        (
+            {"model": "mlp", "eval": {"every": 5}},
+            "eval.every: expected 0 without held-out data (set data.holdout_fraction or "
+            "data.eval_path), got 5",
+        ),
+        ({"model": "mlp", "data": {"source": "criteo"}}, "data.path: expected a file for source"),
         ({"model": "mlp", "variant": "fast"}, "variant: expected one of"),
         ({"model": "mlp", "parallel": "tp"}, "parallel: expected one of"),
         (

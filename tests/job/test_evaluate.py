@@ -124,3 +124,30 @@ def test_all_reduced_metrics_equal_the_metrics_of_the_union(tmp_path: Path) -> N
     assert results[0]["eval_samples"] == 101
     assert results[0]["eval_auc"] == pytest.approx(whole.auc, abs=1e-12)
     assert results[0]["eval_loss"] == pytest.approx(whole.loss, rel=1e-6)  # float32 sums in another order
+
+
+def _lockstep_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        model = nn.Linear(1, 1)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+            model.bias.zero_()
+        fully_shard(model)  # every forward all-gathers: ranks must run as many forwards
+        # 51 and 50 samples in batches of 2: 26 and 25 batches.
+        loader = build_eval_loader(Clicks(), rank=rank, world_size=world_size, batch_size=2, collate_fn=collate)
+        result = evaluate(model, loader, task="click", lockstep=True)
+        torch.save(result.as_dict(), Path(out) / f"lockstep{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_lockstep_evaluates_a_collective_model_on_uneven_shards(tmp_path: Path) -> None:
+    mp.spawn(_lockstep_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    results = [torch.load(tmp_path / f"lockstep{r}.pt") for r in range(2)]
+    whole = evaluate(Identity(), build_eval_loader(Clicks(), batch_size=101, collate_fn=collate), task="click")
+    assert results[0] == results[1] and results[0]["eval_samples"] == 101  # repeats not counted
+    assert results[0]["eval_auc"] == pytest.approx(whole.auc, abs=1e-12)

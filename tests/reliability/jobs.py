@@ -36,7 +36,7 @@ JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DI
 def job_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in JOB_ENV}
     env["OMP_NUM_THREADS"] = "1"  # several processes share two cores
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return env
 
 
