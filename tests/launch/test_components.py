@@ -121,7 +121,7 @@ def test_config_file_errors_name_the_file(tmp_path: Path) -> None:
     no_model = job_config(tmp_path, steps=5)
     components.ps_job(str(no_model), set=["model=mlp"])
     with pytest.raises(ConfigError) as err:
-        components.ps_job(str(no_model), set=["lr=0.5"])
+        components.ps_job(str(no_model), set=["optim.lr=0.5"])
     assert str(err.value) == f"--config: {no_model}: model: missing (a required key of JobConfig)"
 
 
