@@ -23,7 +23,9 @@ the file scans it once: every line is validated (so a malformed line fails the j
 with its file and line number) and its byte offset is kept. That costs one sequential read of the
 file (measured: 50k lines in 0.3 s, about 6 s per GB on 2 busy cores; every trainer scans) and
 8 bytes of memory per line; samples are then read with ``os.pread`` and parsed on demand, a batch
-at a time (``__getitems__``: ~14 ms per 128 lines), in the loader's workers.
+at a time in the loader's workers: ``__getitems__`` returns :class:`CriteoRows`, which
+:func:`collate_criteo` batches without splitting and stacking samples (read, parse, hash and
+collate of 128 lines: 2.8 ms, was 7.2 ms sample by sample; 2 busy cores).
 """
 
 from __future__ import annotations
@@ -135,21 +137,66 @@ class TableLayout:
         return ids
 
 
+def _zero_filled(line: bytes) -> bytes:
+    """``line`` without its end of line, every empty field written as ``0``."""
+    line = line.rstrip(b"\r\n").replace(b"\t\t", b"\t0\t").replace(b"\t\t", b"\t0\t")
+    return line + b"0" if line.endswith(b"\t") else line
+
+
+_HEX_DIGITS = 16
+
+
+def _hex_values(fields: np.ndarray) -> np.ndarray:
+    """uint64 values of a byte-string array of hexadecimal numbers (up to 16 digits each)."""
+    codes = np.frombuffer(fields.astype(f"S{_HEX_DIGITS}").tobytes(), dtype=np.uint8)
+    codes = codes.reshape(*fields.shape, _HEX_DIGITS)
+    # '0'-'9' are 48-57; 'a'-'f' (and 'A'-'F' made lower case by | 32) are 97-102.
+    digits = np.where(codes <= 57, codes - 48, (codes | 32) - 87).astype(np.uint64)
+    valid = codes != 0  # left-aligned, NUL-padded
+    length = valid.sum(axis=-1, keepdims=True)
+    shift = np.clip((length - 1 - np.arange(_HEX_DIGITS)) * 4, 0, None).astype(np.uint64)
+    # Digits occupy disjoint bits, so their sum is the number.
+    return np.where(valid, digits << shift, np.uint64(0)).sum(axis=-1, dtype=np.uint64)
+
+
 def parse_lines(lines: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(labels [N] float32, dense [N, 13] float32 = log(max(x, 0) + 1), categorical [N, 26]
-    uint64)`` of valid lines (empty fields read as 0, as in the DLRM reference)."""
-    rows = [line.rstrip(b"\r\n").split(b"\t") for line in lines]
-    labels = np.array([row[0] == b"1" for row in rows], dtype=np.float32)
-    dense = np.array([[int(f) if f else 0 for f in row[1:1 + NUM_DENSE]] for row in rows],
-                     dtype=np.float64).reshape(len(rows), NUM_DENSE)
-    categorical = np.array([[int(f, 16) if f else 0 for f in row[1 + NUM_DENSE:]] for row in rows],
-                           dtype=np.uint64).reshape(len(rows), NUM_CATEGORICAL)
+    uint64)`` of valid lines (empty fields read as 0, as in the DLRM reference).
+
+    Vectorized: the lines are split once and numpy parses the fields, hexadecimal ones included.
+    Lines must have passed :func:`scan`.
+    """
+    # S20 holds any valid field (a sign and 18 digits, or 16 hex digits); naming the type spares
+    # numpy a pass to find the longest.
+    fields = np.array(b"\t".join(_zero_filled(line) for line in lines).split(b"\t"), dtype="S20")
+    fields = fields.reshape(len(lines), NUM_FIELDS)
+    labels = (fields[:, 0] == b"1").astype(np.float32)
+    dense = fields[:, 1:1 + NUM_DENSE].astype(np.int64).astype(np.float64)
+    categorical = _hex_values(fields[:, 1 + NUM_DENSE:])
     return labels, np.log1p(np.maximum(dense, 0.0)).astype(np.float32), categorical
+
+
+class CriteoRows(Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
+    """Samples parsed together (what :meth:`CriteoDataset.__getitems__` returns): indexable as
+    samples, and batched by :func:`collate_criteo` without splitting and stacking them again."""
+
+    def __init__(self, dense: torch.Tensor, ids: torch.Tensor, labels: torch.Tensor) -> None:
+        self.dense, self.ids, self.labels = dense, ids, labels
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return CriteoRows(self.dense[index], self.ids[index], self.labels[index])
+        return self.dense[index], self.ids[index], self.labels[index]
 
 
 def collate_criteo(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]) -> Batch:
     """``Batch(inputs=(dense [B, 13], sparse [K, B, bag_size]), targets=labels [B, 1])``: the
     layout ``DLRM.forward(dense, sparse)`` reads (``sparse[k]`` are table k's ids)."""
+    if isinstance(samples, CriteoRows):  # parsed as a batch already: only the ids' layout changes
+        return Batch((samples.dense, samples.ids.transpose(0, 1).contiguous()), samples.labels)
     dense = torch.stack([s[0] for s in samples])
     sparse = torch.stack([s[1] for s in samples], dim=1)
     labels = torch.stack([s[2] for s in samples])
@@ -188,15 +235,15 @@ class CriteoDataset(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.__getitems__([index])[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    def __getitems__(self, indices: Sequence[int]) -> CriteoRows:
         """Samples ``indices``, parsed and hashed together (the DataLoader fetches a batch so)."""
+        size = len(self)
         for index in indices:
-            if not 0 <= index < len(self):
-                raise IndexError(f"{self.path}: sample {index} of {len(self)}")
+            if not 0 <= index < size:
+                raise IndexError(f"{self.path}: sample {index} of {size}")
         labels, dense, categorical = parse_lines([self._read(i) for i in indices])
         ids = torch.from_numpy(self.layout.ids(categorical))
-        dense_t, labels_t = torch.from_numpy(dense), torch.from_numpy(labels).unsqueeze(1)
-        return [(dense_t[i], ids[i], labels_t[i]) for i in range(len(indices))]
+        return CriteoRows(torch.from_numpy(dense), ids, torch.from_numpy(labels).unsqueeze(1))
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -208,4 +255,5 @@ class CriteoDataset(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
             os.close(self._fd)
 
 
-__all__ = ["CriteoDataset", "TableLayout", "collate_criteo", "field_name", "parse_lines", "scan"]
+__all__ = ["CriteoDataset", "CriteoRows", "TableLayout", "collate_criteo", "field_name", "parse_lines",
+           "scan"]

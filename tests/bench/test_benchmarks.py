@@ -104,3 +104,23 @@ def test_remote_idioms_runs(tmp_path) -> None:
     data = json.loads(out.read_text())
     (row,) = data["results"]
     assert row["idiom"] == "rref_helper" and set(row["median_step_s"]) == {"baseline", "optimized", "hand"}
+
+
+JOBS = Path(__file__).resolve().parents[2] / "configs" / "jobs"
+
+
+@pytest.mark.slow
+def test_data_loading_runs_both_arms(tmp_path) -> None:
+    config = tmp_path / "data.yaml"
+    config.write_text(
+        f"kind: data_loading\njob: {JOBS / 'dlrm_criteo.yaml'}\nsamples: 2000\nnum_workers: 2\n"
+        f"rounds: 2\nsteps: 6\nwarmup: 2\ntarget_ratio: 0.01\noutput_dir: {tmp_path / 'runs'}\n"
+    )
+    out = tmp_path / "out.json"
+    assert main(["bench", str(config), "--json", str(out)]) == 0  # the smoke target is trivial
+    result = json.loads(out.read_text())
+    assert set(result["arms"]) == {"loader", "prebuilt"} and result["num_workers"] == 2
+    assert all(arm["steps"] == 2 * 4 and arm["median_qps"] > 0 for arm in result["arms"].values())
+    assert result["ratio"] == pytest.approx(
+        result["arms"]["loader"]["median_qps"] / result["arms"]["prebuilt"]["median_qps"])
+    assert len(result["load_average_after"]) == 3

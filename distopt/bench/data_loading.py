@@ -1,0 +1,175 @@
+"""Data loading out of the step time: a DLRM job's QPS with loader workers vs pre-built batches.
+
+One trainer and a real parameter-server process (``distopt.ps.local_job``) train the job config's
+DLRM on a generated Criteo-format click log with the trainer of ``python -m distopt.train``, in
+interleaved rounds of two arms (the order alternates each round):
+
+- ``loader``: the job's data as configured, read by ``data.num_workers`` loader processes
+  (parsing and collating overlap the steps);
+- ``prebuilt``: the same first batches, read and collated before the chunk and cycled from
+  memory (no loading at all; the old ``data_batches`` way).
+
+A step's time includes waiting for its batch (see :mod:`distopt.job.trainer`), so a loader that
+falls behind lowers QPS. Each chunk drops its first ``warmup`` steps (worker start-up, first
+fetches). The result is the ratio of median QPS, loader over prebuilt; the benchmark exits 1
+when it is under ``target_ratio``. The machine's load average is reported with it (other
+processes share the cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from torch.utils.data import IterableDataset
+
+from distopt.config import check, from_dict, load_config
+from distopt.console import console as make_console
+from distopt.data import Batch, DataSource, build_data, to_batch
+from distopt.job.config import JobConfig
+from distopt.job.env import JobEnv
+
+ARMS = ("loader", "prebuilt")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class DataLoadingConfig:
+    job: str = "configs/jobs/dlrm_criteo.yaml"
+    """The DLRM job config (its model, batch size, optimizer and ``data`` settings)."""
+    samples: int = 20_000
+    """Lines of the generated click log."""
+    num_workers: int = 2
+    """Loader processes of the ``loader`` arm."""
+    rounds: int = 4
+    """Interleaved rounds; each runs ``steps`` steps of both arms."""
+    steps: int = 40
+    """Steps per chunk; also the number of distinct pre-built batches."""
+    warmup: int = 5
+    """Steps dropped at the start of each chunk."""
+    target_ratio: float = 0.95
+    """Target: loader QPS ≥ this × prebuilt QPS (medians)."""
+    latency_ms: float | None = None
+    """Injected server latency per request; ``None``: the job config's ``ps.latency_ms``."""
+    output_dir: str = "runs/bench/data_loading"
+    """The click log and the chunks' QPS logs go here."""
+
+    def __post_init__(self) -> None:
+        check(self.samples >= 100, "samples", "an integer >= 100", self.samples)
+        check(self.num_workers >= 1, "num_workers", "an integer >= 1", self.num_workers)
+        check(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
+        check(self.steps > self.warmup >= 0, "steps", f"an integer > warmup ({self.warmup})", self.steps)
+        check(0 < self.target_ratio, "target_ratio", "a number > 0", self.target_ratio)
+
+
+class PrebuiltBatches(IterableDataset[Batch]):
+    """Batches made before training, cycled: batch ``i`` of any rank is ``batches[i % n]``."""
+
+    batched = True
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+
+    def item(self, rank: int, index: int) -> Batch:
+        return self.batches[index % len(self.batches)]
+
+    def __iter__(self) -> Iterator[Batch]:
+        index = 0
+        while True:
+            yield self.item(0, index)
+            index += 1
+
+
+def _sources(job: JobConfig, bench: DataLoadingConfig) -> dict[str, DataSource]:
+    from distopt import models
+
+    model = models.build(job.model_name, **job.model_kwargs)
+    loading = build_data(dataclasses.replace(job.data, num_workers=bench.num_workers),
+                         model_name=job.model_name, model=model, batch_size=job.batch_size,
+                         seed=job.seed)
+    # The first `steps` batches of the same loader (in this process), kept in memory.
+    reader = build_data(dataclasses.replace(job.data, num_workers=0), model_name=job.model_name,
+                        model=model, batch_size=job.batch_size, seed=job.seed)
+    stream = reader.train_loader(rank=0, world_size=1, batch_size=job.batch_size, seed=job.seed)
+    batches = [to_batch(b) for _, b in zip(range(bench.steps), stream.batches(), strict=False)]
+    prebuilt = DataSource(train=PrebuiltBatches(batches), eval=None, collate_fn=None, batched=True,
+                          task=loading.task, config=dataclasses.replace(job.data, num_workers=0))
+    return {"loader": loading, "prebuilt": prebuilt}
+
+
+def _chunk(job: JobConfig, source: DataSource, run_id: str, warmup: int) -> list[float]:
+    """Step times of one chunk (after warm-up), read back from its QPS log."""
+    import distopt.ps as ps
+    from distopt.job.trainer import Hooks, train
+    from distopt.metrics import load_run
+
+    hooks = Hooks(before_loop=ps.discard_step,
+                  after_backward=lambda _model: ps.push_gradients(lr=job.lr))
+    result = train(dataclasses.replace(job, run_id=run_id), JobEnv(), hooks=hooks, source=source)
+    ps.flush()  # the last async push belongs to this chunk
+    steps = load_run(result.log_path).ranks[0].steps
+    return [s.step_time_s for s in steps[warmup:]]
+
+
+def measure(bench: DataLoadingConfig) -> dict[str, Any]:
+    """Run the interleaved rounds; the results as plain data."""
+    import distopt.ps as ps
+    from distopt.data.generate import write_criteo
+    from distopt.job.ps_roles import job_tables
+
+    out = Path(bench.output_dir)
+    clicks = write_criteo(out / "clicks.tsv", num_samples=bench.samples, seed=0)
+    job = load_config(JobConfig, bench.job, [
+        f"data.path={clicks}", f"output_dir={out}", f"steps={bench.steps}", "parallel=none",
+        "eval={every: 0, at_end: false}", "checkpoint_every=0", "tensorboard=false",
+        "deterministic=false", "data.holdout_fraction=0.0", "log_every=1000000",
+    ])  # fmt: skip
+    options = dataclasses.replace(job.ps, num_servers=1, host="127.0.0.1")
+    if bench.latency_ms is not None:
+        options = dataclasses.replace(options, latency_ms=bench.latency_ms)
+    load_before = os.getloadavg()
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    with ps.local_job(job_tables(job), options):
+        sources = _sources(job, bench)
+        for round_index in range(bench.rounds):
+            order = ARMS if round_index % 2 == 0 else ARMS[::-1]
+            for arm in order:
+                times[arm] += _chunk(job, sources[arm], f"{arm}-{round_index}", bench.warmup)
+    qps = {arm: job.batch_size / statistics.median(t) for arm, t in times.items()}
+    return {
+        "job": bench.job, "batch_size": job.batch_size, "num_workers": bench.num_workers,
+        "latency_ms": options.latency_ms, "rounds": bench.rounds, "steps_per_chunk": bench.steps,
+        "arms": {arm: {"median_qps": qps[arm], "median_step_s": statistics.median(times[arm]),
+                       "steps": len(times[arm]), "step_times_s": times[arm]} for arm in ARMS},
+        "ratio": qps["loader"] / qps["prebuilt"], "target_ratio": bench.target_ratio,
+        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+    }  # fmt: skip
+
+
+def run(config: dict[str, Any], args: argparse.Namespace) -> int:
+    bench = from_dict(DataLoadingConfig, config)
+    result = measure(bench)
+    console = make_console()
+    table = Table(title=f"DLRM QPS: {bench.num_workers} loader workers vs pre-built batches "
+                        f"(batch {result['batch_size']}, {bench.rounds} rounds × {bench.steps} steps)")
+    for column in ("arm", "median QPS", "median step (ms)", "steps"):
+        table.add_column(column, justify="left" if column == "arm" else "right")
+    for arm in ARMS:
+        data = result["arms"][arm]
+        table.add_row(arm, f"{data['median_qps']:,.0f}", f"{1000 * data['median_step_s']:.2f}",
+                      str(data["steps"]))
+    console.print(table)
+    load = " / ".join(f"{x:.2f}" for x in result["load_average_after"])
+    ok = result["ratio"] >= bench.target_ratio
+    console.print(f"loader / prebuilt = {result['ratio']:.3f} (target ≥ {bench.target_ratio}): "
+                  f"{'met' if ok else 'MISSED'}; load average {load} on {result['cpu_count']} CPUs")
+    if getattr(args, "json", None):
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0 if ok else 1
