@@ -109,8 +109,10 @@ def _chunk(job: JobConfig, source: DataSource, run_id: str, warmup: int) -> list
     from distopt.job.trainer import Hooks, train
     from distopt.metrics import load_run
 
-    hooks = Hooks(before_loop=ps.discard_step,
-                  after_backward=lambda _model: ps.push_gradients(lr=job.lr))
+    def push(_model: Any) -> None:
+        ps.push_gradients(lr=job.lr)  # async, as a job pushes without deterministic
+
+    hooks = Hooks(before_loop=ps.discard_step, after_backward=push)
     result = train(dataclasses.replace(job, run_id=run_id), JobEnv(), hooks=hooks, source=source)
     ps.flush()  # the last async push belongs to this chunk
     steps = load_run(result.log_path).ranks[0].steps

@@ -175,7 +175,7 @@ def launch(
     if isinstance(config, JobConfig):
         job = load_config(JobConfig, _scratch_yaml(config), list(overrides))
     else:
-        job = load_config(JobConfig, config, list(overrides))
+        job = load_config(JobConfig, Path(config), list(overrides))
     if num_trainers < 1:
         raise ConfigError(f"num_trainers: expected an integer >= 1, got {num_trainers!r}")
     model = check_job(job, local=scheduler in LOCAL_SCHEDULERS)

@@ -126,9 +126,9 @@ def _parallelize(model: nn.Module, example: tuple[Any, ...], config: JobConfig, 
         if config.runs_optimize:
             from distopt import parallelize
 
-            dtypes = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+            dtypes: dict[str, Any] = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
             return parallelize(model, "fsdp", example_inputs=example, mesh=mesh,
-                               **(dtypes if config.precision == "bf16" else {}))
+                               config=dtypes if config.precision == "bf16" else None)
         from distopt.parallel.apply import apply_fsdp
 
         # Plain FSDP2 without inner units: the baseline.

@@ -459,8 +459,9 @@ def read_log(path: str | Path) -> RankLog:
                 raise QpsLogError(
                     f"{where}: step_time_s must be > 0, got {record['step_time_s']!r}"
                 )
-            optional = {name: _optional_float(record, name, where) for name in _STEP_OPTIONAL}
-            steps.append(StepRecord(**{name: record[name] for name in _STEP_FIELDS}, **optional))
+            fields: dict[str, Any] = {name: record[name] for name in _STEP_FIELDS}
+            fields.update({name: _optional_float(record, name, where) for name in _STEP_OPTIONAL})
+            steps.append(StepRecord(**fields))
         elif kind == "eval":
             _check_fields(record, _EVAL_FIELDS, where)
             metrics = {k: v for k, v in record.items() if k.startswith("eval_") and k != "eval_time_s"}
