@@ -130,12 +130,15 @@ def _write_config(config: JobConfig, run_dir: Path) -> Path:
 
 
 def _component_args(kind: str, config_path: Path, num_trainers: int, num_ps: int,
-                    extra: Mapping[str, Any]) -> list[str]:
+                    extra: Mapping[str, Any], *, device: str) -> list[str]:
     args = ["--config", str(config_path)]
     if kind == "ps":
         args += ["--num_ps", str(num_ps), "--num_trainers", str(num_trainers)]
     else:
         args += ["--nproc_per_node", str(num_trainers)]
+    if device == "cuda" and not {"gpu", "h"} & set(extra):
+        # One GPU per trainer process: per replica for ps_job, per node (all its trainers) for torchrun.
+        args += ["--gpu", "1" if kind == "ps" else str(num_trainers)]
     for key, value in extra.items():
         if isinstance(value, Mapping):
             value = ",".join(f"{k}={v}" for k, v in value.items())
@@ -168,6 +171,7 @@ def launch(
             else 0 (a DDP or FSDP job, by ``parallel``).
         run_id: default: the config's, else ``<variant>-<time>-<random>``.
         component_args: more component arguments by name, e.g. ``{"cpu": 4, "memMB": 8192}``.
+            With ``device: cuda`` and neither ``gpu`` nor ``h`` given, each trainer gets one GPU.
         dryrun: build the request without submitting it (``Launched.dryrun``).
         **cfg: scheduler options (``log_dir`` for local_cwd; ``partition``, ``account`` for slurm;
             ``dashboard_address`` for ray), over those of ``.torchxconfig``.
@@ -197,7 +201,7 @@ def launch(
     kind = "ps" if num_ps else ("fsdp" if job.parallel == "fsdp" else "ddp")
     component = COMPONENTS[kind]
     args = _component_args(kind, _write_config(job, run_dir), num_trainers, num_ps,
-                           component_args or {})
+                           component_args or {}, device=job.device)
     launched = Launched(handle=None, run_id=run_id, run_dir=run_dir, component=component,
                         args=args, runner=runner)
     try:

@@ -41,7 +41,7 @@ from typing import Any, Dict, List, Optional
 import torchx.specs as specs
 
 from distopt.job.config import JobConfig
-from distopt.launch.checks import check_port, check_positive, checked_overrides
+from distopt.launch.checks import ComponentArgError, check_port, check_positive, checked_overrides
 
 TRAIN_MODULE = "distopt.train"
 
@@ -56,7 +56,9 @@ def ps_job(
     run_id: Optional[str] = None,
     image: str = ".",
     cpu: int = 1,
+    gpu: int = 0,
     memMB: int = 1024,
+    h: Optional[str] = None,
     master_port: int = 29500,
     iface: str = "lo",
     module: str = TRAIN_MODULE,
@@ -79,7 +81,9 @@ def ps_job(
         run_id: run id shared by every process (DISTOPT_RUN_ID; default: chosen by the job)
         image: working directory or container image (workspaces replace it)
         cpu: CPUs per replica
+        gpu: GPUs per trainer replica (servers keep their tables in host memory and get none)
         memMB: memory per replica in MB
+        h: a TorchX named resource for the trainers (e.g. gpu.small, aws_p4d.24xlarge); replaces cpu, gpu and memMB there
         master_port: RPC rendezvous port on the first server's host; the trainers' gloo group uses master_port + 1
         iface: network interface for gloo and TensorPipe ('lo' keeps single-host jobs on loopback; '' lets them choose)
         module: python module to run (the training entry point)
@@ -93,7 +97,8 @@ def ps_job(
     check_positive("--num_ps", num_ps)
     check_positive("--num_trainers", num_trainers)
     overrides = _overrides(config, set, output_dir, module)
-    resource = _resource(cpu, memMB)
+    server_resource = _resource(cpu, 0, memMB, None)
+    trainer_resource = _resource(cpu, gpu, memMB, h)
     check_port("--master_port", master_port)
     world_size = num_ps + num_trainers
     common = {
@@ -109,7 +114,10 @@ def ps_job(
         **(env or {}),
     }
     roles = []
-    for role, replicas, rank_offset in (("ps", num_ps, 0), ("trainer", num_trainers, num_ps)):
+    for role, replicas, rank_offset, resource in (
+        ("ps", num_ps, 0, server_resource),
+        ("trainer", num_trainers, num_ps, trainer_resource),
+    ):
         roles.append(
             specs.Role(
                 name=role,
@@ -134,7 +142,9 @@ def ddp(
     name: str = "distopt-ddp",
     image: str = ".",
     cpu: int = 2,
+    gpu: int = 0,
     memMB: int = 2048,
+    h: Optional[str] = None,
     rdzv_port: int = 29500,
     iface: str = "lo",
     module: str = TRAIN_MODULE,
@@ -153,7 +163,9 @@ def ddp(
         name: job name
         image: working directory or container image (workspaces replace it)
         cpu: CPUs per node
+        gpu: GPUs per node (usually nproc_per_node: one per trainer, picked by LOCAL_RANK)
         memMB: memory per node in MB
+        h: a TorchX named resource per node (e.g. gpu.small, aws_p4d.24xlarge); replaces cpu, gpu and memMB
         rdzv_port: torchrun rendezvous port on the first node (multi-node only)
         iface: network interface for gloo ('lo' keeps single-host jobs on loopback; '' lets it choose)
         module: python module to run (the training entry point)
@@ -165,8 +177,8 @@ def ddp(
         the TorchX application
     """
     role = _torchrun_role(
-        "ddp", config, nnodes, nproc_per_node, set, output_dir, image, cpu, memMB,
-        rdzv_port, iface, module, python, env, max_retries,
+        "ddp", config, nnodes, nproc_per_node, set, output_dir, image,
+        _resource(cpu, gpu, memMB, h), rdzv_port, iface, module, python, env, max_retries,
     )  # fmt: skip
     return specs.AppDef(name=name, roles=[role])
 
@@ -180,7 +192,9 @@ def fsdp(
     name: str = "distopt-fsdp",
     image: str = ".",
     cpu: int = 2,
+    gpu: int = 0,
     memMB: int = 2048,
+    h: Optional[str] = None,
     rdzv_port: int = 29500,
     iface: str = "lo",
     module: str = TRAIN_MODULE,
@@ -199,7 +213,9 @@ def fsdp(
         name: job name
         image: working directory or container image (workspaces replace it)
         cpu: CPUs per node
+        gpu: GPUs per node (usually nproc_per_node: one per trainer, picked by LOCAL_RANK)
         memMB: memory per node in MB
+        h: a TorchX named resource per node (e.g. gpu.small, aws_p4d.24xlarge); replaces cpu, gpu and memMB
         rdzv_port: torchrun rendezvous port on the first node (multi-node only)
         iface: network interface for gloo ('lo' keeps single-host jobs on loopback; '' lets it choose)
         module: python module to run (the training entry point)
@@ -211,8 +227,8 @@ def fsdp(
         the TorchX application
     """
     role = _torchrun_role(
-        "fsdp", config, nnodes, nproc_per_node, set, output_dir, image, cpu, memMB,
-        rdzv_port, iface, module, python, env, max_retries,
+        "fsdp", config, nnodes, nproc_per_node, set, output_dir, image,
+        _resource(cpu, gpu, memMB, h), rdzv_port, iface, module, python, env, max_retries,
     )  # fmt: skip
     return specs.AppDef(name=name, roles=[role])
 
@@ -225,8 +241,7 @@ def _torchrun_role(
     set_: Optional[List[str]],
     output_dir: Optional[str],
     image: str,
-    cpu: int,
-    memMB: int,
+    resource: specs.Resource,
     rdzv_port: int,
     iface: str,
     module: str,
@@ -239,7 +254,6 @@ def _torchrun_role(
     check_positive("--nproc_per_node", nproc_per_node)
     check_port("--rdzv_port", rdzv_port)
     overrides = _overrides(config, set_, output_dir, module)
-    resource = _resource(cpu, memMB)
     # One node: port 0 lets torchrun pick a free port. Several: the first node hosts the store.
     if nnodes == 1:
         endpoint = "127.0.0.1:0"
@@ -304,10 +318,17 @@ def _overrides(
     return checked_overrides(config, items, output_dir, schema=schema)
 
 
-def _resource(cpu: int, memMB: int) -> specs.Resource:
+def _resource(cpu: int, gpu: int, memMB: int, h: Optional[str]) -> specs.Resource:
     check_positive("--cpu", cpu)
     check_positive("--memMB", memMB)
-    return specs.Resource(cpu=cpu, gpu=0, memMB=memMB)
+    if gpu < 0:
+        raise ComponentArgError(f"--gpu: expected an integer >= 0, got {gpu}")
+    if h is None:
+        return specs.Resource(cpu=cpu, gpu=gpu, memMB=memMB)
+    try:
+        return specs.resource(h=h)
+    except KeyError as err:
+        raise ComponentArgError(f"-h: {err.args[0]}") from None
 
 
 def _iface_env(iface: str) -> Dict[str, str]:

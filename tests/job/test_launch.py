@@ -107,3 +107,24 @@ def test_a_job_without_servers_uses_torchrun(tmp_path: Path) -> None:
     config = ROOT / "configs" / "jobs" / "mlp_ddp.yaml"
     with distopt.launch(config, overrides=[f"output_dir={tmp_path}"], num_trainers=3, dryrun=True) as job:
         assert job.component == "distopt.ddp" and job.args[2:] == ["--nproc_per_node", "3"]
+
+
+def test_device_cuda_asks_the_scheduler_for_one_gpu_per_trainer(tmp_path: Path, clicks: Path) -> None:
+    # Slurm: the GPU check is the cluster's, so this dry run works on a host without one.
+    with _launch(tmp_path, f"data.path={clicks}", "device=cuda", scheduler="slurm", dryrun=True) as job:
+        assert job.args[-2:] == ["--gpu", "1"]
+        roles = {role.name: role for role in job.dryrun._app.roles}
+        assert (roles["ps"].resource.gpu, roles["trainer"].resource.gpu) == (0, 1)
+    config = ROOT / "configs" / "jobs" / "gpt_tokens.yaml"
+    sets = [f"output_dir={tmp_path}", "device=cuda", f"data.path={_tokens(tmp_path)}"]
+    with distopt.launch(config, "slurm", overrides=sets, num_trainers=4, dryrun=True) as job:
+        assert job.args[-4:] == ["--nproc_per_node", "4", "--gpu", "4"]
+    with distopt.launch(config, "slurm", overrides=sets, component_args={"h": "gpu.small"},
+                        dryrun=True) as job:
+        assert "--gpu" not in job.args and job.dryrun._app.roles[0].resource.gpu == 1
+
+
+def _tokens(tmp_path: Path) -> Path:
+    from distopt.data.generate import write_tokens
+
+    return write_tokens(tmp_path / "tokens.bin", num_tokens=5000, vocab_size=64, seed=0)

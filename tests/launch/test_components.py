@@ -68,12 +68,34 @@ def test_torchrun_components(component, config: str) -> None:
     assert "--rdzv_endpoint 127.0.0.1:0" in single
 
 
+def test_gpus_go_to_trainers_and_named_resources_replace_them(config: str) -> None:
+    ps, trainer = components.ps_job(config, gpu=1, memMB=4096).roles
+    assert (ps.resource.gpu, trainer.resource.gpu, trainer.resource.memMB) == (0, 1, 4096)
+    (node,) = components.ddp(config, nproc_per_node=4, gpu=4).roles
+    assert node.resource.gpu == 4
+    named = components.fsdp(config, h="gpu.small").roles[0].resource
+    assert (named.gpu, named.cpu) == (1, 8)
+    with get_runner() as runner:  # Slurm asks for the trainers' GPUs, not the servers'
+        script = runner.dryrun_component(
+            "distopt.ps_job", ["--config", config, "--gpu", "2"], "slurm", cfg={}
+        ).request.materialize()
+        assert script.count("--gpus-per-task=2") == 2 and script.count("--gpus-per-task") == 2
+        pytest.importorskip("ray")
+        actors = runner.dryrun_component(
+            "distopt.ps_job", ["--config", config, "--gpu", "1"], "ray",
+            cfg={"dashboard_address": "127.0.0.1:1"},
+        ).request.actors
+    assert [(a.name, a.num_gpus) for a in actors] == [("ps", 0), ("trainer", 1), ("trainer", 1)]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "flag"),
     [
         ({"num_ps": 0}, "--num_ps"),
         ({"num_trainers": -1}, "--num_trainers"),
         ({"cpu": 0}, "--cpu"),
+        ({"gpu": -1}, "--gpu"),
+        ({"h": "gpu.enormous"}, "-h"),
         ({"master_port": 70000}, "--master_port"),
         ({"set": ["novalue"]}, "--set"),
         ({"set": ["=3"]}, "--set"),
