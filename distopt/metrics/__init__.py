@@ -1,18 +1,16 @@
-"""Throughput logs and run comparison: QPS JSON Lines logs (:mod:`.qps_log`) and the statistics
+"""Throughput logs and run comparison: QPS JSON Lines logs (:mod:`.qps_log`, records in :mod:`.records`) and the statistics
 behind ``distopt compare`` (:mod:`.compare`)."""
 
 from distopt.metrics.compare import CompareError, Comparison, Gain, RunSummary, compare_runs
-from distopt.metrics.qps_log import (
+from distopt.metrics.qps_log import QpsLogWriter, load_run, read_log
+from distopt.metrics.records import (
     EvalRecord,
     MergedStep,
     QpsLogError,
-    QpsLogWriter,
     RankLog,
     RunLog,
     StepRecord,
-    load_run,
     log_path,
-    read_log,
 )
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from distopt.errors import DistoptError
-from distopt.metrics.qps_log import RunLog
+from distopt.metrics.records import RunLog
 
 DEFAULT_WARMUP = 5
 DEFAULT_RESAMPLES = 2000

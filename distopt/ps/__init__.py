@@ -16,7 +16,6 @@ from distopt.ps.client import (
     Route,
     fetch,
     fetch_async,
-    fetch_batched,
     fetch_many_async,
     flush,
     push,
@@ -39,6 +38,7 @@ from distopt.ps.launch import (
     start_servers,
     stop_servers,
 )
+from distopt.ps.registration import fetch_batched
 from distopt.ps.servers import load_servers, load_state_dict, save_servers, server_stats, state_dict
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
 

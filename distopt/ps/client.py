@@ -12,10 +12,8 @@ Asynchronous counterparts (what the passes emit, or a hand-optimized model calls
     futs = distopt.ps.fetch_many_async([(t1, ids1), (t2, ids2)])   # ONE request per server
     rows1, rows2 = distopt.ps.wait(futs)
 
-Registration (for the graph passes, see ``distopt.remote``): ``fetch`` is a read whose resource is
-``("distopt.ps", table)``, issued by ``fetch_async``, resolved by ``wait``, batchable by
-``fetch_batched`` among calls with equal ``batch_key`` (the servers holding the table). ``push`` is a
-write on the same resource, issued by ``push_async``.
+Registration for the graph passes (``fetch`` a read, ``push`` a write, per table): see
+:mod:`distopt.ps.registration`.
 
 Ordering (so hoisting reads and deferring pushes never changes results): per table, each operation
 takes effect on the servers in the order this process issued it. A fetch is sent once the table's
@@ -41,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +50,7 @@ from torch.futures import Future
 
 from distopt.errors import ConfigError, RemoteCallError
 from distopt.ps import context
-from distopt.ps.futures import after, gather, rpc_call, when_all
+from distopt.ps.futures import FetchFuture, after, gather, rpc_call, when_all
 from distopt.ps.server import (
     ps_server_fetch,
     ps_server_fetch_many,
@@ -150,47 +148,6 @@ def take_wait_time() -> float:
 def routes() -> dict[str, Route]:
     """The tables this trainer can reach, by name."""
     return dict(_client().routes)
-
-
-# --- futures returned by fetches -----------------------------------------------------------------
-
-
-class FetchFuture(Future):
-    """A pending fetch of one table (``single``) or of several (a batched fetch).
-
-    Resolve it with :func:`wait`, which returns the rows as autograd leaves and records them for
-    :func:`push_gradients`; ``fut.wait()`` returns the raw rows (no recording).
-    """
-
-    def __init__(self, requests: tuple[tuple[str, torch.Tensor], ...], *, single: bool, label: str) -> None:
-        super().__init__()
-        self.requests = requests
-        self.single = single
-        self.label = label
-        self._leaves: Any = None
-        self._leaves_lock = threading.Lock()
-        self.copied: Any = None
-        """CUDA event recorded after the rows' host-to-device copy (``None`` on the CPU)."""
-
-    def leaves(self, value: Any) -> Any:
-        """The fetched rows as leaves, made (and recorded) once however often this is called."""
-        with self._leaves_lock:
-            if self._leaves is None:
-                rows = [value] if self.single else list(value)
-                if self.copied is not None:  # the copy ran on the side stream: order after it
-                    stream = torch.cuda.current_stream(rows[0].device)
-                    stream.wait_event(self.copied)
-                    for r in rows:
-                        r.record_stream(stream)  # its memory is used on this stream from now on
-                track = torch.is_grad_enabled()
-                made = []
-                for (table, ids), r in zip(self.requests, rows, strict=True):
-                    leaf = r.detach().requires_grad_(track)
-                    if track:
-                        context.record(table, ids, leaf)
-                    made.append(leaf)
-                self._leaves = made[0] if self.single else made
-            return self._leaves
 
 
 def wait(fut: Future) -> Any:
@@ -406,28 +363,3 @@ def flush() -> None:
             fut.wait()
         except RemoteCallError:
             pass  # reported to whoever waits on it; flush only orders
-
-
-# --- registration for the graph passes ------------------------------------------------------------
-
-
-def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str) -> Any:
-    return args[index] if len(args) > index else kwargs.get(name)
-
-
-def table_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
-    """Resource of a fetch/push call: ``("distopt.ps", table)``; equal resources conflict."""
-    return ("distopt.ps", _arg(args, kwargs, 0, "table"))
-
-
-def server_group(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
-    """Batch key of a fetch: the servers holding its table (unknown before ``init_trainer``)."""
-    table = _arg(args, kwargs, 0, "table")
-    route = _CLIENT.routes.get(table) if _CLIENT is not None else None
-    return ("distopt.ps", route.servers if route is not None else None)
-
-
-def fetch_batched(args_list: Sequence[Sequence[Any]], kwargs_list: Sequence[Mapping[str, Any]]) -> FetchFuture:
-    """Batched form of :func:`fetch` for the batch pass: ``wait`` of the result is a list of rows."""
-    requests = [(_arg(a, k, 0, "table"), _arg(a, k, 1, "ids")) for a, k in zip(args_list, kwargs_list, strict=True)]
-    return fetch_many_async(requests)

@@ -1,4 +1,5 @@
-"""Future plumbing for the client: RPCs whose errors name the server, ordering, and joins.
+"""Future plumbing for the client: RPCs whose errors name the server, ordering, joins, and the
+futures fetches return (:class:`FetchFuture`).
 
 All callbacks here run on whichever thread completes a future (often an RPC thread), so they never
 block: they only start non-blocking RPCs and complete other futures.
@@ -11,10 +12,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from distopt.errors import RemoteCallError
+from distopt.ps import context
 
 _WORKER_LINE = re.compile(r"On WorkerInfo\(id=\d+, name=[^)]*\):(?:\\n|\n)(.*?)(?:\\n|\n)")
 _EXC_REPR = re.compile(r"^([\w.]+)\((['\"])(.*)\2\)$")
@@ -153,3 +156,41 @@ def gather(parts: Sequence[Future]) -> Future:
 
     when_all(parts, done)
     return out
+
+
+class FetchFuture(Future):
+    """A pending fetch of one table (``single``) or of several (a batched fetch).
+
+    Resolve it with :func:`distopt.ps.wait`, which returns the rows as autograd leaves and records them for
+    :func:`distopt.ps.push_gradients`; ``fut.wait()`` returns the raw rows (no recording).
+    """
+
+    def __init__(self, requests: tuple[tuple[str, torch.Tensor], ...], *, single: bool, label: str) -> None:
+        super().__init__()
+        self.requests = requests
+        self.single = single
+        self.label = label
+        self._leaves: Any = None
+        self._leaves_lock = threading.Lock()
+        self.copied: Any = None
+        """CUDA event recorded after the rows' host-to-device copy (``None`` on the CPU)."""
+
+    def leaves(self, value: Any) -> Any:
+        """The fetched rows as leaves, made (and recorded) once however often this is called."""
+        with self._leaves_lock:
+            if self._leaves is None:
+                rows = [value] if self.single else list(value)
+                if self.copied is not None:  # the copy ran on the side stream: order after it
+                    stream = torch.cuda.current_stream(rows[0].device)
+                    stream.wait_event(self.copied)
+                    for r in rows:
+                        r.record_stream(stream)  # its memory is used on this stream from now on
+                track = torch.is_grad_enabled()
+                made = []
+                for (table, ids), r in zip(self.requests, rows, strict=True):
+                    leaf = r.detach().requires_grad_(track)
+                    if track:
+                        context.record(table, ids, leaf)
+                    made.append(leaf)
+                self._leaves = made[0] if self.single else made
+            return self._leaves

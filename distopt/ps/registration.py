@@ -7,7 +7,7 @@ What the passes get for ``distopt.ps.fetch(table, ids)``:
   recorded for ``push_gradients``); the wait runs in ``record_function("distopt.wait:ps.fetch:T")``;
 - ``effect="read"``, ``resource=("distopt.ps", table)``: reads of any tables reorder freely; a read
   of ``T`` never moves above a write (push) of ``T``;
-- ``batched``: :func:`~distopt.ps.client.fetch_batched` ``(list_of_args, list_of_kwargs)`` → one
+- ``batched``: :func:`fetch_batched` ``(list_of_args, list_of_kwargs)`` → one
   future; ``wait`` of it returns the list of rows in call order. Calls may be batched together when
   their ``batch_key`` (``("distopt.ps", servers holding the table)``) is equal; the batched call
   sends ONE request per server.
@@ -20,11 +20,38 @@ What the passes get for ``distopt.ps.fetch(table, ids)``:
 from __future__ import annotations
 
 import sys
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from distopt.ps import client, context
 from distopt.remote import register_remote
 from distopt.verify import register_isolation_hook
+
+
+def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str) -> Any:
+    return args[index] if len(args) > index else kwargs.get(name)
+
+
+def table_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
+    """Resource of a fetch/push call: ``("distopt.ps", table)``; equal resources conflict."""
+    return ("distopt.ps", _arg(args, kwargs, 0, "table"))
+
+
+def server_group(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
+    """Batch key of a fetch: the servers holding its table (unknown before ``init_trainer``)."""
+    route = client.routes().get(_arg(args, kwargs, 0, "table")) if client.is_connected() else None
+    return ("distopt.ps", route.servers if route is not None else None)
+
+
+def fetch_batched(
+    args_list: Sequence[Sequence[Any]], kwargs_list: Sequence[Mapping[str, Any]]
+) -> client.FetchFuture:
+    """Batched form of ``fetch`` for the batch pass: ``wait`` of the result is a list of rows."""
+    requests = [
+        (_arg(a, k, 0, "table"), _arg(a, k, 1, "ids"))
+        for a, k in zip(args_list, kwargs_list, strict=True)
+    ]
+    return client.fetch_many_async(requests)
 
 
 def register(package_namespace: dict[str, Any] | None = None) -> None:
@@ -35,9 +62,9 @@ def register(package_namespace: dict[str, Any] | None = None) -> None:
         issue=client.fetch_async,
         wait=client.wait,
         effect="read",
-        resource=client.table_resource,
-        batched=client.fetch_batched,
-        batch_key=client.server_group,
+        resource=table_resource,
+        batched=fetch_batched,
+        batch_key=server_group,
         aliases=[(ns, "fetch") for ns in namespaces],
     )
     register_remote(
@@ -45,7 +72,7 @@ def register(package_namespace: dict[str, Any] | None = None) -> None:
         issue=client.push_async,
         wait=client.wait,
         effect="write",
-        resource=client.table_resource,
+        resource=table_resource,
         aliases=[(ns, "push") for ns in namespaces],
     )
 
