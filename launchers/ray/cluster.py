@@ -133,6 +133,10 @@ def _start_once(state_dir: Path, dashboard_port: int | None, num_cpus: int) -> R
         *(f"{flag}={port}" for flag, port in ports.items()),
     ]  # fmt: skip
     env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    # Ray >= 2.5x turns token auth on for a new cluster whenever ~/.ray/auth_token exists (any
+    # earlier ray.init() writes one), and the dashboard then answers 401 to TorchX's unauthenticated
+    # job client. This head listens on 127.0.0.1 only; an explicit RAY_AUTH_MODE still wins.
+    env.setdefault("RAY_AUTH_MODE", "disabled")
     # Job entrypoints ("python ...") resolve through the head's PATH: put this venv first.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log = state_dir / "ray-start.log"
