@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from distopt.data.generate import write_criteo
+from distopt.metrics import load_run
 from distopt.rendezvous import free_port
 from launchers._proc import alive
 
@@ -62,6 +64,24 @@ def job_config(tmp_path: Path, **values: Any) -> Path:
     path = tmp_path / "job.yaml"
     path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in values.items()))
     return path
+
+
+def criteo_job_args(tmp_path: Path) -> list[str]:
+    """``distopt.ps_job`` arguments running the config examples/dlrm_criteo.py launches on
+    local_cwd, unchanged but for the data path and a shorter run (Criteo loading, evaluation and
+    the optimized variant); :func:`assert_criteo_run` checks what it wrote."""
+    clicks = write_criteo(tmp_path / "clicks.tsv", num_samples=1500, seed=0)
+    return [
+        "--config", str(REPO / "configs/jobs/dlrm_criteo.yaml"), "--output_dir", str(tmp_path / "runs"),
+        "--run_id", "criteo", "--set", f"data.path={clicks},steps=6,eval.every=3,variant=optimized",
+    ]  # fmt: skip
+
+
+def assert_criteo_run(tmp_path: Path) -> None:
+    run = load_run(tmp_path / "runs" / "criteo")
+    assert run.world_size == 2 and run.merged_steps()[-1].step == 5
+    evals = run.ranks[0].evals
+    assert [e.step for e in evals] == [3, 6] and 0.0 <= evals[-1].metrics["eval_auc"] <= 1.0
 
 
 def read_records(out: Path) -> dict[str, dict[str, Any]]:

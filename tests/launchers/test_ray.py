@@ -13,15 +13,20 @@ from pathlib import Path
 
 import pytest
 
-from distopt.data.generate import write_criteo
 from distopt.metrics.qps_log import load_run
 from launchers._proc import session_members
-from tests.launchers.conftest import JOB_MODULE, free_port_pair, job_config, torchx
+from tests.launchers.conftest import (
+    JOB_MODULE,
+    assert_criteo_run,
+    criteo_job_args,
+    free_port_pair,
+    job_config,
+    torchx,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 TINY = "configs/jobs/ps_dlrm_tiny.yaml"
-CRITEO = "configs/jobs/dlrm_criteo.yaml"
 
 
 def _run_on_ray(cluster, *args: str) -> tuple[subprocess.CompletedProcess[str], str]:
@@ -61,18 +66,9 @@ def test_real_ps_job_on_ray(ray_cluster, tmp_path: Path) -> None:
 
 
 def test_the_criteo_job_config_runs_on_ray(ray_cluster, tmp_path: Path) -> None:
-    """The config examples/dlrm_criteo.py launches on local_cwd, unchanged but for the data path
-    and a shorter run: Criteo loading, evaluation and the optimized variant on Ray actors."""
-    clicks = write_criteo(tmp_path / "clicks.tsv", num_samples=1500, seed=0)
-    out, _ = _run_on_ray(
-        ray_cluster, "--config", CRITEO, "--output_dir", str(tmp_path / "runs"), "--run_id", "criteo",
-        "--set", f"data.path={clicks},steps=6,eval.every=3,variant=optimized",
-    )  # fmt: skip
+    out, _ = _run_on_ray(ray_cluster, *criteo_job_args(tmp_path))
     assert out.returncode == 0, out.stderr[-3000:]
-    run = load_run(tmp_path / "runs" / "criteo")
-    assert run.world_size == 2 and run.merged_steps()[-1].step == 5
-    evals = run.ranks[0].evals
-    assert [e.step for e in evals] == [3, 6] and 0.0 <= evals[-1].metrics["eval_auc"] <= 1.0
+    assert_criteo_run(tmp_path)
 
 
 def test_failing_trainer_fails_the_ray_job(ray_cluster, tmp_path: Path) -> None:
