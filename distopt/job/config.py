@@ -9,6 +9,7 @@ from distopt.config import check
 from distopt.data.config import DataConfig
 from distopt.job.evaluate import EvalConfig
 from distopt.job.optim import OptimConfig
+from distopt.pipeline.config import PipelineConfig
 from distopt.ps.spec import ServerOptions
 
 Variant = Literal["baseline", "optimized", "hand"]
@@ -78,6 +79,8 @@ class JobConfig:
     """Bitwise-reproducible parameter-server training with several trainers: each step's pushes
     are applied in trainer-rank order and before any trainer's next fetch (costs a barrier per
     trainer per step). A lone trainer is reproducible without it."""
+    pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+    """Prefetch the optimized model's remote reads of the next batches while a step trains."""
     log_every: int = 10
     """Without a TTY, log a progress line every N steps (level INFO; ``DISTOPT_LOG_LEVEL``)."""
     num_threads: int | None = None
@@ -120,6 +123,19 @@ class JobConfig:
             "eval.every",
             "0 without held-out data (set data.holdout_fraction or data.eval_path)",
             self.eval.every,
+        )
+
+        check(
+            not self.pipeline.enabled or self.runs_optimize,
+            "pipeline.enabled",
+            f"false unless the model is optimized (variant {self.variant!r} runs it as written)",
+            self.pipeline.enabled,
+        )
+        check(
+            not self.pipeline.enabled or self.parallel != "fsdp",
+            "pipeline.enabled",
+            "false with parallel: fsdp (FSDP models have no remote reads to prefetch)",
+            self.pipeline.enabled,
         )
 
     @property

@@ -19,6 +19,7 @@ from distopt.errors import ConfigError
 from distopt.job.evaluate import EvalResult
 from distopt.job.progress import Progress
 from distopt.metrics.qps_log import QpsLogWriter
+from distopt.pipeline.prefetch import PipelineStats
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,12 @@ class Recorder:
         return self.log.path
 
     def step(self, step: int, step_time_s: float, *, loss: float, lr: float,
-             wait_s: float | None) -> None:
-        record = self.log.log_step(step, step_time_s, loss=loss, lr=lr, wait_s=wait_s)
+             wait_s: float | None, pipeline: PipelineStats | None = None) -> None:
+        extra = {}
+        if pipeline is not None:
+            extra = {"staleness_max": pipeline.staleness_max, "staleness_mean": pipeline.staleness_mean,
+                     "prefetch_bytes": pipeline.inflight_bytes_max}
+        record = self.log.log_step(step, step_time_s, loss=loss, lr=lr, wait_s=wait_s, **extra)
         self.progress.update(step, loss=loss, qps=record.qps)
         if self.board is not None:
             done = step + 1
@@ -59,6 +64,8 @@ class Recorder:
             self.board.add_scalar("train/lr", lr, done)
             if wait_s is not None:
                 self.board.add_scalar("train/wait_s", wait_s, done)
+            for key, value in extra.items():
+                self.board.add_scalar(f"pipeline/{key}", value, done)
 
     def evaluation(self, done: int, result: EvalResult, seconds: float) -> None:
         metrics = result.as_dict()

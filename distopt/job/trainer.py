@@ -40,6 +40,7 @@ from distopt.job.optim import Stepper
 from distopt.job.progress import Progress
 from distopt.job.record import Recorder, tensorboard_writer
 from distopt.metrics.qps_log import QpsLogWriter
+from distopt.pipeline import Prefetcher, pipeline_split, provided
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +217,14 @@ def train(
     if config.runs_optimize and config.parallel != "fsdp":
         trained = _optimize(model, example, config)
         header.update(_prediction(model, trained, example))
+    prefetcher = None
+    if config.pipeline.enabled:
+        # Split before DDP wraps it: DDP runs the main stage, which shares the parameters.
+        split = pipeline_split(trained)
+        trained = split.main
+        prefetcher = Prefetcher(split, batches, staleness=config.pipeline.staleness,
+                                inputs=lambda b: b.inputs,
+                                to_device=lambda b: job_device.to_device(b, device, keep=keep))
     group = job_device.data_parallel_group(device)
     trained = _parallelize(trained, example, config, device=device, group=group)
     # After wrapping: FSDP replaces parameters by shards (the optimized module shares them).
@@ -245,6 +254,8 @@ def train(
     loss_value = float("nan")
     evaluation: EvalResult | None = None
     recorder = _recorder(config, env, run_id, header, start)
+    if prefetcher is not None:
+        prefetcher.fill()  # the first batches' reads, before the first step's clock starts
     try:
         with recorder:
             tick = time.perf_counter()
@@ -252,20 +263,29 @@ def train(
                 losses = []
                 lr = stepper.lr  # the rate this step's update uses
                 for micro in range(accumulate):
-                    batch = job_device.to_device(next(batches), device, keep=keep)
+                    issued = None
+                    if prefetcher is not None:
+                        batch, issued = prefetcher.take()
+                    else:
+                        batch = job_device.to_device(next(batches), device, keep=keep)
                     with _gradient_sync(trained, micro == accumulate - 1):
-                        with job_device.autocast(device, config.precision):
+                        with job_device.autocast(device, config.precision), provided(issued):
                             loss = task_loss(source.task, trained(*batch.inputs), batch, model_loss)
+                        if prefetcher is not None:
+                            prefetcher.before_backward()
                         stepper.scale(loss).backward()
                     if hooks.after_backward is not None:
                         hooks.after_backward(trained)
+                    if prefetcher is not None:
+                        prefetcher.after_push()
                     losses.append(loss.detach())
                     stepper.step(step * accumulate + micro)
                 loss_value = float(torch.stack(losses).float().mean())
                 job_device.synchronize(device)
                 step_time = time.perf_counter() - tick
                 recorder.step(step, step_time, loss=loss_value, lr=lr,
-                              wait_s=ps.take_wait_time() if waits else None)
+                              wait_s=ps.take_wait_time() if waits else None,
+                              pipeline=prefetcher.stats if prefetcher is not None else None)
                 done = step + 1
                 if eval_loader is not None and config.eval.due(done, config.steps):
                     began = time.perf_counter()
@@ -291,6 +311,9 @@ def train(
                 tick = time.perf_counter()
     except RuntimeError as err:
         raise peer_lost(err, env) or err from None
+    finally:
+        if prefetcher is not None:
+            prefetcher.close()
     return TrainResult(
         run_id=run_id,
         rank=env.rank,

@@ -176,9 +176,11 @@ class QpsLogWriter:
         loss: float | None = None,
         lr: float | None = None,
         wait_s: float | None = None,
+        **pipeline: float,
     ) -> StepRecord:
         """Record one step of this rank; ``qps`` is derived from the global batch size. The
-        optional values are written only when given."""
+        optional values (``pipeline``: ``staleness_max``, ``staleness_mean``, ``prefetch_bytes``)
+        are written only when given."""
         if step_time_s <= 0:
             raise QpsLogError(f"step {step}: step_time_s must be > 0, got {step_time_s!r}")
         record = StepRecord(
@@ -194,6 +196,7 @@ class QpsLogWriter:
             loss=loss,
             lr=lr,
             wait_s=wait_s,
+            **pipeline,
         )
         fields = {k: v for k, v in dataclasses.asdict(record).items() if v is not None}
         self._write({"type": "step", **fields})
@@ -260,7 +263,7 @@ _STEP_FIELDS: dict[str, type | tuple[type, ...]] = {
     f.name: _FIELD_TYPES[str(f.type)] for f in dataclasses.fields(StepRecord)
     if str(f.type) in _FIELD_TYPES
 }
-_STEP_OPTIONAL = ("loss", "lr", "wait_s")
+_STEP_OPTIONAL = ("loss", "lr", "wait_s", "staleness_max", "staleness_mean", "prefetch_bytes")
 _EVAL_FIELDS: dict[str, type | tuple[type, ...]] = {"step": int, "rank": int, "eval_time_s": (int, float)}
 _RECORD_TYPES = ("header", "step", "eval", "footer")
 

@@ -57,6 +57,12 @@ class StepRecord:
     """Learning rate the step's optimizer update used, when logged."""
     wait_s: float | None = None
     """Seconds this rank spent blocked waiting for remote (parameter-server) calls, when logged."""
+    staleness_max: float | None = None
+    """Pipelined runs: the most updates a prefetched row missed, over the run so far."""
+    staleness_mean: float | None = None
+    """Pipelined runs: updates missed per prefetched row, mean over the run so far."""
+    prefetch_bytes: float | None = None
+    """Pipelined runs: peak bytes of prefetched rows waiting for their step, over the run so far."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)

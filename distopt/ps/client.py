@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,7 @@ class _Client:
         self.device = torch.device("cpu")
         self.copy_stream: Any = None
         """CUDA stream of host-to-device row copies (made on the first fetch to a GPU)."""
+        self.push_listeners: list[Callable[[str, torch.Tensor], None]] = []
 
     def route(self, table: str) -> Route:
         route = self.routes.get(table)
@@ -143,6 +144,14 @@ def take_wait_time() -> float:
     """Seconds spent blocked in :func:`wait` since the previous call (then reset to 0)."""
     waited, _WAITED[0] = _WAITED[0], 0.0
     return waited
+
+
+def on_push(listener: Callable[[str, torch.Tensor], None]) -> Callable[[], None]:
+    """Call ``listener(table, flat_ids)`` for every push this process issues from now on (the
+    pipeline counts how stale its prefetched rows are); returns the function that stops it."""
+    listeners = _client().push_listeners
+    listeners.append(listener)
+    return lambda: listeners.remove(listener) if listener in listeners else None
 
 
 def routes() -> dict[str, Route]:
@@ -314,6 +323,8 @@ def push_async(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> Future:
             for server, shard_ids, shard_rows in parts
         ])
 
+    for listener in list(client.push_listeners):
+        listener(table, flat)
     with client.lock:
         previous = client.last_write.get(table)
         reads = [r for r in client.reads.get(table, []) if not r.done()]

@@ -1,0 +1,192 @@
+"""The prefetch window: the batches in hand, each with its remote reads already issued.
+
+Steps take batches in order. ``fill`` pulls batches from the data, moves them to the device and
+runs their prefetch stage until ``max(1, staleness)`` batches are in flight; *when* the pipeline
+calls it sets how stale the prefetched rows may be:
+
+* ``staleness=0`` (exact): right after a step's pushes are issued. The servers apply a table's
+  operations in issue order (:mod:`distopt.ps.client`), so the next batch's rows are what a
+  sequential run would read.
+* ``staleness=s >= 1``: before a step's backward, for the batch ``s`` steps ahead; its rows miss at
+  most the pushes of the ``s`` steps in between.
+
+Staleness is counted, not assumed: every push this trainer issues is numbered per table
+(:func:`distopt.ps.client.on_push`), and when a batch is taken each of its fetched rows counts the
+pushes of that row issued after its fetch. Memory is measured the same way: the bytes of every
+prefetched result that has arrived and waits to be used, and the bytes one batch's rows take.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+import distopt.ps as ps
+from distopt.pipeline.slots import Issued
+from distopt.pipeline.split import PrefetchSplit
+
+B = TypeVar("B")
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class PipelineStats:
+    """What the pipeline measured so far (the job logs it per step)."""
+
+    batches: int = 0
+    rows: int = 0
+    """Fetched rows whose staleness was counted (parameter-server tables)."""
+    staleness_sum: int = 0
+    staleness_max: int = 0
+    """The most updates of its own trainer that one fetched row missed."""
+    inflight_bytes_max: int = 0
+    """Peak bytes of prefetched results that had arrived and were not yet used."""
+    batch_bytes_max: int = 0
+    """Peak bytes of the prefetched results of one batch (its rows)."""
+
+    @property
+    def staleness_mean(self) -> float:
+        return self.staleness_sum / self.rows if self.rows else 0.0
+
+
+class PushJournal:
+    """This trainer's pushes, numbered per table, kept while an in-flight fetch may have missed them."""
+
+    def __init__(self) -> None:
+        self.clock: dict[str, int] = collections.defaultdict(int)
+        self.log: dict[str, collections.deque[tuple[int, torch.Tensor]]] = collections.defaultdict(
+            collections.deque
+        )
+
+    def record(self, table: str, ids: torch.Tensor) -> None:
+        self.clock[table] += 1
+        self.log[table].append((self.clock[table], ids.unique()))
+
+    def missed(self, table: str, ids: torch.Tensor, since: int) -> torch.Tensor:
+        """Per id: how many pushes after number ``since`` updated it."""
+        counts = torch.zeros(ids.numel(), dtype=torch.int64)
+        for seq, pushed in self.log.get(table, ()):
+            if seq > since:
+                counts += torch.isin(ids.reshape(-1), pushed).to(torch.int64)
+        return counts
+
+    def forget_before(self, oldest: dict[str, int]) -> None:
+        """Drop pushes no fetch still in flight can have missed."""
+        for table, entries in self.log.items():
+            floor = oldest.get(table, self.clock[table])
+            while entries and entries[0][0] <= floor:
+                entries.popleft()
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight(Generic[B]):
+    batch: B
+    issued: list[Issued]
+    clocks: dict[str, int]
+
+
+def _ps_requests(issued: Sequence[Issued]) -> list[tuple[str, torch.Tensor]]:
+    return [r for future, _, _ in issued for r in getattr(future, "requests", ())]
+
+
+def _arrived_bytes(issued: Sequence[Issued]) -> int:
+    total = 0
+    for future, _, _ in issued:
+        if isinstance(future, torch.futures.Future) and future.done():
+            try:
+                value = future.value()
+            except Exception:
+                continue  # reported at the wait
+            total += sum(t.untyped_storage().nbytes() for t in tree_leaves(value)
+                         if isinstance(t, torch.Tensor))
+    return total
+
+
+class Prefetcher(Generic[B]):
+    """Batches with their prefetch stage issued, ``max(1, staleness)`` ahead (see the module)."""
+
+    def __init__(
+        self,
+        split: PrefetchSplit,
+        batches: Iterator[B],
+        *,
+        staleness: int,
+        inputs: Callable[[B], Sequence[Any]],
+        to_device: Callable[[B], B] | None = None,
+    ) -> None:
+        self.split = split
+        self.batches = batches
+        self.staleness = staleness
+        self.inputs = inputs
+        self.to_device = to_device
+        self.stats = PipelineStats()
+        self.exhausted = False
+        self._queue: collections.deque[_InFlight[B]] = collections.deque()
+        self._journal = PushJournal()
+        self._last: list[Issued] = []
+        self._stop_listening = ps.client.on_push(self._journal.record) if ps.client.is_connected() else None
+
+    def fill(self) -> None:
+        """Issue the prefetch stage of the next batches until ``max(1, staleness)`` are in flight."""
+        self._measure()
+        while len(self._queue) < max(1, self.staleness) and not self.exhausted:
+            try:
+                batch = next(self.batches)
+            except StopIteration:
+                self.exhausted = True
+                break
+            if self.to_device is not None:
+                batch = self.to_device(batch)
+            with torch.no_grad():
+                issued = [(f, tuple(a), dict(k)) for f, a, k in self.split.prefetch(*self.inputs(batch))]
+            clocks = {table: self._journal.clock[table] for table, _ in _ps_requests(issued)}
+            self._queue.append(_InFlight(batch, issued, clocks))
+
+    def take(self) -> tuple[B, list[Issued]]:
+        """The next batch and its prefetched issues; ``StopIteration`` at the end of the data."""
+        self._measure()
+        if not self._queue:
+            self.fill()
+        if not self._queue:
+            raise StopIteration
+        entry = self._queue.popleft()
+        for table, ids in _ps_requests(entry.issued):
+            missed = self._journal.missed(table, ids, entry.clocks[table])
+            if missed.numel():
+                self.stats.rows += missed.numel()
+                self.stats.staleness_sum += int(missed.sum())
+                self.stats.staleness_max = max(self.stats.staleness_max, int(missed.max()))
+        oldest: dict[str, int] = {}
+        for other in self._queue:
+            for table, clock in other.clocks.items():
+                oldest[table] = min(oldest.get(table, clock), clock)
+        self._journal.forget_before(oldest)
+        self.stats.batches += 1
+        self._last = entry.issued
+        return entry.batch, entry.issued
+
+    def before_backward(self) -> None:
+        """Called by the loop before each backward: with ``staleness >= 1``, prefetch now."""
+        if self.staleness >= 1:
+            self.fill()
+
+    def after_push(self) -> None:
+        """Called by the loop once a step's pushes are issued: exact mode prefetches now."""
+        if self.staleness == 0:
+            self.fill()
+
+    def _measure(self) -> None:
+        self.stats.batch_bytes_max = max(self.stats.batch_bytes_max, _arrived_bytes(self._last))
+        waiting = sum(_arrived_bytes(entry.issued) for entry in self._queue)
+        self.stats.inflight_bytes_max = max(self.stats.inflight_bytes_max, waiting)
+
+    def close(self) -> None:
+        """Stop counting pushes; prefetched reads still in flight are dropped (they change nothing)."""
+        if self._stop_listening is not None:
+            self._stop_listening()
+            self._stop_listening = None
+        self._queue.clear()

@@ -1,0 +1,165 @@
+"""``TrainPipeline``: train an optimized model with each batch's remote reads issued ahead.
+
+Usable on its own, in the style of TorchRec's train pipelines::
+
+    optimized = distopt.optimize(model, example)
+    pipe = distopt.pipeline.TrainPipeline(
+        optimized, optimizer, iter(loader), staleness=1,
+        loss_fn=lambda out, batch: loss(out, batch.labels),
+        inputs=lambda batch: (batch.dense, batch.sparse),
+        push=lambda: distopt.ps.push_gradients(lr=0.05),
+    )
+    for out in pipe.run(progress=True):   # or: while True: pipe.progress()  (StopIteration at the end)
+        ...
+
+One step: take the batch in hand (its reads in flight since an earlier step), run the main stage,
+then ``backward``, ``push`` and the optimizer step. With ``staleness >= 1`` the batch ``staleness``
+steps ahead is prefetched before ``backward``; with ``staleness=0`` the next batch is prefetched
+right after ``push``, which makes the run bitwise equal to the optimized model without a pipeline.
+The job's trainer (``pipeline:`` in a job config) uses the same :class:`Prefetcher` in its loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from distopt.errors import ConfigError
+from distopt.pipeline.prefetch import PipelineStats, Prefetcher
+from distopt.pipeline.slots import provided
+from distopt.pipeline.split import PrefetchSplit, split_prefetch
+
+
+def check_staleness(value: Any, key: str = "staleness") -> int:
+    """``value`` as a staleness bound, or a one-line error naming ``key``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{key}: expected an integer >= 0, got {value!r}")
+    return value
+
+
+def pipeline_split(model: nn.Module) -> PrefetchSplit:
+    """The two stages of a model ``distopt.optimize`` captured, or a one-line error naming it."""
+    name = type(model).__name__
+    if not isinstance(model, torch.fx.GraphModule):
+        raise ConfigError(
+            f"pipeline: {name} is not a captured graph (distopt.optimize returned it as written, or "
+            "compiled it with Dynamo), so its remote reads cannot be prefetched"
+        )
+    try:
+        return split_prefetch(model)
+    except ValueError:
+        raise ConfigError(
+            f"pipeline: model {name} has no remote read whose arguments come from its inputs alone; "
+            "nothing to prefetch"
+        ) from None
+
+
+def _default_inputs(batch: Any) -> Sequence[Any]:
+    if hasattr(batch, "inputs"):
+        return tuple(batch.inputs)
+    return tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepOutput:
+    """One pipelined step: its batch, the model's output and the (detached) loss."""
+
+    step: int
+    batch: Any
+    output: Any
+    loss: torch.Tensor
+
+
+class TrainPipeline:
+    """Forward, backward, push and optimizer step with the next batches' reads in flight."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        data_iter: Iterator[Any] | None = None,
+        *,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        staleness: int = 0,
+        inputs: Callable[[Any], Sequence[Any]] = _default_inputs,
+        push: Callable[[], Any] | None = None,
+        to_device: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.staleness = check_staleness(staleness)
+        self.split = pipeline_split(model)
+        self.model = self.split.main
+        self.optimizer = optimizer
+        self.loss_fn = loss_fn
+        self.inputs = inputs
+        self.push = push
+        self.to_device = to_device
+        self.steps = 0
+        self._data_iter = data_iter
+        self._prefetcher: Prefetcher[Any] | None = None
+
+    @property
+    def stats(self) -> PipelineStats:
+        return self._prefetcher.stats if self._prefetcher is not None else PipelineStats()
+
+    def _connect(self, data_iter: Iterator[Any] | None) -> Prefetcher[Any]:
+        if data_iter is not None and self._data_iter is not None and data_iter is not self._data_iter:
+            raise ConfigError("TrainPipeline.progress: data_iter differs from the iterator it started with")
+        self._data_iter = self._data_iter or data_iter
+        if self._prefetcher is None:
+            if self._data_iter is None:
+                raise ConfigError("TrainPipeline.progress: no data_iter (pass one here or to the constructor)")
+            self._prefetcher = Prefetcher(self.split, self._data_iter, staleness=self.staleness,
+                                          inputs=self.inputs, to_device=self.to_device)
+            self._prefetcher.fill()
+        return self._prefetcher
+
+    def progress(self, data_iter: Iterator[Any] | None = None) -> StepOutput:
+        """Train one step; ``StopIteration`` once the data is used up (nothing half-done)."""
+        prefetcher = self._connect(data_iter)
+        batch, issued = prefetcher.take()
+        self.optimizer.zero_grad(set_to_none=True)
+        with provided(issued):
+            output = self.model(*self.inputs(batch))
+        loss = self.loss_fn(output, batch)
+        prefetcher.before_backward()
+        loss.backward()
+        if self.push is not None:
+            self.push()
+        prefetcher.after_push()
+        self.optimizer.step()
+        self.steps += 1
+        return StepOutput(step=self.steps - 1, batch=batch, output=output, loss=loss.detach())
+
+    def run(self, max_steps: int | None = None, *, progress: bool = False) -> Iterator[StepOutput]:
+        """Steps until the data ends (or ``max_steps``); ``progress`` shows a tqdm bar with the
+        loss and the measured staleness."""
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=max_steps, unit="step", desc="pipeline")
+        try:
+            while max_steps is None or self.steps < max_steps:
+                try:
+                    out = self.progress()
+                except StopIteration:
+                    return
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(loss=f"{float(out.loss):.4g}", stale_max=self.stats.staleness_max)
+                yield out
+        finally:
+            if bar is not None:
+                bar.close()
+
+    def close(self) -> None:
+        """End the pipeline at a step boundary (safe to checkpoint the model and tables after)."""
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+
+    def __iter__(self) -> Iterator[StepOutput]:
+        return self.run()

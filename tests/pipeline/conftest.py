@@ -1,0 +1,31 @@
+"""One real parameter server for the pipeline tests, with tables reset to their first state."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import distopt
+import distopt.ps as ps
+from distopt.models.dlrm import DLRM, DLRMConfig, dlrm_tables
+
+# Few rows, so consecutive batches share rows and staleness is observable.
+CONFIG = DLRMConfig(num_tables=3, num_rows=40, embedding_dim=8, batch_size=8, bag_size=3)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[dict[str, torch.Tensor]]:
+    """A running job; yields the tables' initial state (restore it with ``ps.load_state_dict``)."""
+    with ps.local_job(dlrm_tables(CONFIG), ps.ServerOptions(num_servers=1, start_timeout_s=30)):
+        yield copy.deepcopy(ps.state_dict())
+
+
+def optimized_dlrm(example: tuple[torch.Tensor, ...], seed: int = 0) -> torch.fx.GraphModule:
+    torch.manual_seed(seed)
+    gm = distopt.optimize(DLRM(CONFIG), example, strict=True)
+    ps.discard_step()  # verification's fetches are no training step
+    assert isinstance(gm, torch.fx.GraphModule)
+    return gm

@@ -1,0 +1,114 @@
+"""TrainPipeline against a real parameter server: exact mode is bitwise the optimized model without
+a pipeline; with staleness s, rows miss at most s updates (counted), and memory stays in bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import distopt.ps as ps
+from distopt.errors import ConfigError
+from distopt.models.dlrm import dlrm_loss, make_batch
+from distopt.pipeline import TrainPipeline
+from tests.pipeline.conftest import CONFIG, optimized_dlrm
+
+STEPS = 8
+LR = 0.5  # large, so a missed update shows in the losses
+
+
+def _batches() -> list:
+    return [make_batch(CONFIG, step) for step in range(STEPS)]
+
+
+def _inputs(batch):
+    return (batch.dense, batch.sparse)
+
+
+def _loss(out, batch):
+    return dlrm_loss(out, batch.labels)
+
+
+def _sequential(server) -> tuple[list[float], dict, dict]:
+    ps.load_state_dict(server)
+    batches = _batches()
+    gm = optimized_dlrm(_inputs(batches[0]))
+    opt = torch.optim.Adam(gm.parameters(), lr=0.01)
+    losses = []
+    for batch in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = _loss(gm(*_inputs(batch)), batch)
+        loss.backward()
+        ps.push_gradients(lr=LR)
+        opt.step()
+        losses.append(loss.item())
+    ps.flush()
+    return losses, gm.state_dict(), opt.state_dict()
+
+
+def _pipelined(server, staleness: int) -> tuple[list[float], dict, dict, TrainPipeline]:
+    ps.load_state_dict(server)
+    batches = _batches()
+    gm = optimized_dlrm(_inputs(batches[0]))
+    opt = torch.optim.Adam(gm.parameters(), lr=0.01)
+    pipe = TrainPipeline(gm, opt, iter(batches), staleness=staleness, loss_fn=_loss, inputs=_inputs,
+                         push=lambda: ps.push_gradients(lr=LR))
+    losses = [out.loss.item() for out in pipe.run()]
+    pipe.close()
+    ps.flush()
+    return losses, gm.state_dict(), opt.state_dict(), pipe
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+def test_exact_mode_is_bitwise_the_optimized_model_without_a_pipeline(server) -> None:
+    losses, params, opt_state = _sequential(server)
+    tables = ps.state_dict()
+    p_losses, p_params, p_opt_state, pipe = _pipelined(server, staleness=0)
+    assert p_losses == losses
+    assert _equal(p_params, params) and _equal(p_opt_state, opt_state)
+    assert _equal(ps.state_dict(), tables)  # rows and the servers' optimizer state
+    assert pipe.stats.batches == STEPS and pipe.stats.staleness_max == 0 and pipe.stats.rows > 0
+
+
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_rows_miss_at_most_staleness_updates_and_the_count_is_measured(server, staleness) -> None:
+    losses, _, _ = _sequential(server)
+    p_losses, _, _, pipe = _pipelined(server, staleness=staleness)
+    stats = pipe.stats
+    # 40 rows per table and 24 ids a batch: consecutive batches share rows, so updates are missed.
+    assert stats.staleness_max == staleness and 0 < stats.staleness_mean < staleness
+    assert p_losses[0] == losses[0] and p_losses != losses
+    # Extra memory: prefetched rows waiting for their step, at most one batch's rows per stage.
+    assert 0 < stats.batch_bytes_max
+    assert stats.inflight_bytes_max <= staleness * stats.batch_bytes_max
+
+
+def test_the_data_ends_cleanly_between_steps(server) -> None:
+    ps.load_state_dict(server)
+    batches = _batches()[:3]
+    gm = optimized_dlrm(_inputs(batches[0]))
+    pipe = TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.1), iter(batches), staleness=1,
+                         loss_fn=_loss, inputs=_inputs, push=lambda: ps.push_gradients(lr=LR))
+    steps = [pipe.progress().step for _ in range(3)]
+    with pytest.raises(StopIteration):
+        pipe.progress()
+    assert steps == [0, 1, 2] and pipe.steps == 3
+    assert len(list(pipe.run(max_steps=10))) == 0
+    pipe.close()
+    ps.flush()
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "1", True])
+def test_a_bad_staleness_is_a_one_line_error(server, bad) -> None:
+    batch = make_batch(CONFIG, 0)
+    gm = optimized_dlrm(_inputs(batch))
+    with pytest.raises(ConfigError, match=rf"^staleness: expected an integer >= 0, got {bad!r}$"):
+        TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.1), staleness=bad, loss_fn=_loss)
