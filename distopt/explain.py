@@ -84,6 +84,13 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
         console.print(f"  [yellow]warning:[/yellow] {escape(warning)}")
     if report.parallel is not None:
         _render_parallel(report.parallel, console)
+    if report.pipeline is not None:
+        console.print(f"  pipeline: {len(report.pipeline.slots)} read(s) prefetched a step ahead")
+        for slot, line in enumerate(report.pipeline.slots):
+            console.print(f"    slot {slot}: {escape(line)}")
+        if show_code:
+            console.print("  prefetch stage:")
+            console.print(Syntax(report.pipeline.prefetch_code.strip(), "python", word_wrap=True))
     v = report.verification
     if v is not None and v.skipped:
         console.print(f"  verification [yellow]skipped[/yellow]: {escape(v.skipped)}")

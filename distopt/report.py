@@ -63,6 +63,16 @@ class ParallelRecord:
 
 
 @dataclass
+class PipelineRecord:
+    """Set on the main stage of a pipeline (:func:`distopt.pipeline.pipeline_split`)."""
+
+    slots: list[str]
+    """Each prefetched issue with the user's source lines it serves."""
+    prefetch_code: str
+    """Generated code of the prefetch stage."""
+
+
+@dataclass
 class OptimizeReport:
     model: str
     tier: str
@@ -77,6 +87,8 @@ class OptimizeReport:
     warnings: list[str] = field(default_factory=list)
     parallel: ParallelRecord | None = None
     """Set on the result of :func:`distopt.parallelize`."""
+    pipeline: PipelineRecord | None = None
+    """Set on the main stage of a pipeline."""
 
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, OptimizeReport] = weakref.WeakKeyDictionary()

@@ -31,6 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--graph", metavar="PATH", help="write a graph picture (.svg/.png/.dot)")
     parser.add_argument("--eval", action="store_true", help="optimize the model in eval mode")
     parser.add_argument("--strict", action="store_true", help="raise instead of falling back")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="also split the prefetch stage of a pipeline (distopt.pipeline) and show it")
     parser.add_argument("--ps-latency-ms", type=float, default=None, metavar="MS",
                         help="for parameter-server models: start local PS processes with this "
                              "injected latency and show the cost model's prediction next to "
@@ -80,6 +82,11 @@ def _explain(args: argparse.Namespace, model: nn.Module, inputs: tuple[Any, ...]
     optimized = distopt.optimize(
         model, inputs, passes=passes, verify=None if not args.no_verify else False, strict=args.strict
     )
+    if args.pipeline:
+        from distopt.pipeline import pipeline_split
+
+        distopt.explain(pipeline_split(optimized).main, show_code=not args.no_code, graph_path=args.graph)
+        return optimized
     distopt.explain(optimized, show_code=not args.no_code, graph_path=args.graph)
     return optimized
 

@@ -66,6 +66,8 @@ class Prediction:
     rpc_latency_s: float
     unmatched: list[str] = field(default_factory=list)
     """Nodes of ``gm_after`` whose cost came from profiling ``gm_after`` itself."""
+    after_costs: dict[str, float] = field(default_factory=dict, repr=False)
+    """Node costs ``after`` was simulated with (a pipelined step is simulated with them too)."""
 
     @property
     def before_s(self) -> float:
@@ -154,6 +156,7 @@ def predict(
         after=simulate(gm_after, after_costs, rpc_latency_s),
         rpc_latency_s=rpc_latency_s,
         unmatched=unmatched,
+        after_costs=after_costs,
     )
 
 
@@ -168,6 +171,9 @@ class GainPrediction:
     forward: Prediction
     measured_step_s: float | None = None
     """Median forward+backward of the model as written; ``None`` when not measured."""
+    pipelined: Timeline | None = None
+    """The optimized forward when a pipeline prefetched its reads (:func:`predict_pipelined`)."""
+    pipeline_staleness: int | None = None
 
     @property
     def rpc_latency_s(self) -> float:
@@ -175,7 +181,9 @@ class GainPrediction:
 
     @property
     def saving_s(self) -> float:
-        """Predicted seconds per step the passes save (the forward's saving)."""
+        """Predicted seconds per step the passes (and the pipeline, if any) save in the forward."""
+        if self.pipelined is not None:
+            return self.forward.before_s - self.pipelined.total_s
         return self.forward.saving_s
 
     @property
@@ -190,7 +198,8 @@ class GainPrediction:
         """Measured step over predicted step; the forward's speedup when no step was measured."""
         step = self.step_s
         if self.measured_step_s is None or step is None:
-            return self.forward.speedup
+            after = self.pipelined.total_s if self.pipelined is not None else self.forward.after_s
+            return self.forward.before_s / after if after > 0 else float("inf")
         return self.measured_step_s / step if step > 0 else float("inf")
 
     def to_header(self) -> dict[str, float]:
@@ -200,7 +209,35 @@ class GainPrediction:
             header["predicted_step_time_s"] = self.step_s
         header["predicted_saving_s"] = self.saving_s
         header["predicted_rpc_latency_s"] = self.rpc_latency_s
+        if self.pipeline_staleness is not None:
+            header["predicted_pipeline_staleness"] = self.pipeline_staleness
         return header
+
+
+def pipeline_window_s(forward: Prediction, measured_step_s: float | None, staleness: int) -> float:
+    """How much earlier than within one step a pipeline sends a batch's reads.
+
+    Exact mode sends them after the previous step's pushes, so only that step's optimizer update
+    (not modelled: 0) is gained. With ``staleness`` s >= 1 they leave before the previous step's
+    backward and s − 1 whole steps before that. Backward is the measured forward+backward less
+    the predicted forward of the model as written (the forward's compute when nothing was measured).
+    """
+    if staleness == 0:
+        return 0.0
+    if measured_step_s is None:
+        backward = forward.before.compute_s
+    else:
+        backward = max(0.0, measured_step_s - forward.before_s)
+    step = forward.after_s + backward
+    return backward + (staleness - 1) * step
+
+
+def predict_pipelined(optimized: torch.fx.GraphModule, forward: Prediction, window_s: float) -> Timeline:
+    """The optimized forward whose prefetchable reads were sent ``window_s`` earlier."""
+    from distopt.pipeline.split import prefetchable  # the pipeline builds on the passes, as we do
+
+    early = {issue.name: window_s for issue, _ in prefetchable(optimized)}
+    return simulate(optimized, forward.after_costs, forward.rpc_latency_s, head_start_s=early)
 
 
 def _measure_step(model: nn.Module, example_inputs: tuple[Any, ...], runs: int = 3) -> float:
@@ -225,6 +262,7 @@ def predict_gain(
     latency_s: float | None = None,
     measure_step: bool = False,
     repeats: int = 5,
+    pipeline_staleness: int | None = None,
 ) -> GainPrediction:
     """Predict the gain of ``optimized`` (a torch.fx graph distopt made) over ``model``.
 
@@ -236,6 +274,8 @@ def predict_gain(
             first parameter-server table (``model.ps_tables()``).
         measure_step: also time a forward+backward of ``model`` (the trainer's step gain).
         repeats: timed profiling runs per graph.
+        pipeline_staleness: also predict the step of a pipeline (:mod:`distopt.pipeline`)
+            with this staleness.
 
     A model or optimized model without a graph is a one-line :class:`CaptureError`, raised
     before any request is sent.
@@ -259,4 +299,9 @@ def predict_gain(
         latency_s = fetch_latency(tables()[0].name)
     forward = predict(captured, optimized, example_inputs, latency_s, repeats=repeats)
     step = _measure_step(model, example_inputs) if measure_step else None
-    return GainPrediction(forward=forward, measured_step_s=step)
+    pipelined = None
+    if pipeline_staleness is not None:
+        window = pipeline_window_s(forward, step, pipeline_staleness)
+        pipelined = predict_pipelined(optimized, forward, window)  # type: ignore[arg-type]
+    return GainPrediction(forward=forward, measured_step_s=step, pipelined=pipelined,
+                          pipeline_staleness=pipeline_staleness)

@@ -32,9 +32,17 @@ class Timeline:
 
 
 def simulate(
-    gm: torch.fx.GraphModule, costs: Mapping[str, float], rpc_latency_s: float
+    gm: torch.fx.GraphModule,
+    costs: Mapping[str, float],
+    rpc_latency_s: float,
+    head_start_s: Mapping[str, float] | None = None,
 ) -> Timeline:
-    """Walk ``gm`` in order with one clock: local nodes add their cost, waits block until ready."""
+    """Walk ``gm`` in order with one clock: local nodes add their cost, waits block until ready.
+
+    ``head_start_s`` names issues that were sent that many seconds before the step reached them
+    (a pipeline prefetched them during an earlier step): their requests are ready sooner.
+    """
+    early = head_start_s or {}
     ops = remote_ops(gm.graph)
     clock = compute = blocked = 0.0
     ready: dict[Node, float] = {}
@@ -50,7 +58,7 @@ def simulate(
             blocked += rpc_latency_s
             requests += 1
         elif node is op.start:
-            ready[node] = clock + rpc_latency_s
+            ready[node] = clock + max(0.0, rpc_latency_s - early.get(node.name, 0.0))
             requests += 1
         else:
             done = ready.get(op.start, clock)

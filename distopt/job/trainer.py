@@ -100,7 +100,8 @@ def _optimize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> 
     return optimize(model, example, config=config.optimize_config or None)
 
 
-def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]) -> dict[str, Any]:
+def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...],
+                staleness: int | None) -> dict[str, Any]:
     """The cost model's predicted gain of ``optimized`` over ``model``, as QPS-log header keys.
 
     Only for parameter-server models (``model.ps_tables()``) captured as a graph; see
@@ -110,7 +111,8 @@ def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]
     if getattr(model, "ps_tables", None) is None:
         return {}
     try:
-        prediction = predict_gain(model, optimized, example, measure_step=True)
+        prediction = predict_gain(model, optimized, example, measure_step=True,
+                                  pipeline_staleness=staleness)
     except CaptureError:
         return {}  # the prediction is optional: no graph, no prediction (never a failed job)
     return prediction.to_header()
@@ -216,7 +218,8 @@ def train(
     trained: nn.Module = model
     if config.runs_optimize and config.parallel != "fsdp":
         trained = _optimize(model, example, config)
-        header.update(_prediction(model, trained, example))
+        staleness = config.pipeline.staleness if config.pipeline.enabled else None
+        header.update(_prediction(model, trained, example, staleness))
     prefetcher = None
     if config.pipeline.enabled:
         # Split before DDP wraps it: DDP runs the main stage, which shares the parameters.

@@ -32,6 +32,7 @@ from distopt.errors import ConfigError
 from distopt.pipeline.prefetch import PipelineStats, Prefetcher
 from distopt.pipeline.slots import provided
 from distopt.pipeline.split import PrefetchSplit, split_prefetch
+from distopt.report import PipelineRecord, attach, report_of
 
 
 def check_staleness(value: Any, key: str = "staleness") -> int:
@@ -50,12 +51,17 @@ def pipeline_split(model: nn.Module) -> PrefetchSplit:
             "compiled it with Dynamo), so its remote reads cannot be prefetched"
         )
     try:
-        return split_prefetch(model)
+        split = split_prefetch(model)
     except ValueError:
         raise ConfigError(
             f"pipeline: model {name} has no remote read whose arguments come from its inputs alone; "
             "nothing to prefetch"
         ) from None
+    report = report_of(model)
+    if report is not None:  # explain shows both stages
+        record = PipelineRecord(slots=list(split.slots), prefetch_code=split.prefetch.code)
+        attach(split.main, dataclasses.replace(report, pipeline=record))
+    return split
 
 
 def _default_inputs(batch: Any) -> Sequence[Any]:

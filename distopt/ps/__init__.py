@@ -39,7 +39,14 @@ from distopt.ps.launch import (
     stop_servers,
 )
 from distopt.ps.registration import fetch_batched
-from distopt.ps.servers import load_servers, load_state_dict, save_servers, server_stats, state_dict
+from distopt.ps.servers import (
+    load_servers,
+    load_state_dict,
+    save_servers,
+    server_stats,
+    set_latency_ms,
+    state_dict,
+)
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
 
 __all__ = [
@@ -69,6 +76,7 @@ __all__ = [
     "save_servers",
     "server_name",
     "server_stats",
+    "set_latency_ms",
     "set_device",
     "shutdown",
     "start_servers",

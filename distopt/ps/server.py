@@ -233,6 +233,14 @@ def ps_server_stats() -> dict[str, int]:
         return {**state.counts, "pid": os.getpid()}
 
 
+def ps_server_set_latency(latency_ms: float) -> float:
+    """Change the injected latency (benchmarks compare with a network-free reference on the same
+    servers); returns the previous value in milliseconds."""
+    state = _state()
+    previous, state.latency_s = state.latency_s * 1000.0, latency_ms / 1000.0
+    return previous
+
+
 def serve(config: dict[str, Any]) -> None:
     """Join the RPC group as a parameter server and serve until every trainer is done."""
     global _STATE

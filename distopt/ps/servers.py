@@ -15,6 +15,7 @@ from distopt.ps.server import (
     ps_server_load,
     ps_server_load_state_dict,
     ps_server_save,
+    ps_server_set_latency,
     ps_server_state_dict,
     ps_server_stats,
 )
@@ -69,3 +70,15 @@ def load_servers(directory: str) -> None:
 def server_stats(server: str) -> dict[str, int]:
     """Request counts of ``server`` by operation (``fetch``, ``fetch_many``, ``push``, ``requests``)."""
     return rpc_call(server, ps_server_stats, (), what="stats", timeout_s=_client().timeout_s).wait()
+
+
+def set_latency_ms(latency_ms: float) -> None:
+    """Every server answers after ``latency_ms`` from now on (``ServerOptions.latency_ms`` at start)."""
+    if latency_ms < 0:
+        raise ConfigError(f"latency_ms: expected a number >= 0, got {latency_ms!r}")
+    client = _client()
+    flush()
+    futures = [rpc_call(s, ps_server_set_latency, (float(latency_ms),), what="set latency",
+                        timeout_s=client.timeout_s) for s in client.servers]
+    for fut in futures:
+        fut.wait()

@@ -36,16 +36,19 @@ def test_ps_overlap_runs_and_logs(tmp_path) -> None:
     main(["bench", str(config), "--json", str(out)])
     result = json.loads(out.read_text())
     point = result["points"][0]
-    assert set(point["variants"]) == {"baseline", "optimized", "hand"}
+    variants = ["baseline", "hand", "no_network", "optimized", "pipelined"]
+    assert sorted(point["variants"]) == variants
     assert all(v["steps"] == 3 for v in point["variants"].values())
     assert result["batching"]["fetches"] == 4 and result["batching"]["batched_s"] > 0
     logs = {p.parent.name.rsplit("-", 1)[-1]: p for p in (tmp_path / "runs").glob("*/qps-rank0.jsonl")}
-    assert sorted(logs) == ["baseline", "hand", "optimized"]
+    assert sorted(logs) == variants
     header = json.loads(logs["optimized"].read_text().splitlines()[0])
     assert header["predicted_saving_s"] == point["predicted_saving_s"]
-    assert header["predicted_gain"] == pytest.approx(
-        point["predicted_forward_before_s"] / point["predicted_forward_after_s"]
-    )
+    assert "predicted_pipeline_staleness" not in header
+    piped = json.loads(logs["pipelined"].read_text().splitlines()[0])
+    assert piped["predicted_pipeline_staleness"] == 1
+    assert piped["predicted_step_time_s"] == point["predicted_pipelined_step_s"] > 0
+    assert point["pipelined_vs_no_network_qps"] > 0 and point["pipelined_vs_optimized_qps"] > 0
 
 
 @pytest.mark.slow

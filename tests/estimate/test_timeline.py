@@ -42,3 +42,31 @@ def test_async_graph_hides_latency_behind_the_work_between_issue_and_wait() -> N
     assert exposed.total_s == pytest.approx(0.050 + 0.002)  # wait at 3 ms blocks until 50 ms
     assert exposed.blocked_s == pytest.approx(0.047)
     assert exposed.requests == 2 and exposed.compute_s == pytest.approx(0.005)
+
+
+def test_issues_sent_a_step_ahead_start_with_a_head_start() -> None:
+    _, _, after, _ = graphs()
+    costs = _synthetic_costs(after, 0.001)
+    early = {"fetch_issue": 0.048, "fetch_1_issue": 0.048}  # a pipeline sent them 48 ms earlier
+    pipelined = simulate(after, costs, rpc_latency_s=0.050, head_start_s=early)
+    assert pipelined.blocked_s == pytest.approx(0.0) and pipelined.total_s == pytest.approx(0.005)
+    partly = simulate(after, costs, rpc_latency_s=0.050, head_start_s={"fetch_issue": 0.040})
+    # The first is ready at 10 ms (7 ms blocked at its wait), the other still at 50 ms (39 ms).
+    assert partly.blocked_s == pytest.approx(0.007 + 0.039)
+
+
+def test_the_pipelined_prediction_hides_what_the_window_covers() -> None:
+    from distopt.estimate.predict import Prediction, pipeline_window_s, predict_pipelined
+    from distopt.estimate.timeline import Timeline
+
+    _, before, after, _ = graphs()
+    costs = _synthetic_costs(after, 0.001)
+    forward = Prediction(before=simulate(before, costs, 0.050), after=simulate(after, costs, 0.050),
+                         rpc_latency_s=0.050, after_costs=costs)
+    # Exact mode gains only the unmodelled optimizer step; staleness 1 the backward too.
+    assert pipeline_window_s(forward, measured_step_s=None, staleness=0) == 0.0
+    step = forward.before_s + 0.030  # a measured forward+backward: 30 ms of backward
+    assert pipeline_window_s(forward, step, staleness=1) == pytest.approx(0.030)
+    assert pipeline_window_s(forward, step, staleness=2) == pytest.approx(0.030 + forward.after_s + 0.030)
+    piped = predict_pipelined(after, forward, window_s=0.030)
+    assert isinstance(piped, Timeline) and piped.blocked_s == pytest.approx(0.047 - 0.030)

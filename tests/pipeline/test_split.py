@@ -105,3 +105,12 @@ def test_a_model_without_remote_reads_is_a_one_line_error_naming_it() -> None:
         pipeline_split(torch.fx.symbolic_trace(Local()))
     with pytest.raises(ConfigError, match=r"^pipeline: Local is not a captured graph"):
         pipeline_split(Local())
+
+
+def test_explain_shows_the_prefetch_stage_next_to_the_main_stage(server) -> None:
+    batch = make_batch(CONFIG, 3)
+    main = pipeline_split(optimized_dlrm((batch.dense, batch.sparse))).main
+    text = distopt.explain(main)
+    assert "pipeline: 1 read(s) prefetched a step ahead" in text
+    assert "slot 0: fetch_batched: " in text and "ps.fetch(self.tables[k], sparse[k])" in text
+    assert "prefetch stage:" in text and "distopt_ps_registration_fetch_batched" in text
