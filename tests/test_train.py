@@ -105,8 +105,17 @@ def test_baseline_and_optimized_runs_compare(tmp_path: Path) -> None:
             ["--set", "model_kwargs={width: 3}"],
             "model_kwargs: got an unexpected keyword argument 'width'",
         ),
+        (["--set", "pipeline={enabled: true, staleness: -1}"],
+         "pipeline.staleness: expected an integer >= 0, got -1"),
+        (["--set", "pipeline.staleness=1.5"], "pipeline.staleness: expected an integer, got 1.5"),
+        (["--set", "pipeline.enabled=true"],
+         "pipeline.enabled: expected false unless the model is optimized (variant 'baseline' runs it "
+         "as written), got True"),
+        (["--set", "variant=optimized", "--set", "pipeline.enabled=true"],
+         "pipeline: model MLP has no remote read whose arguments come from its inputs alone; "
+         "nothing to prefetch"),
     ],
-)
+)  # fmt: skip
 def test_bad_config_is_a_one_line_error(
     tmp_path: Path, args: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
