@@ -118,8 +118,9 @@ def _train_chunk(model, cfg: DLRMConfig, batches, opt, *, blocking_push: bool, l
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
-def _pipelined_chunk(model, batches, opt, *, staleness: int, lr: float) -> list[float]:
-    """Step times of the optimized model in a pipeline (its first prefetch is in the first step)."""
+def _pipelined_chunk(model, batches, opt, *, staleness: int, lr: float, memory: dict) -> list[float]:
+    """Step times of the optimized model in a pipeline (its first prefetch is in the first step);
+    ``memory`` keeps the peak bytes measured in flight and of one batch's rows."""
     pipe = TrainPipeline(model, opt, iter(batches), staleness=staleness,
                          loss_fn=lambda out, b: dlrm_loss(out, b.labels),
                          inputs=lambda b: (b.dense, b.sparse), push=lambda: ps.push_gradients(lr=lr))
@@ -129,6 +130,8 @@ def _pipelined_chunk(model, batches, opt, *, staleness: int, lr: float) -> list[
     pipe.close()
     ps.flush()
     stamps[-1] = time.perf_counter()  # the last async push belongs to this chunk
+    memory["inflight_bytes_max"] = max(memory.get("inflight_bytes_max", 0), pipe.stats.inflight_bytes_max)
+    memory["batch_bytes_max"] = max(memory.get("batch_bytes_max", 0), pipe.stats.batch_bytes_max)
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
@@ -158,12 +161,14 @@ def _point(
         variants = bench.variants
         optimizers = {name: torch.optim.SGD(models[name].parameters(), lr=bench.lr) for name in variants}
         times: dict[str, list[float]] = {name: [] for name in variants}
+        memory: dict[str, int] = {}
         for round_index in range(bench.rounds):
             shift = round_index % len(variants)
             for name in variants[shift:] + variants[:shift]:
                 if name == "pipelined":
                     chunk = _pipelined_chunk(models[name], batches, optimizers[name],
-                                             staleness=bench.pipeline_staleness, lr=bench.lr)
+                                             staleness=bench.pipeline_staleness, lr=bench.lr,
+                                             memory=memory)
                 else:
                     if name == "no_network":
                         ps.set_latency_ms(0.0)
@@ -204,6 +209,7 @@ def _point(
                               if {"baseline", "optimized"} <= set(variants) else None),
         "predicted_pipelined_step_s": pipelined_step,
         "measured_pipelined_step_s": median_s.get("pipelined"),
+        "pipelined_memory": memory or None,
         "rpc_latency_s": prediction.rpc_latency_s,
         "optimize_s": optimize_s,
     }
@@ -326,6 +332,13 @@ def run(config: dict, args: argparse.Namespace) -> int:
             f"{'ok' if ok else 'MISSED'})"
         )
     lines, targets_ok = _verdicts(points, bench)
+    measured = [p["pipelined_memory"] for p in points if p["pipelined_memory"]]
+    if measured:
+        window = max(1, bench.pipeline_staleness)
+        within = sum(m["inflight_bytes_max"] <= window * m["batch_bytes_max"] for m in measured)
+        targets_ok = targets_ok and within == len(measured)
+        lines.append(f"prefetched rows in flight ≤ {window} batch(es) of rows at {within}/{len(measured)} "
+                     f"points (peak {max(m['inflight_bytes_max'] for m in measured) / 1024:.0f} KiB)")
     console.print("; ".join(lines) + f". QPS logs: {Path(bench.output_dir).resolve()}/{run_stamp}-*")
     if args.json:
         Path(args.json).write_text(json.dumps({"kind": "ps_overlap", "config": to_dict(bench), "points": points,
