@@ -14,7 +14,7 @@ from distopt.explain import explain
 from distopt.optimize import optimize
 from distopt.parallel import ParallelizeConfig, parallelize
 from distopt.passes import PassContext, PassResult, register_pass
-from distopt.remote import register_read, register_remote, remote
+from distopt.remote import register_batched, register_read, register_remote, remote
 
 # `distopt.launch` is the launch function below; the TorchX components live in the package of the
 # same name (distopt/launch/). Importing a package binds it as an attribute of its parent, so the
@@ -44,6 +44,7 @@ __all__ = [
     "launch",
     "optimize",
     "parallelize",
+    "register_batched",
     "register_pass",
     "register_read",
     "register_remote",

@@ -17,7 +17,8 @@ from torch import nn
 
 from distopt.errors import ConfigError
 from distopt.remote import rpc
-from distopt.remote.intercept import intercepted
+from distopt.remote.intercept import call_frame, intercepted
+from distopt.remote.registry import constant_types
 from distopt.where import caller_stack
 
 
@@ -159,10 +160,12 @@ class DistoptTracer(torch.fx.Tracer):
         proxy = self.create_proxy("call_function", fn, args, kwargs)
         if not proxy.node.stack_trace:
             # The user's lines of the call (and of the helper that made it): waits quote them.
-            proxy.node.stack_trace = caller_stack(sys._getframe(1))
+            proxy.node.stack_trace = caller_stack(call_frame(sys._getframe(1)))
         return proxy
 
 
 def _is_opaque(value: Any) -> bool:
     """Values FX cannot put in generated code and that are not module state: remote handles."""
-    return rpc.is_rref(value) or isinstance(value, (rpc_api.WorkerInfo, rpc.RemoteModuleHandle))
+    if rpc.is_rref(value) or isinstance(value, (rpc_api.WorkerInfo, rpc.RemoteModuleHandle)):
+        return True
+    return isinstance(value, constant_types())  # other libraries' handles (Ray actors, ObjectRefs)

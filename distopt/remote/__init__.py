@@ -21,6 +21,10 @@ from distopt.remote.wait import is_wait, source_line
 # Declares torch.distributed.rpc's idioms (rpc_sync, RRef calls, rpc.remote, RemoteModule).
 from distopt.remote import rpc as rpc  # noqa: E402  isort: skip
 
+# Declares Ray's idioms (handle.method.remote, fn.remote, ray.get) once a model imports Ray.
+from distopt.remote import ray_calls as ray_calls  # noqa: E402  isort: skip
+from distopt.remote.ray_calls import register_batched  # noqa: E402  isort: skip
+
 __all__ = [
     "RemoteCallSpec",
     "concrete_args",
@@ -30,6 +34,7 @@ __all__ = [
     "is_remote_call",
     "leaf_callables",
     "lookup",
+    "register_batched",
     "register_leaf_function",
     "register_read",
     "register_remote",

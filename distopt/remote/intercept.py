@@ -52,6 +52,7 @@ def intercepted(root: Any, handler: Handler) -> Iterator[None]:
     Helpers in that code that wrap a blocking RPC are declared remote calls first
     (:mod:`distopt.remote.helpers`), so they are routed as one call.
     """
+    registry.install_imported()  # Ray's calls, once the model's code has imported Ray
     namespaces = namespaces_of(root)
     declare_helpers(namespaces)
     leaves = {id(fn): fn for fn in registry.leaf_callables()}
@@ -60,6 +61,7 @@ def intercepted(root: Any, handler: Handler) -> Iterator[None]:
     places.append((rpc.RREF_PROXY_NAMESPACE, "_invoke_rpc"))
     thread = threading.get_ident()
     patched: list[tuple[dict[str, Any], str, Any]] = []
+    methods: list[tuple[type, str, Any]] = []
     try:
         seen: set[tuple[int, str]] = set()
         for ns, name in places:
@@ -69,15 +71,22 @@ def intercepted(root: Any, handler: Handler) -> Iterator[None]:
             original = ns[name]
             patched.append((ns, name, original))
             ns[name] = _route(original, handler, thread, proxy=name == "_invoke_rpc")
+        for owner, name, canonical in registry.routed_methods():
+            method = owner.__dict__[name]
+            methods.append((owner, name, method))
+            setattr(owner, name, _route_method(owner, method, canonical, handler, thread))
         yield
     finally:
         for ns, name, original in reversed(patched):
             ns[name] = original
+        for owner, name, method in reversed(methods):
+            setattr(owner, name, method)
 
 
 def makes_remote_calls(root: Any) -> bool:
     """Whether ``root``'s code can reach a registered remote function (declaring the RPC helpers
     it uses on the way)."""
+    registry.install_imported()
     namespaces = namespaces_of(root, with_leaf_modules=False)
     declare_helpers(namespaces)
     if any(isinstance(m, RemoteModuleCall) for m in local_modules(root)):
@@ -106,6 +115,37 @@ def _route(fn: Callable[..., Any], handler: Handler, thread: int, *, proxy: bool
 
     routed.__wrapped__ = fn  # type: ignore[attr-defined]
     routed._distopt_routed = fn  # type: ignore[attr-defined]
+    return routed
+
+
+def call_frame(default: types.FrameType) -> types.FrameType:
+    """The frame of the user's call being routed: ``default``, the caller of a routed function,
+    unless a routed method found it outside its library's frames."""
+    return getattr(_STATE, "frame", None) or default
+
+
+def _route_method(
+    owner: type, method: Callable[..., Any], canonical: Callable[..., Any], handler: Handler, thread: int
+) -> Callable[..., Any]:
+    """A method of a library class (Ray's ``ActorMethod._remote``) routed as the call ``canonical``
+    names; class attributes, so patched on the class rather than in a namespace."""
+
+    def routed(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.get_ident() != thread or getattr(_STATE, "through", False):
+            return method(self, *args, **kwargs)
+        fn, call_args = canonical(self, *args, **kwargs)
+        # The user's call is the frame outside the library's own (``ActorMethod.remote``).
+        frame = sys._getframe(1)
+        library = owner.__module__.split(".")[0] + "."
+        while frame.f_back is not None and frame.f_globals.get("__name__", "").startswith(library):
+            frame = frame.f_back
+        _STATE.frame = frame
+        try:
+            return handler(fn, call_args, {})
+        finally:
+            _STATE.frame = None
+
+    routed.__wrapped__ = method  # type: ignore[attr-defined]
     return routed
 
 

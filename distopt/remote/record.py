@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_map
 
 from distopt.errors import VerificationError
 from distopt.remote import registry
-from distopt.remote.intercept import calling_through, intercepted
+from distopt.remote.intercept import call_frame, calling_through, intercepted
 from distopt.remote.registry import RemoteCallSpec
 from distopt.remote.wait import is_wait
 from distopt.where import caller_stack
@@ -43,6 +43,8 @@ class RemoteCallRecord:
     args: tuple[Any, ...] | None = None
     kwargs: dict[str, Any] | None = None
     """The call's arguments (Dynamo sites are keyed by them)."""
+    spec: RemoteCallSpec | None = None
+    """The call's spec: its ``wait`` resolves what an issue returned (a Ray ``ObjectRef``)."""
 
 
 class RemoteWriteRefused(VerificationError):
@@ -80,11 +82,11 @@ def recording(root: Any, *, allow_writes: bool = True) -> Iterator[Recording]:
         spec = entries.get(id(fn))
         if spec is not None and not allow_writes and fn is not spec.batched:
             if registry.effect_of(spec, args, kwargs) == "write":
-                raise RemoteWriteRefused(f"{spec.name} (called at {caller_stack(sys._getframe(1), limit=1).strip()})")
+                raise RemoteWriteRefused(f"{spec.name} (called at {caller_stack(call_frame(sys._getframe(1)), limit=1).strip()})")
         with calling_through():
             value = fn(*args, **kwargs)
         if spec is not None:
-            record.calls.append(RemoteCallRecord(fn, value, args, kwargs))
+            record.calls.append(RemoteCallRecord(fn, value, args, kwargs, spec))
         return value
 
     with intercepted(root, handler):
@@ -114,6 +116,10 @@ def _resolved(record: RemoteCallRecord) -> Any:
         return _fresh(value.wait())
     if hasattr(value, "to_here") and callable(value.to_here):
         return _fresh(value.to_here())
+    spec = record.spec
+    if spec is not None and record.fn is spec.issue:  # another library's handle of a result
+        with calling_through():
+            return _fresh(spec.wait(value))
     return _fresh(value)
 
 

@@ -12,6 +12,8 @@ the function such a call runs on the server only reads is declared with :func:`r
 
 from __future__ import annotations
 
+import inspect
+import sys
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -157,7 +159,7 @@ def register_read(fn: Callable[..., Any]) -> Callable[..., Any]:
     overlap and reorder; verification runs them once and replays their results.
     """
     with _LOCK:
-        _DECLARED_EFFECTS[id(fn)] = "read"
+        _DECLARED_EFFECTS[id(_effect_key(fn))] = "read"
     return fn
 
 
@@ -169,13 +171,19 @@ def register_write(fn: Callable[..., Any]) -> Callable[..., Any]:
     its own buffers, such as BatchNorm in training mode).
     """
     with _LOCK:
-        _DECLARED_EFFECTS[id(fn)] = "write"
+        _DECLARED_EFFECTS[id(_effect_key(fn))] = "write"
     return fn
 
 
 def declared_effect(fn: Any) -> Effect | None:
     """What :func:`register_read`/:func:`register_write` said about ``fn`` (``None``: nothing)."""
-    return _DECLARED_EFFECTS.get(id(fn))
+    return _DECLARED_EFFECTS.get(id(_effect_key(fn)))
+
+
+def _effect_key(fn: Any) -> Any:
+    """What a declaration is stored under: a bound method stands for its function, because each
+    attribute access makes a new bound method (``ray.remote`` classes hand out bound methods)."""
+    return fn.__func__ if inspect.ismethod(fn) else fn
 
 
 def lookup(fn: Any) -> RemoteCallSpec | None:
@@ -236,3 +244,61 @@ def resource_of(
     spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Hashable | None:
     return None if spec.resource is None else spec.resource(args, kwargs)
+
+
+_CONSTANT_TYPES: list[type] = []
+_ROUTED_METHODS: list[tuple[type, str, Callable[..., tuple[Callable[..., Any], tuple[Any, ...]]]]] = []
+_LAZY: dict[str, Callable[[], None]] = {}
+
+
+def register_constant_type(cls: type) -> None:
+    """Let the tracer keep objects of ``cls`` (remote handles) as GraphModule attributes."""
+    with _LOCK:
+        if cls not in _CONSTANT_TYPES:
+            _CONSTANT_TYPES.append(cls)
+
+
+def constant_types() -> tuple[type, ...]:
+    return tuple(_CONSTANT_TYPES)
+
+
+def register_routed_method(
+    owner: type, name: str, canonical: Callable[..., tuple[Callable[..., Any], tuple[Any, ...]]]
+) -> None:
+    """Route calls of the method ``owner.name`` like calls of a leaf function.
+
+    For remote calls made by calling a method of a library object (Ray's
+    ``handle.lookup.remote(ids)``): while a model is traced or recorded, ``canonical(self, *args,
+    **kwargs)`` names the registered function and the arguments that stand for the call.
+    """
+    with _LOCK:
+        _ROUTED_METHODS.append((owner, name, canonical))
+
+
+def routed_methods() -> tuple[tuple[type, str, Callable[..., Any]], ...]:
+    return tuple(_ROUTED_METHODS)
+
+
+def register_on_import(module: str, install: Callable[[], None]) -> None:
+    """Run ``install`` (registrations that import ``module``) once ``module`` has been imported.
+
+    distopt must import without optional libraries (Ray), and importing them costs time; a model
+    that uses one has imported it before it is traced, so :func:`install_imported` (called when a
+    model's remote calls are routed) is early enough.
+    """
+    with _LOCK:
+        _LAZY[module] = install
+    install_imported()
+
+
+def install_imported() -> None:
+    """Run the :func:`register_on_import` installers whose module is imported by now."""
+    with _LOCK:
+        # A module set to None in sys.modules is one an import refused (absent, or blocked).
+        ready = [name for name in _LAZY if sys.modules.get(name) is not None]
+        installs = [_LAZY.pop(name) for name in ready]
+    for install in installs:
+        try:
+            install()
+        except ImportError:
+            pass  # a partial install of the library: its calls stay unrecognized, as without it
