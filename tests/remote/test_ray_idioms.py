@@ -236,3 +236,30 @@ def test_distopt_imports_without_ray() -> None:
     code = "import sys; sys.modules['ray'] = None; import distopt; print(distopt.register_batched)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_pipeline_prefetches_the_actor_reads_a_step_ahead(servers, staleness) -> None:
+    from distopt.pipeline import TrainPipeline, pipeline_split
+
+    batches = [(*_inputs(), torch.rand(8, 1)) for _ in range(4)]
+
+    def build() -> torch.fx.GraphModule:
+        torch.manual_seed(0)
+        return _optimize(ActorModel(servers), _inputs())
+
+    assert len(pipeline_split(build()).slots) == 2
+    gm, expected = build(), []
+    optimizer = torch.optim.SGD(gm.parameters(), lr=0.1)
+    for dense, ids, target in batches:
+        optimizer.zero_grad()
+        loss = nn.functional.binary_cross_entropy_with_logits(gm(dense, ids), target)
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    gm = build()
+    pipe = TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.1), iter(batches), staleness=staleness,
+                         inputs=lambda b: b[:2],
+                         loss_fn=lambda out, b: nn.functional.binary_cross_entropy_with_logits(out, b[2]))
+    assert [out.loss.item() for out in pipe.run()] == expected  # the actors are only read
+    pipe.close()
