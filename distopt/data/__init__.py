@@ -4,7 +4,9 @@ Sources (the ``data:`` section, :class:`DataConfig`): ``synthetic`` (:mod:`.synt
 model's example inputs), ``criteo`` (:mod:`.criteo`, click logs for DLRM), ``tokens``
 (:mod:`.tokens`, token files for a GPT) and ``package.module:function`` (:mod:`.factory`).
 :func:`build_data` opens them for a model; :mod:`.loader` turns datasets into endless, resumable
-training loaders and unpadded held-out loaders; :mod:`.generate` writes small learnable files.
+training loaders and unpadded held-out loaders (:mod:`.workers`: how loader workers send batches
+back); :mod:`.parsed` caches the parsed form of a click log; :mod:`.generate` writes small
+learnable files.
 Every loader yields :class:`Batch` ``(inputs, targets)``.
 """
 

@@ -73,7 +73,8 @@ def _criteo(cfg: DataConfig, model: nn.Module) -> tuple[AnyDataset, AnyDataset |
              for name in ("num_tables", "num_rows", "bag_size")}
 
     def open_file(path: str, key: str) -> CriteoDataset:
-        return CriteoDataset(path, **shape, table_of_feature=cfg.table_of_feature, key=key)
+        return CriteoDataset(path, **shape, table_of_feature=cfg.table_of_feature, key=key,
+                             cache_dir=cfg.cache_dir)
 
     assert cfg.path is not None  # DataConfig requires it
     train = open_file(cfg.path, "data.path")

@@ -41,6 +41,9 @@ class DataConfig:
     """Drop each epoch's last, partial batch (map-style data)."""
     table_of_feature: tuple[int, ...] | None = None
     """``criteo``: the table of each of the 26 categorical features; default ``j % num_tables``."""
+    cache_dir: str | None = None
+    """``criteo``: where the parsed form of a click log is cached (one file per log and table
+    layout, memory-mapped by every trainer and loader worker); default: next to the log."""
     token_dtype: Literal["uint16", "uint32"] = "uint16"
     """``tokens``: the integer type of the token file."""
     synthetic_batches: int = 4
@@ -62,6 +65,8 @@ class DataConfig:
         check(self.source != "synthetic" or (self.holdout_fraction == 0.0 and self.eval_path is None),
               "data.holdout_fraction", "0 for synthetic data (it has no held-out set)",
               self.holdout_fraction)
+        check(self.cache_dir is None or (bool(self.cache_dir) and self.source == "criteo"),
+              "data.cache_dir", "a directory, for source criteo", self.cache_dir)
         check(self.task is None or ":" in self.source, "data.task",
               "no task for a built-in source", self.task)
         check(self.num_workers >= 0, "data.num_workers", "an integer >= 0", self.num_workers)

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import math
+import os
 import pickle
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from distopt.data.batch import mix64, mix_ints
+from distopt.data.batch import Batch, mix64, mix_ints
 from distopt.data.criteo import NUM_CATEGORICAL, CriteoDataset, TableLayout, collate_criteo, scan
 from distopt.errors import ConfigError
 
@@ -126,26 +128,37 @@ def test_collate_gives_the_dlrm_layout(tmp_path: Path) -> None:
     assert ds.collate_fn is collate_criteo
 
 
-def test_dataset_pickles_without_its_file_descriptor(tmp_path: Path) -> None:
-    ds = CriteoDataset(_write(tmp_path, [GOOD] * 3), num_tables=2, num_rows=10)
+def test_dataset_pickles_cached_records_by_name(tmp_path: Path) -> None:
+    path = _write(tmp_path, [GOOD] * 3)
+    os.utime(path, ns=(time.time_ns() - 10**10,) * 2)  # old enough to be cached
+    ds = CriteoDataset(path, num_tables=2, num_rows=10)
     first = ds[1]
+    state = ds.__getstate__()
+    assert isinstance(state["_records"], Path) and state["_records"].parent == tmp_path
     copy = pickle.loads(pickle.dumps(ds))
-    assert copy._fd is None
     assert all(torch.equal(a, b) for a, b in zip(copy[1], first, strict=True))
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match=r"sample 3 of 3$"):
         ds[3]
+    with pytest.raises(IndexError, match=r"sample -1 of 3$"):
+        ds.__getitems__([0, -1])
 
 
-def test_loader_workers_read_the_same_batches(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cached", [False, True])
+def test_loader_workers_read_the_same_batches(tmp_path: Path, cached: bool) -> None:
     from distopt.data.loader import build_loader
 
     lines = [GOOD.replace("\t3\t", f"\t{i}\t", 1) for i in range(24)]
-    ds = CriteoDataset(_write(tmp_path, lines), num_tables=4, num_rows=100)
-    ds[0]  # the parent holds an open descriptor when the workers fork
+    path = _write(tmp_path, lines)
+    if cached:  # memory-mapped records, shared with the forked workers
+        os.utime(path, ns=(time.time_ns() - 10**10,) * 2)
+    ds = CriteoDataset(path, num_tables=4, num_rows=100)
 
-    def dense(workers: int) -> list[list[float]]:
+    def batches(workers: int) -> list[Batch]:
         loader = build_loader(ds, batch_size=4, num_workers=workers, collate_fn=ds.collate_fn, seed=3)
-        return [b.inputs[0][:, 0].tolist() for b in loader.epoch(0)]
+        return list(loader.epoch(0))
 
-    # Forked workers each open the file themselves (pread: no shared file position).
-    assert dense(2) == dense(0) and len(dense(0)) == 6
+    in_process, from_workers = batches(0), batches(2)
+    assert len(in_process) == 6
+    for a, b in zip(in_process, from_workers, strict=True):
+        assert type(b) is Batch  # sent back by value, a plain batch again
+        assert all(torch.equal(x, y) for x, y in zip((*a.inputs, a.targets), (*b.inputs, b.targets), strict=True))

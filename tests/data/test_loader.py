@@ -123,3 +123,9 @@ def test_errors_and_options() -> None:
     loader = build_loader(Numbers(8), batch_size=2, pin_memory=True, num_workers=1)
     assert loader.loader is not None
     assert loader.loader.pin_memory is torch.cuda.is_available() and loader.loader.persistent_workers
+
+
+def test_workers_send_default_collated_batches_unchanged() -> None:
+    loader = build_loader(Numbers(12), batch_size=3, num_workers=2, seed=0)
+    with_workers = _take(loader.batches(), 4)
+    assert with_workers == _take(build_loader(Numbers(12), batch_size=3, seed=0).batches(), 4)
