@@ -57,7 +57,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{key}: expected a mapping, got {value!r}")
         val_tp = args[1] if len(args) == 2 else Any
-        return {str(k): _coerce(v, val_tp, f"{key}.{k}") for k, v in value.items()}
+        return {str(k): _coerce(v, val_tp, f"{key}.{key_text(k)}") for k, v in value.items()}
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
@@ -85,6 +85,12 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return value
 
 
+def key_text(key: Any) -> str:
+    """A user's key as it goes into a one-line message: as written when it is a printable string,
+    else its ``repr`` (a key holding a newline must not break the message in two)."""
+    return key if isinstance(key, str) and key.isprintable() else repr(key)
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     """Build dataclass ``cls`` from ``data``, rejecting unknown keys and ill-typed values."""
     if not isinstance(data, Mapping):
@@ -96,7 +102,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, prefix: str = "") -> T:
     unknown = [k for k in data if k not in fields]
     if unknown:
         known = ", ".join(sorted(fields))
-        raise ConfigError(f"{dotted}{unknown[0]}: unknown key (known keys: {known})")
+        raise ConfigError(f"{dotted}{key_text(unknown[0])}: unknown key (known keys: {known})")
     missing = [
         name
         for name, f in fields.items()

@@ -14,7 +14,7 @@ import torch.fx
 from torch import nn
 
 from distopt.capture import Tier, describe_failure, dynamo_capture, symbolic_capture
-from distopt.config import OptimizeConfig, from_dict
+from distopt.config import OptimizeConfig, from_dict, key_text
 from distopt.errors import (
     CaptureError,
     ConfigError,
@@ -76,11 +76,11 @@ def check_pass_options(pipeline: Sequence[PassSpec], options: Mapping[str, Mappi
     for name, values in options.items():
         spec = by_name.get(name)
         if spec is None:
-            raise ConfigError(f"pass_options.{name}: {name!r} is not a pass in this pipeline")
+            raise ConfigError(f"pass_options.{key_text(name)}: {name!r} is not a pass in this pipeline")
         unknown = sorted(set(values) - set(spec.options))
         if unknown:
             known = f"known options: {', '.join(spec.options)}" if spec.options else "it takes no options"
-            raise ConfigError(f"pass_options.{name}.{unknown[0]}: unknown option ({known})")
+            raise ConfigError(f"pass_options.{key_text(name)}.{key_text(unknown[0])}: unknown option ({known})")
 
 
 def optimize(
