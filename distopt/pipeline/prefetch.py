@@ -133,6 +133,9 @@ class Prefetcher(Generic[B]):
     def fill(self) -> None:
         """Issue the prefetch stage of the next batches until ``max(1, staleness)`` are in flight."""
         self._measure()
+        self._issue_ahead()
+
+    def _issue_ahead(self) -> None:
         while len(self._queue) < max(1, self.staleness) and not self.exhausted:
             try:
                 batch = next(self.batches)
@@ -150,7 +153,7 @@ class Prefetcher(Generic[B]):
         """The next batch and its prefetched issues; ``StopIteration`` at the end of the data."""
         self._measure()
         if not self._queue:
-            self.fill()
+            self._issue_ahead()
         if not self._queue:
             raise StopIteration
         entry = self._queue.popleft()

@@ -33,15 +33,22 @@ with it (a push of the same table).
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections.abc import Mapping
 
 import torch
 import torch.fx
 from torch.fx import GraphModule, Node
 
-from distopt.passes.remote.nodes import RemoteOp, is_stateful, ordering_edges, remote_ops
+from distopt.passes.remote.nodes import (
+    RemoteOp,
+    is_pure_movable,
+    is_stateful,
+    ordering_edges,
+    remote_ops,
+)
 from distopt.pipeline.slots import slot_op
+from distopt.remote.graph_args import attr_value
+from distopt.remote.wait import is_wait, source_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,31 +65,21 @@ class PrefetchSplit:
 
 def _pure_input_cone(issue: Node, ops: Mapping[Node, RemoteOp]) -> set[Node] | None:
     """Nodes computing ``issue``'s arguments, or ``None`` if one is not pure computation of the
-    inputs and constants (parameters change with every step; modules and random ops have state)."""
+    inputs and constants: stricter than the passes' :func:`is_pure_movable`, because a step
+    ahead parameters have other values and modules and random ops other state."""
     cone: set[Node] = set()
     stack = list(issue.all_input_nodes)
     while stack:
         node = stack.pop()
         if node in cone or node.op == "placeholder":
             continue
-        if node in ops or node.op in ("call_module", "output") or is_stateful(node):
+        if not is_pure_movable(node, ops) or node.op == "call_module" or is_stateful(node):
             return None
-        if node.op == "get_attr":
-            value = _attr(issue.graph.owning_module, str(node.target))
-            if isinstance(value, torch.nn.Parameter):
-                return None
-        elif node.target is operator.setitem or getattr(node.target, "_is_impure", False):
+        if isinstance(attr_value(node), torch.nn.Parameter):
             return None
         cone.add(node)
         stack.extend(node.all_input_nodes)
     return cone
-
-
-def _attr(module: torch.nn.Module | None, target: str) -> object:
-    value: object = module
-    for part in target.split("."):
-        value = getattr(value, part, None)
-    return value
 
 
 def prefetchable(gm: GraphModule) -> list[tuple[Node, set[Node]]]:
@@ -153,7 +150,5 @@ def split_prefetch(gm: GraphModule) -> PrefetchSplit:
 
 def _line(issue: Node) -> str:
     """The user's source lines of the calls an issue serves (its waits quote them)."""
-    from distopt.remote.wait import is_wait, source_line
-
     lines = dict.fromkeys(str(u.args[1]) for u in issue.users if is_wait(u) and len(u.args) > 1)
     return "; ".join(lines) if lines else source_line(issue)

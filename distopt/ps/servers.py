@@ -5,7 +5,7 @@ Each first waits for this trainer's pending fetches and pushes (:func:`distopt.p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from distopt.errors import ConfigError
@@ -21,26 +21,28 @@ from distopt.ps.server import (
 )
 
 
-def state_dict() -> dict[str, dict[str, Any]]:
-    """Every server's shards, ``{server: {table: shard_state}}``, after pending pushes complete."""
+def _on_every_server(
+    fn: Callable[..., Any], what: str, args: Callable[[str], tuple[Any, ...]] = lambda _: ()
+) -> dict[str, Any]:
+    """``fn(*args(server))`` on every server of the job, concurrently, once this trainer's
+    pending fetches and pushes are done; the results by server."""
     client = _client()
     flush()
-    futures = {s: rpc_call(s, ps_server_state_dict, (), what="state_dict", timeout_s=client.timeout_s)
-               for s in client.servers}
+    futures = {s: rpc_call(s, fn, args(s), what=what, timeout_s=client.timeout_s) for s in client.servers}
     return {s: f.wait() for s, f in futures.items()}
+
+
+def state_dict() -> dict[str, dict[str, Any]]:
+    """Every server's shards, ``{server: {table: shard_state}}``, after pending pushes complete."""
+    return _on_every_server(ps_server_state_dict, "state_dict")
 
 
 def load_state_dict(state: Mapping[str, Mapping[str, Any]]) -> None:
     """Restore :func:`state_dict` output (same servers and sharding) on every server."""
-    client = _client()
-    flush()
-    missing = [s for s in client.servers if s not in state]
+    missing = [s for s in _client().servers if s not in state]
     if missing:
         raise ConfigError(f"parameter-server checkpoint lacks server {missing[0]!r}")
-    futures = [rpc_call(s, ps_server_load_state_dict, (dict(state[s]),), what="load_state_dict",
-                        timeout_s=client.timeout_s) for s in client.servers]
-    for fut in futures:
-        fut.wait()
+    _on_every_server(ps_server_load_state_dict, "load_state_dict", lambda s: (dict(state[s]),))
 
 
 def save_servers(directory: str) -> dict[str, int]:
@@ -50,21 +52,12 @@ def save_servers(directory: str) -> dict[str, int]:
     drain (the job's checkpoint barrier). Returns ``{file name: size}``. ``directory`` must be on a
     filesystem the servers share with the trainers.
     """
-    client = _client()
-    flush()
-    futures = [rpc_call(s, ps_server_save, (str(directory),), what="checkpoint save",
-                        timeout_s=client.timeout_s) for s in client.servers]
-    return dict(fut.wait() for fut in futures)
+    return dict(_on_every_server(ps_server_save, "checkpoint save", lambda _: (str(directory),)).values())
 
 
 def load_servers(directory: str) -> None:
     """Each server restores its shards from ``<directory>/ps<i>.pt`` (see :func:`save_servers`)."""
-    client = _client()
-    flush()
-    futures = [rpc_call(s, ps_server_load, (str(directory),), what="checkpoint load",
-                        timeout_s=client.timeout_s) for s in client.servers]
-    for fut in futures:
-        fut.wait()
+    _on_every_server(ps_server_load, "checkpoint load", lambda _: (str(directory),))
 
 
 def server_stats(server: str) -> dict[str, int]:
@@ -76,9 +69,4 @@ def set_latency_ms(latency_ms: float) -> None:
     """Every server answers after ``latency_ms`` from now on (``ServerOptions.latency_ms`` at start)."""
     if latency_ms < 0:
         raise ConfigError(f"latency_ms: expected a number >= 0, got {latency_ms!r}")
-    client = _client()
-    flush()
-    futures = [rpc_call(s, ps_server_set_latency, (float(latency_ms),), what="set latency",
-                        timeout_s=client.timeout_s) for s in client.servers]
-    for fut in futures:
-        fut.wait()
+    _on_every_server(ps_server_set_latency, "set latency", lambda _: (float(latency_ms),))

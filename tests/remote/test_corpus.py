@@ -21,10 +21,10 @@ from torch.distributed.optim import DistributedOptimizer
 import distopt
 from distopt.passes.remote.nodes import remote_ops
 from distopt.remote.local import named_local_tensors
-from distopt.remote.wait import is_wait
 from distopt.report import report_of
 from tests.remote.corpus import common, tables
 from tests.remote.corpus.group import rpc_group
+from tests.remote.schedule import schedule
 
 pytestmark = pytest.mark.slow
 
@@ -51,16 +51,6 @@ def _optimize(model, inputs=None, **config):
         return distopt.optimize(model, inputs, config=config or None)
 
 
-def _schedule(gm: torch.fx.GraphModule) -> tuple[list[int], list[int], list[int]]:
-    """Positions of the issues, of the waits, and of the tower's nodes."""
-    nodes = list(gm.graph.nodes)
-    ops = remote_ops(gm.graph)
-    issues = [i for i, n in enumerate(nodes) if n in ops and n is ops[n].start]
-    waits = [i for i, n in enumerate(nodes) if is_wait(n)]
-    tower = [i for i, n in enumerate(nodes) if n.op == "call_module" and str(n.target).startswith("tower")]
-    return issues, waits, tower
-
-
 @pytest.mark.parametrize("name", OVERLAPPING)
 def test_reads_are_issued_before_the_tower_and_waited_after_it(group, name: str) -> None:
     idiom = _idiom(name)
@@ -69,7 +59,7 @@ def test_reads_are_issued_before_the_tower_and_waited_after_it(group, name: str)
     report = report_of(gm)
     assert isinstance(gm, torch.fx.GraphModule) and report.tier == "symbolic_trace", report.fallback
     assert report.verification.passed and report.verification.skipped is None
-    issues, waits, tower = _schedule(gm)
+    issues, waits, tower = schedule(gm)
     assert len(issues) == 2 and len(waits) == 2, gm.code
     assert max(issues) < min(tower) and min(waits) > max(tower), gm.code
     torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
@@ -78,7 +68,7 @@ def test_reads_are_issued_before_the_tower_and_waited_after_it(group, name: str)
 def test_a_chained_lookup_waits_for_the_one_it_depends_on(group) -> None:
     model, inputs = _idiom("chained").build(seed=2), common.inputs()
     gm = _optimize(model, inputs)
-    issues, waits, tower = _schedule(gm)
+    issues, waits, tower = schedule(gm)
     assert len(issues) == 2 and issues[0] < min(tower)  # the first read overlaps the tower
     assert waits[0] < issues[1]  # the second read needs the first's rows
     torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
@@ -87,7 +77,7 @@ def test_a_chained_lookup_waits_for_the_one_it_depends_on(group) -> None:
 def test_six_tables_one_chained_all_other_reads_overlap_the_towers(group) -> None:
     model, inputs = _idiom("recommender").build(seed=8), common.inputs()
     gm = _optimize(model, inputs)
-    issues, waits, towers = _schedule(gm)
+    issues, waits, towers = schedule(gm)
     assert len(issues) == 6 and len(waits) == 6
     # Five independent reads go out before any tower; the chained one after the first's rows.
     assert sum(i < min(towers) for i in issues) == 5

@@ -18,8 +18,8 @@ from torch import nn
 
 import distopt
 from distopt.passes.remote.nodes import remote_ops
-from distopt.remote.wait import is_wait
 from distopt.report import report_of
+from tests.remote.schedule import schedule
 
 ray = pytest.importorskip("ray")
 
@@ -165,16 +165,6 @@ def _optimize(model: nn.Module, inputs, **config) -> torch.fx.GraphModule:
     return gm
 
 
-def _schedule(gm: torch.fx.GraphModule) -> tuple[list[int], list[int], list[int]]:
-    """Positions of the issues, of the waits, and of the tower's nodes."""
-    nodes = list(gm.graph.nodes)
-    ops = remote_ops(gm.graph)
-    issues = [i for i, n in enumerate(nodes) if n in ops and n is ops[n].start]
-    waits = [i for i, n in enumerate(nodes) if is_wait(n)]
-    tower = [i for i, n in enumerate(nodes) if n.op == "call_module" and str(n.target).startswith("tower")]
-    return issues, waits, tower
-
-
 @pytest.mark.parametrize("build", [ActorModel, TaskModel, ListGetModel], ids=["actor", "task", "list"])
 def test_reads_are_issued_before_the_tower_and_waited_after_it(servers, build) -> None:
     torch.manual_seed(0)
@@ -183,7 +173,7 @@ def test_reads_are_issued_before_the_tower_and_waited_after_it(servers, build) -
     gm = _optimize(model, inputs)
     verification = report_of(gm).verification
     assert verification.passed and verification.skipped is None, verification
-    issues, waits, tower = _schedule(gm)
+    issues, waits, tower = schedule(gm)
     assert len(issues) == 2 and len(waits) == 2, gm.code
     assert max(issues) < min(tower) and min(waits) > max(tower), gm.code
     torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
@@ -207,7 +197,7 @@ def test_a_write_keeps_its_place_among_reads_of_its_actor(servers) -> None:
     first, second = same
     assert position(ops[first].ends[0]) < position(write), gm.code  # read done, then the write
     assert position(ops[write].ends[0]) < position(second), gm.code  # write done, then the read
-    assert position(other) < min(_schedule(gm)[2]), gm.code  # the other actor's read overlaps
+    assert position(other) < min(schedule(gm)[2]), gm.code  # the other actor's read overlaps
     # The first read sees the count before the write, the second after it.
     out = gm(*inputs)
     dense, ids = inputs
@@ -225,7 +215,7 @@ def test_concurrent_reads_with_a_batched_variant_become_one_request(servers, bui
     model, inputs = build(args), _inputs()
     gm = _optimize(model, inputs)
     assert report_of(gm).verification.passed
-    issues, waits, tower = _schedule(gm)
+    issues, waits, tower = schedule(gm)
     assert len(issues) == 1 and len(waits) == 2, gm.code
     assert "ray_remote_many" in gm.code
     assert max(issues) < min(tower) and min(waits) > max(tower), gm.code
