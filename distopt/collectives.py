@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from distopt.config import check
-from distopt.rendezvous import free_port
+from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
 
 SIZES = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 """Bytes of the gathered tensor per measurement point."""
@@ -97,8 +97,8 @@ def measure(group: dist.ProcessGroup | None = None, *, sizes: tuple[int, ...] = 
     )
 
 
-def _local_worker(rank: int, world: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _local_worker(rank: int, world: int, plan: StorePlan, out: str) -> None:
+    init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world, timeout_s=60.0)
     try:
         model = measure()
         if rank == 0:
@@ -113,10 +113,9 @@ def measure_local(world_size: int = 2) -> AlphaBeta:
 
     import torch.multiprocessing as mp
 
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, spawned_gloo() as plan:
         out = os.path.join(tmp, "alpha_beta.json")
-        mp.spawn(_local_worker, args=(world_size, port, out), nprocs=world_size, join=True)
+        mp.spawn(_local_worker, args=(world_size, plan, out), nprocs=world_size, join=True)
         return AlphaBeta(**json.loads(Path(out).read_text()))
 
 

@@ -11,6 +11,8 @@ job                                   ``hosted_by``    stores
 ``distopt.train`` with servers        ``ps0``          RPC group at ``DISTOPT_PS_ADDR``, trainers'
 (TorchX ``ps_job``, supervise)                         gloo group at ``DISTOPT_DDP_PORT``
 ``distopt.train``, trainers only      ``trainer0``     gloo group at ``MASTER_ADDR:MASTER_PORT``
+:func:`spawned_gloo` (benchmarks,     ``launcher``     gloo group on a free port of 127.0.0.1
+``mp.spawn`` workers)
 ====================================  ===============  ==========================================
 
 The host is the process that outlives the others' use of the stores: the launching process, or
@@ -220,6 +222,19 @@ def init_gloo(plan: StorePlan, *, me: str, rank: int, world_size: int, timeout_s
             f"{me}: gloo group of {world_size} trainers did not form within {timeout_s:g} s through "
             f"the {plan.describe('gloo')}: {_first_line(err)}"
         ) from None
+
+
+@contextlib.contextmanager
+def spawned_gloo(*, timeout_s: float = 60.0) -> Iterator[StorePlan]:
+    """Host a gloo store on 127.0.0.1 for the processes this one is about to spawn; yields the plan.
+
+    The store listens from before the spawn until the ``with`` block ends, so no other process can
+    take its port in between (as with a port picked by :func:`free_port` and released: CI lost a
+    benchmark to that race). Each spawned process calls :func:`init_gloo` with the plan.
+    """
+    plan = StorePlan(host="127.0.0.1", hosted_by="launcher", gloo_port=0)
+    with host_stores(plan, me="launcher", timeout_s=timeout_s) as hosted:
+        yield hosted.plan
 
 
 def pin_interface(interface: str) -> None:

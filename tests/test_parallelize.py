@@ -15,7 +15,7 @@ import distopt
 from distopt.errors import ConfigError
 from distopt.models import build, make_inputs
 from distopt.parallel import ParallelizeConfig, timing_of
-from tests.conftest import free_port
+from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
 
 STEPS = 20
 RTOL, ATOL = 1e-4, 1e-5
@@ -61,9 +61,9 @@ def _train(model: nn.Module, rank: int) -> list[float]:
     return losses
 
 
-def _worker(rank: int, world: int, port: int, strategy: str, cache_dir: str, memory_slack: float) -> None:
+def _worker(rank: int, world: int, plan: StorePlan, strategy: str, cache_dir: str, memory_slack: float) -> None:
     torch.set_num_threads(1)  # two ranks share two cores: more threads only oversubscribe
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world, timeout_s=60.0)
     try:
         original = _gpt()
         keys = list(original.state_dict().keys())
@@ -101,7 +101,8 @@ def _worker(rank: int, world: int, port: int, strategy: str, cache_dir: str, mem
     ("strategy", "memory_slack"), [("fsdp", 0.2), ("fsdp", 100.0), ("fsdp1", 0.2), ("ddp", 0.2)]
 )
 def test_training_matches_plain_wrapper(strategy: str, memory_slack: float, tmp_path) -> None:
-    mp.spawn(_worker, args=(2, free_port(), strategy, str(tmp_path), memory_slack), nprocs=2, join=True)
+    with spawned_gloo() as plan:
+        mp.spawn(_worker, args=(2, plan, strategy, str(tmp_path), memory_slack), nprocs=2, join=True)
 
 
 def test_config_rejects_unknown_strategy() -> None:

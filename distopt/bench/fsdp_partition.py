@@ -32,7 +32,7 @@ from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.parallel.fsdp_schedule import peak_param_bytes
-from distopt.rendezvous import free_port
+from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
 
 VARIANTS = ("no_inner_units", "size_based", "per_block", "distopt")
 
@@ -160,10 +160,10 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB where /proc exists
 
 
-def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, port: int, out: str) -> None:
+def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, plan: StorePlan, out: str) -> None:
     cfg = from_dict(FsdpPartitionConfig, cfg_dict)
     torch.set_num_threads(cfg.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.world_size)
+    init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=cfg.world_size, timeout_s=120.0)
     try:
         model = _build(cfg)
         total = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -213,16 +213,15 @@ def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, port: int, out: s
 def _run_variant(cfg: FsdpPartitionConfig, variant: str) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    port = free_port()
     # A fixed mmap threshold stops glibc from raising it after the first freed all-gather buffer;
     # otherwise freed unit buffers stay in the heap and peak RSS shows allocator caching, not
     # the memory the variant really needs. The ranks inherit the environment at spawn.
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     try:
-        with tempfile.TemporaryDirectory() as tmp:
+        with tempfile.TemporaryDirectory() as tmp, spawned_gloo() as plan:
             out = os.path.join(tmp, "result.json")
-            mp.spawn(_worker, args=(to_dict(cfg), variant, port, out), nprocs=cfg.world_size, join=True)
+            mp.spawn(_worker, args=(to_dict(cfg), variant, plan, out), nprocs=cfg.world_size, join=True)
             return json.loads(Path(out).read_text())
     finally:
         if saved is None:

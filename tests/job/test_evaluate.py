@@ -17,7 +17,7 @@ from distopt.data.batch import Batch
 from distopt.data.loader import build_eval_loader
 from distopt.errors import ConfigError
 from distopt.job.evaluate import EvalConfig, auc, evaluate
-from tests.conftest import free_port
+from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
 
 
 class Clicks(Dataset):
@@ -104,8 +104,8 @@ def test_eval_config() -> None:
         from_dict(EvalConfig, {"every": -1}, prefix="eval")
 
 
-def _rank(rank: int, world_size: int, port: int, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def _rank(rank: int, world_size: int, plan: StorePlan, out: str) -> None:
+    init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world_size, timeout_s=60.0)
     try:
         # 101 samples over 2 ranks: 51 and 50, no padding; batch 8 leaves uneven last batches.
         loader = build_eval_loader(Clicks(), rank=rank, world_size=world_size, batch_size=8, collate_fn=collate)
@@ -117,7 +117,8 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_all_reduced_metrics_equal_the_metrics_of_the_union(tmp_path: Path) -> None:
-    mp.spawn(_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    with spawned_gloo() as plan:
+        mp.spawn(_rank, args=(2, plan, str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert results[0] == results[1]  # every rank gets the union's metrics
     whole = evaluate(Identity(), build_eval_loader(Clicks(), batch_size=101, collate_fn=collate), task="click")
@@ -126,10 +127,10 @@ def test_all_reduced_metrics_equal_the_metrics_of_the_union(tmp_path: Path) -> N
     assert results[0]["eval_loss"] == pytest.approx(whole.loss, rel=1e-6)  # float32 sums in another order
 
 
-def _lockstep_rank(rank: int, world_size: int, port: int, out: str) -> None:
+def _lockstep_rank(rank: int, world_size: int, plan: StorePlan, out: str) -> None:
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world_size, timeout_s=60.0)
     try:
         model = nn.Linear(1, 1)
         with torch.no_grad():
@@ -146,7 +147,8 @@ def _lockstep_rank(rank: int, world_size: int, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_lockstep_evaluates_a_collective_model_on_uneven_shards(tmp_path: Path) -> None:
-    mp.spawn(_lockstep_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    with spawned_gloo() as plan:
+        mp.spawn(_lockstep_rank, args=(2, plan, str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"lockstep{r}.pt") for r in range(2)]
     whole = evaluate(Identity(), build_eval_loader(Clicks(), batch_size=101, collate_fn=collate), task="click")
     assert results[0] == results[1] and results[0]["eval_samples"] == 101  # repeats not counted
