@@ -66,8 +66,11 @@ class PSOverlapConfig:
     variants: tuple[str, ...] = VARIANTS
     """Variants to train (H needs baseline, optimized and hand; the pipeline targets need
     optimized, pipelined and no_network)."""
-    pipeline_staleness: int = 1
-    """Staleness of the ``pipelined`` variant (0: exact, reads sent after the previous pushes)."""
+    pipeline_staleness: int | Literal["auto"] = "auto"
+    """Staleness of the ``pipelined`` variant (0: exact, reads sent after the previous pushes);
+    ``auto``: per sweep point, the least the cost model says hides a request's latency
+    (:func:`~distopt.estimate.staleness_to_hide`), as one would size a prefetch depth."""
+    max_staleness: int = 4
     target_h: float = 0.95
     target_ratio_vs_hand: float = 0.98
     target_pipelined_vs_no_network: float = 0.9
@@ -87,7 +90,10 @@ class PSOverlapConfig:
         unknown = [v for v in self.variants if v not in VARIANTS]
         check(bool(self.variants) and not unknown, "variants", f"names among {', '.join(VARIANTS)}",
               self.variants)
-        check(self.pipeline_staleness >= 0, "pipeline_staleness", "an integer >= 0", self.pipeline_staleness)
+        check(self.pipeline_staleness == "auto" or (isinstance(self.pipeline_staleness, int)
+                                                    and self.pipeline_staleness >= 0),
+              "pipeline_staleness", "an integer >= 0 or auto", self.pipeline_staleness)
+        check(self.max_staleness >= 1, "max_staleness", "an integer >= 1", self.max_staleness)
 
 
 @dataclasses.dataclass
@@ -152,7 +158,10 @@ def _point(
             optimized = distopt.optimize(copy.deepcopy(baseline), example, strict=True)
             optimize_s = time.perf_counter() - optimize_start
             prediction = predict_gain(baseline, optimized, example, measure_step=True,
-                                      pipeline_staleness=bench.pipeline_staleness)
+                                      pipeline_staleness=bench.pipeline_staleness,
+                                      max_staleness=bench.max_staleness)
+            staleness = prediction.pipeline_staleness
+            assert staleness is not None
             ps.discard_step()
         models = {"baseline": baseline, "optimized": optimized, "hand": DLRMHandAsync(cfg)}
         for name in ("pipelined", "no_network"):  # each trains its own copy of the optimized model
@@ -161,13 +170,13 @@ def _point(
         variants = bench.variants
         optimizers = {name: torch.optim.SGD(models[name].parameters(), lr=bench.lr) for name in variants}
         times: dict[str, list[float]] = {name: [] for name in variants}
-        memory: dict[str, int] = {}
+        memory: dict[str, int] = {"window": max(1, staleness)}
         for round_index in range(bench.rounds):
             shift = round_index % len(variants)
             for name in variants[shift:] + variants[:shift]:
                 if name == "pipelined":
                     chunk = _pipelined_chunk(models[name], batches, optimizers[name],
-                                             staleness=bench.pipeline_staleness, lr=bench.lr,
+                                             staleness=staleness, lr=bench.lr,
                                              memory=memory)
                 else:
                     if name == "no_network":
@@ -207,9 +216,10 @@ def _point(
         "predicted_saving_s": forward.saving_s,
         "measured_saving_s": (median_s["baseline"] - median_s["optimized"]
                               if {"baseline", "optimized"} <= set(variants) else None),
+        "pipeline_staleness": staleness,
         "predicted_pipelined_step_s": pipelined_step,
         "measured_pipelined_step_s": median_s.get("pipelined"),
-        "pipelined_memory": memory or None,
+        "pipelined_memory": memory if "inflight_bytes_max" in memory else None,
         "rpc_latency_s": prediction.rpc_latency_s,
         "optimize_s": optimize_s,
     }
@@ -266,7 +276,7 @@ def _ms(value: float | None) -> str:
 def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
     table = Table(title="ps_overlap: QPS median [p10–p90] per variant, interleaved; H = hidden-latency "
                         "fraction; pipe/net and pipe/opt: pipelined QPS over no_network and over optimized")
-    columns = ("K", "lat ms", "compute", *bench.variants, "H", "opt/hand", "pipe/net", "pipe/opt",
+    columns = ("K", "lat ms", "compute", *bench.variants, "H", "opt/hand", "pipe s", "pipe/net", "pipe/opt",
                "pred. saving ms", "meas. saving ms", "pred. pipe step ms", "meas. pipe step ms")
     for col in columns:
         table.add_column(col, justify="right")
@@ -279,6 +289,7 @@ def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
             str(p["tables"]), f"{p['latency_ms']:g}", p["compute"], *cells,
             _ratio_cell(p["hidden_fraction"], bench.target_h),
             _ratio_cell(p["opt_vs_hand_qps"], bench.target_ratio_vs_hand),
+            str(p["pipeline_staleness"]) if "pipelined" in bench.variants else "-",
             _ratio_cell(p["pipelined_vs_no_network_qps"], bench.target_pipelined_vs_no_network),
             _ratio_cell(p["pipelined_vs_optimized_qps"], bench.target_pipelined_vs_optimized),
             _ms(p["predicted_saving_s"]), _ms(p["measured_saving_s"]),
@@ -334,11 +345,10 @@ def run(config: dict, args: argparse.Namespace) -> int:
     lines, targets_ok = _verdicts(points, bench)
     measured = [p["pipelined_memory"] for p in points if p["pipelined_memory"]]
     if measured:
-        window = max(1, bench.pipeline_staleness)
-        within = sum(m["inflight_bytes_max"] <= window * m["batch_bytes_max"] for m in measured)
+        within = sum(m["inflight_bytes_max"] <= m["window"] * m["batch_bytes_max"] for m in measured)
         targets_ok = targets_ok and within == len(measured)
-        lines.append(f"prefetched rows in flight ≤ {window} batch(es) of rows at {within}/{len(measured)} "
-                     f"points (peak {max(m['inflight_bytes_max'] for m in measured) / 1024:.0f} KiB)")
+        lines.append(f"prefetched rows in flight ≤ one batch of rows per step in the pipeline window at "
+                     f"{within}/{len(measured)} points (peak {max(m['inflight_bytes_max'] for m in measured) / 1024:.0f} KiB)")
     console.print("; ".join(lines) + f". QPS logs: {Path(bench.output_dir).resolve()}/{run_stamp}-*")
     if args.json:
         Path(args.json).write_text(json.dumps({"kind": "ps_overlap", "config": to_dict(bench), "points": points,

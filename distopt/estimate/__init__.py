@@ -14,6 +14,7 @@ from distopt.estimate.predict import (
     measure_latency,
     predict,
     predict_gain,
+    staleness_to_hide,
 )
 from distopt.estimate.profile import profile_nodes
 from distopt.estimate.timeline import Timeline, simulate
@@ -28,4 +29,5 @@ __all__ = [
     "predict_gain",
     "profile_nodes",
     "simulate",
+    "staleness_to_hide",
 ]

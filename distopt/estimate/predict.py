@@ -18,7 +18,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx
@@ -232,6 +232,15 @@ def pipeline_window_s(forward: Prediction, measured_step_s: float | None, stalen
     return backward + (staleness - 1) * step
 
 
+def staleness_to_hide(forward: Prediction, measured_step_s: float | None, *, limit: int) -> int:
+    """The smallest staleness s >= 1 whose :func:`pipeline_window_s` covers one request's latency
+    (so prefetched reads are back before the step needs them), at most ``limit``."""
+    for staleness in range(1, limit + 1):
+        if pipeline_window_s(forward, measured_step_s, staleness) >= forward.rpc_latency_s:
+            return staleness
+    return limit
+
+
 def predict_pipelined(optimized: torch.fx.GraphModule, forward: Prediction, window_s: float) -> Timeline:
     """The optimized forward whose prefetchable reads were sent ``window_s`` earlier."""
     from distopt.pipeline.split import prefetchable  # the pipeline builds on the passes, as we do
@@ -262,7 +271,8 @@ def predict_gain(
     latency_s: float | None = None,
     measure_step: bool = False,
     repeats: int = 5,
-    pipeline_staleness: int | None = None,
+    pipeline_staleness: int | Literal["auto"] | None = None,
+    max_staleness: int = 8,
 ) -> GainPrediction:
     """Predict the gain of ``optimized`` (a torch.fx graph distopt made) over ``model``.
 
@@ -275,7 +285,8 @@ def predict_gain(
         measure_step: also time a forward+backward of ``model`` (the trainer's step gain).
         repeats: timed profiling runs per graph.
         pipeline_staleness: also predict the step of a pipeline (:mod:`distopt.pipeline`)
-            with this staleness.
+            with this staleness; ``"auto"``: with the least that hides a request's latency
+            (:func:`staleness_to_hide`, at most ``max_staleness``), reported in the result.
 
     A model or optimized model without a graph is a one-line :class:`CaptureError`, raised
     before any request is sent.
@@ -285,6 +296,8 @@ def predict_gain(
 
     if latency_s is not None and not latency_s >= 0:
         raise ConfigError(f"latency_s: expected seconds >= 0, got {latency_s!r}")
+    if not (pipeline_staleness in (None, "auto") or (isinstance(pipeline_staleness, int) and pipeline_staleness >= 0)):
+        raise ConfigError(f"pipeline_staleness: expected an integer >= 0 or 'auto', got {pipeline_staleness!r}")
     _graphs(optimized=optimized)
     example_inputs = _as_tuple(example_inputs)
     with torch.no_grad():
@@ -300,6 +313,8 @@ def predict_gain(
     forward = predict(captured, optimized, example_inputs, latency_s, repeats=repeats)
     step = _measure_step(model, example_inputs) if measure_step else None
     pipelined = None
+    if pipeline_staleness == "auto":
+        pipeline_staleness = staleness_to_hide(forward, step, limit=max_staleness)
     if pipeline_staleness is not None:
         window = pipeline_window_s(forward, step, pipeline_staleness)
         pipelined = predict_pipelined(optimized, forward, window)  # type: ignore[arg-type]

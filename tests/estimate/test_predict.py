@@ -115,3 +115,19 @@ def test_predict_gain_needs_a_latency_for_a_model_without_tables() -> None:
     model, _, after, inputs = graphs()
     with pytest.raises(distopt.ConfigError, match="latency_s: Overlappable has no ps_tables"):
         predict_gain(model, after, inputs)
+
+
+def test_predict_gain_refuses_a_bad_pipeline_staleness_before_any_request() -> None:
+    model, _, after, inputs = graphs()
+    STORE.reset()
+    with pytest.raises(distopt.ConfigError, match=r"^pipeline_staleness: expected an integer >= 0 or 'auto', got -1$"):
+        predict_gain(model, after, inputs, latency_s=0.004, pipeline_staleness=-1)
+    assert STORE.requests == 0
+
+
+def test_predict_gain_reports_the_staleness_it_chose() -> None:
+    model, _, after, inputs = graphs()
+    prediction = predict_gain(model, after, inputs, latency_s=0.004, measure_step=True, repeats=2,
+                              pipeline_staleness="auto", max_staleness=3)
+    assert prediction.pipeline_staleness in (1, 2, 3)
+    assert prediction.to_header()["predicted_pipeline_staleness"] == prediction.pipeline_staleness

@@ -70,3 +70,19 @@ def test_the_pipelined_prediction_hides_what_the_window_covers() -> None:
     assert pipeline_window_s(forward, step, staleness=2) == pytest.approx(0.030 + forward.after_s + 0.030)
     piped = predict_pipelined(after, forward, window_s=0.030)
     assert isinstance(piped, Timeline) and piped.blocked_s == pytest.approx(0.047 - 0.030)
+
+
+def test_the_staleness_to_hide_is_the_least_whose_window_covers_the_latency() -> None:
+    from distopt.estimate.predict import Prediction, pipeline_window_s, staleness_to_hide
+
+    _, before, after, _ = graphs()
+    costs = _synthetic_costs(after, 0.001)
+    forward = Prediction(before=simulate(before, costs, 0.050), after=simulate(after, costs, 0.050),
+                         rpc_latency_s=0.050, after_costs=costs)
+    # 30 ms of backward does not cover 50 ms; one more step of forward and backward does.
+    step = forward.before_s + 0.030
+    chosen = staleness_to_hide(forward, step, limit=8)
+    assert chosen == 2
+    assert pipeline_window_s(forward, step, chosen - 1) < 0.050 <= pipeline_window_s(forward, step, chosen)
+    assert staleness_to_hide(forward, forward.before_s + 0.060, limit=8) == 1
+    assert staleness_to_hide(forward, step, limit=1) == 1  # capped: the caller's bound wins
