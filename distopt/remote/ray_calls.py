@@ -181,10 +181,33 @@ def register_batched(fn: Any, batched: Any) -> Any:
         name = getattr(batched, "__name__", None)
         if not isinstance(name, str):
             raise ConfigError(f"register_batched: {batched!r} is not a method")
+        _check_takes_the_calls(batched, name, method=True)
         _BATCHED[id(key)] = name  # actors: called by name on the handle
     else:
+        python_fn = getattr(batched, "_function", batched)  # a @ray.remote function's own function
+        _check_takes_the_calls(batched, getattr(python_fn, "__name__", repr(batched)), method=False)
         _BATCHED[id(key)] = batched
     return fn
+
+
+def _check_takes_the_calls(batched: Any, name: str, *, method: bool) -> None:
+    """A one-line error now, not a Ray error at the first batched step, when ``batched`` cannot
+    be called with one argument (after ``self`` for a method): the list of argument tuples."""
+    python_fn = getattr(batched, "_function", batched)  # a @ray.remote function's own function
+    python_fn = getattr(python_fn, "__func__", python_fn)
+    try:
+        signature = inspect.signature(python_fn)
+    except (TypeError, ValueError):
+        return  # a builtin or C function: nothing to check against
+    try:
+        signature.bind(*((None,) if method else ()), [])
+    except TypeError:
+        # Ray adds a keyword-only _ray_trace_ctx to the functions it wraps: not the user's.
+        shown = f"{name}({', '.join(p for p in signature.parameters if not p.startswith('_ray_'))})"
+        raise ConfigError(
+            f"register_batched: {shown} must take one argument{' after self' if method else ''}, "
+            "the list of the calls' argument tuples"
+        ) from None
 
 
 # --------------------------------------------------------------------------- routing

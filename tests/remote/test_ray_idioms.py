@@ -222,6 +222,31 @@ def test_concurrent_reads_with_a_batched_variant_become_one_request(servers, bui
     torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=0, atol=0)
 
 
+@ray.remote
+class MisdeclaredServer:
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids.float()
+
+    def lookup_many(self, calls: list, scale: float) -> list:
+        return [scale * self.lookup(*args) for args in calls]
+
+
+@ray.remote
+def misdeclared_many(tables: list, ids: list) -> list:
+    return []
+
+
+def test_a_batched_variant_that_cannot_take_the_calls_is_a_one_line_error() -> None:
+    expected = (r"^register_batched: lookup_many\(self, calls, scale\) must take one "
+                r"argument after self, the list of the calls' argument tuples$")
+    with pytest.raises(distopt.ConfigError, match=expected):
+        distopt.register_batched(MisdeclaredServer.lookup, MisdeclaredServer.lookup_many)
+    expected = (r"^register_batched: misdeclared_many\(tables, ids\) must take one "
+                r"argument, the list of the calls' argument tuples$")
+    with pytest.raises(distopt.ConfigError, match=expected):
+        distopt.register_batched(gather, misdeclared_many)
+
+
 def test_distopt_imports_without_ray() -> None:
     code = "import sys; sys.modules['ray'] = None; import distopt; print(distopt.register_batched)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
