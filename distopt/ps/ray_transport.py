@@ -129,6 +129,7 @@ class RayTransport:
                     break
                 answers = list(self._answers)
                 self._answers.clear()
+                done: list[tuple[tuple[Future, str, float] | None, concurrent.futures.Future[Any] | None]]
                 done = [(self._pending.pop(key, None), answer) for key, answer in answers]
                 done += [(self._pending.pop(key, None), None) for key in self._pop_expired()]
             for entry, answer in done:
