@@ -81,6 +81,8 @@ class PSOverlapConfig:
     batching_latency_ms: float = 5.0
     target_batching_ratio: float = 1.5
     """Target: ``batching_fetches`` batched fetches take at most this × one fetch."""
+    ps: ps.ServerOptions = dataclasses.field(default_factory=ps.ServerOptions)
+    """Server options (``ps.backend``: rpc or ray); server count and latency come from the sweep."""
 
     def __post_init__(self) -> None:
         check(all(k >= 1 for k in self.tables), "tables", "counts >= 1", self.tables)
@@ -147,7 +149,7 @@ def _point(
 ) -> tuple[dict, GainPrediction]:
     cfg = DLRMConfig(num_tables=k, compute=compute, batch_size=bench.batch_size,
                      num_rows=bench.num_rows, embedding_dim=bench.embedding_dim)
-    options = ps.ServerOptions(num_servers=bench.num_servers, latency_ms=latency)
+    options = dataclasses.replace(bench.ps, num_servers=bench.num_servers, latency_ms=latency)
     batches = [make_batch(cfg, step) for step in range(bench.steps)]
     with ps.local_job(dlrm_tables(cfg), options):
         baseline = DLRM(cfg)
@@ -233,7 +235,7 @@ def _batching(bench: PSOverlapConfig) -> dict:
                      embedding_dim=bench.embedding_dim)
     batch = make_batch(cfg, 0)
     requests = [(table, batch.sparse[k]) for k, table in enumerate(cfg.table_names)]
-    options = ps.ServerOptions(num_servers=1, latency_ms=bench.batching_latency_ms)
+    options = dataclasses.replace(bench.ps, num_servers=1, latency_ms=bench.batching_latency_ms)
     one: list[float] = []
     many: list[float] = []
     with ps.local_job(dlrm_tables(cfg), options), torch.no_grad():

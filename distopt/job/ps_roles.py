@@ -36,6 +36,9 @@ from distopt.rendezvous import StorePlan
 def server_options(config: JobConfig, env: JobEnv) -> ServerOptions:
     """The config's ``ps`` options with the launcher's server count, host and interface."""
     assert env.ps_addr is not None
+    if config.ps.backend != "rpc":  # the launcher starts ps processes that serve over RPC
+        raise ConfigError(f"ps.backend: expected rpc for distopt.train jobs (Ray actor servers are "
+                          f"started by distopt.ps.start_servers only), got {config.ps.backend!r}")  # fmt: skip
     host = env.ps_addr[0]
     interface = os.environ.get("TP_SOCKET_IFNAME") or config.ps.interface
     return dataclasses.replace(

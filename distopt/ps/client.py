@@ -69,10 +69,19 @@ class Route:
     servers: tuple[str, ...]
 
 
+Call = Callable[..., Future]
+"""``call(server, handler, args, *, what, timeout_s) -> Future``: :func:`~distopt.ps.futures.rpc_call`
+or :meth:`distopt.ps.ray_transport.RayTransport.call` (the job's ``ps.backend``)."""
+
+
 class _Client:
-    def __init__(self, routes: dict[str, Route], timeout_s: float) -> None:
+    def __init__(self, routes: dict[str, Route], timeout_s: float, call: Call = rpc_call,
+                 servers: tuple[str, ...] = ()) -> None:  # fmt: skip
         self.routes = routes
         self.timeout_s = timeout_s
+        self.call = call
+        """How every request reaches a server; the ordering below is the same for any transport."""
+        self.known_servers = servers
         self.lock = threading.Lock()
         self.last_write: dict[str, Future] = {}
         self.reads: dict[str, list[Future]] = {}
@@ -92,7 +101,7 @@ class _Client:
     def servers(self) -> tuple[str, ...]:
         """Every server of the job: those holding tables, and the RPC group's other ``ps<i>``
         (a model may keep its remote state in its own functions and hold no table)."""
-        names = {s for r in self.routes.values() for s in r.servers}
+        names = {s for r in self.routes.values() for s in r.servers} | set(self.known_servers)
         with contextlib.suppress(RuntimeError, AttributeError):  # no RPC agent (tests)
             agent = rpc.api._get_current_rpc_agent()
             names |= {w.name for w in agent.get_worker_infos() if _server_order(w.name)[0] < 1 << 30}
@@ -107,10 +116,12 @@ def _server_order(name: str) -> tuple[int, str]:
 _CLIENT: _Client | None = None
 
 
-def connect(routes: Mapping[str, Route], *, rpc_timeout_s: float) -> None:
-    """Point this process's client at the given tables (``launch.init_trainer`` does this)."""
+def connect(routes: Mapping[str, Route], *, rpc_timeout_s: float, call: Call = rpc_call,
+            servers: tuple[str, ...] = ()) -> None:  # fmt: skip
+    """Point this process's client at the given tables (``launch.init_trainer`` does this),
+    sending requests with ``call``; ``servers`` names the job's servers that hold no table too."""
     global _CLIENT
-    _CLIENT = _Client(dict(routes), rpc_timeout_s)
+    _CLIENT = _Client(dict(routes), rpc_timeout_s, call, servers)
 
 
 def disconnect() -> None:
@@ -241,12 +252,12 @@ def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
         for server, items in plan:
             if len(items) == 1:
                 _, _, table, shard_ids = items[0]
-                call = rpc_call(server, ps_server_fetch, (table, shard_ids), what=f"fetch of {table!r}",
-                                timeout_s=client.timeout_s)
+                call = client.call(server, ps_server_fetch, (table, shard_ids), what=f"fetch of {table!r}",
+                                   timeout_s=client.timeout_s)
             else:
                 what = "fetch of " + ", ".join(repr(it[2]) for it in items)
-                call = rpc_call(server, ps_server_fetch_many, ([(it[2], it[3]) for it in items],),
-                                what=what, timeout_s=client.timeout_s)
+                call = client.call(server, ps_server_fetch_many, ([(it[2], it[3]) for it in items],),
+                                   what=what, timeout_s=client.timeout_s)
             calls.append(call)
         return gather(calls)
 
@@ -318,8 +329,8 @@ def push_async(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> Future:
 
     def start() -> Future:
         return gather([
-            rpc_call(server, ps_server_push, (table, shard_ids, shard_rows, float(lr)),
-                     what=f"push to {table!r}", timeout_s=client.timeout_s)
+            client.call(server, ps_server_push, (table, shard_ids, shard_rows, float(lr)),
+                        what=f"push to {table!r}", timeout_s=client.timeout_s)
             for server, shard_ids, shard_rows in parts
         ])
 

@@ -77,6 +77,10 @@ class PSJob:
     """Server process ids when started by :func:`start_servers` on this machine."""
     logs: tuple[str, ...] = ()
     """Server log files (stdout + stderr), same order as ``pids``."""
+    ray_address: str | None = None
+    """``ps.backend: ray``: the Ray cluster holding the server actors (see :mod:`distopt.ps.ray_server`)."""
+    ray_namespace: str | None = None
+    """``ps.backend: ray``: the Ray namespace of this job's actors ``ps0 ..``."""
 
     @property
     def num_servers(self) -> int:
@@ -97,6 +101,8 @@ class _Membership:
 
     job: PSJob
     name: str
+    transport: Any = None
+    """The :class:`~distopt.ps.ray_transport.RayTransport` of a ``ray`` job (closed on leaving)."""
 
 
 _PROCESSES: dict[int, subprocess.Popen[bytes]] = {}
@@ -162,6 +168,10 @@ def start_servers(
     check_tables(tables, options.num_servers)
     if num_trainers < 1:
         raise RemoteCallError(f"start_servers: num_trainers must be >= 1, got {num_trainers}")
+    if options.backend == "ray":
+        from distopt.ps import ray_server
+
+        return ray_server.start_job(tables, options, num_trainers=num_trainers)
     logs_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="distopt-ps-"))
     logs_dir.mkdir(parents=True, exist_ok=True)
     wanted = StorePlan(host=options.host, hosted_by=LAUNCHER, rpc_port=0, gloo_port=0)
@@ -226,6 +236,11 @@ def init_trainer(job: PSJob, *, rank: int = 0, ddp: bool = False) -> None:
         raise RemoteCallError(f"init_trainer: rank must be in 0..{job.num_trainers - 1}, got {rank}")
     name = trainer_name(rank)
     timeout_s = options.start_timeout_s
+    if options.backend == "ray":
+        from distopt.ps import ray_server
+
+        ray_server.join(job, name, rank=rank, ddp=ddp)
+        return
     try:
         rendezvous.meet(job.plan, me=name, others=job.servers, timeout_s=timeout_s)
         rendezvous.init_rpc(
@@ -236,7 +251,8 @@ def init_trainer(job: PSJob, *, rank: int = 0, ddp: bool = False) -> None:
         raise RemoteCallError(f"{err}{_log_tail(job)}") from None
     _JOINED.append(_Membership(job=job, name=name))
     try:
-        client.connect(_discover_routes(job), rpc_timeout_s=options.rpc_timeout_s)
+        answers = [rpc.rpc_async(s, ps_server_tables, timeout=timeout_s) for s in job.servers]
+        client.connect(routes_from(job, [a.wait() for a in answers]), rpc_timeout_s=options.rpc_timeout_s)
         _start_heartbeat(name, job.servers, options.trainer_timeout_s)
         if ddp:
             rendezvous.init_gloo(
@@ -247,12 +263,12 @@ def init_trainer(job: PSJob, *, rank: int = 0, ddp: bool = False) -> None:
         raise
 
 
-def _discover_routes(job: PSJob) -> dict[str, Route]:
-    """Ask every server which tables it holds; a table's servers follow its placement order."""
-    answers = [rpc.rpc_async(s, ps_server_tables, timeout=job.options.start_timeout_s) for s in job.servers]
+def routes_from(job: PSJob, answers: list[list[dict[str, Any]]]) -> dict[str, Route]:
+    """Routes from every server's table specs (its ``tables()`` answer); a table's servers follow
+    its placement order."""
     specs: dict[str, TableSpec] = {}
     for answer in answers:
-        for data in answer.wait():
+        for data in answer:
             data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
             specs[data["name"]] = TableSpec(**data)
     return {
@@ -269,6 +285,11 @@ def shutdown(*, graceful: bool = True) -> None:
     skips the flush and the goodbyes; :func:`stop_servers` (or :func:`abort`) ends the servers.
     """
     membership = _JOINED.pop() if _JOINED else None
+    if membership is not None and membership.transport is not None:
+        from distopt.ps import ray_server
+
+        ray_server.leave(membership.transport, graceful=graceful)
+        return
     _stop_heartbeat(wait=graceful)
     try:
         if graceful and client._CLIENT is not None and membership is not None:
@@ -324,6 +345,11 @@ def stop_servers(job: PSJob, *, timeout_s: float = 10.0) -> list[int | None]:
     stores; the servers' exit codes."""
     deadline = time.monotonic() + timeout_s
     codes: list[int | None] = []
+    if job.ray_namespace is not None:  # actors have no exit codes: None each
+        from distopt.ps import ray_server
+
+        ray_server.stop_job(job)
+        codes = [None] * job.num_servers
     for pid in job.pids:
         proc = _PROCESSES.get(pid)
         if proc is None:

@@ -75,6 +75,82 @@ class _ServerState:
         if self.latency_s:
             time.sleep(self.latency_s)
 
+    # --- the operations a client asks for; the RPC handlers below and the Ray actor
+    # (distopt.ps.ray_server) both delegate here, so the two backends cannot drift apart.
+
+    def fetch(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (global ids held by this server) of ``table``."""
+        self.begin("fetch")
+        return self.table(table).fetch(ids)
+
+    def fetch_many(self, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Several fetches in one request: one latency, one round trip, results in request order."""
+        self.begin("fetch_many")
+        return [self.table(table).fetch(ids) for table, ids in requests]
+
+    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """Apply the table's sparse optimizer step to rows ``ids``."""
+        self.begin("push")
+        self.table(table).push(ids, grads, float(lr))
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        """This server's shards: ``{table: shard_state}`` (see :meth:`ShardTable.state_dict`)."""
+        return {name: shard.state_dict() for name, shard in self.shards.items()}
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        """Restore every shard held here from :meth:`state_dict` output."""
+        missing = sorted(set(self.shards) - set(state))
+        if missing:
+            raise KeyError(f"{self.name}: checkpoint lacks table {missing[0]!r}")
+        for name, shard_state in state.items():
+            self.table(name).load_state_dict(shard_state)
+
+    def save(self, directory: str) -> tuple[str, int]:
+        """Write every shard held here (weights and optimizer state) to ``<directory>/ps<i>.pt``,
+        atomically; returns the file's name and size. Each server writes its own file, so a
+        checkpoint's table data never travels through a trainer."""
+        payload = {
+            "server": self.name,
+            "num_servers": self.options.num_servers,
+            "tables": self.state_dict(),
+        }
+        path = atomic_torch_save(payload, shard_file(directory, self.index))
+        return path.name, path.stat().st_size
+
+    def load(self, directory: str) -> None:
+        """Restore every shard held here from ``<directory>/ps<i>.pt`` (written by :meth:`save`
+        in a job with the same number of servers, on either backend)."""
+        path = shard_file(directory, self.index)
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError) as err:
+            raise ConfigError(f"{self.name}: cannot load checkpoint {path}: {err}") from None
+        if payload.get("num_servers") != self.options.num_servers:
+            raise ConfigError(
+                f"{self.name}: checkpoint {path} was written by {payload.get('num_servers')} servers, "
+                f"this job has {self.options.num_servers} (resharding is not supported)"
+            )
+        self.load_state_dict(payload["tables"])
+
+    def tables(self) -> list[dict[str, Any]]:
+        """Specs of the tables this server holds (the client builds its routing from them)."""
+        return [dataclasses.asdict(shard.spec) for shard in self.shards.values()]
+
+    def stats(self) -> dict[str, int]:
+        """Request counts by operation since start (``requests`` is the total), and the PID."""
+        with self.counts_lock:
+            return {**self.counts, "pid": os.getpid()}
+
+    def set_latency(self, latency_ms: float) -> float:
+        """Change the injected latency; returns the previous value in milliseconds."""
+        previous, self.latency_s = self.latency_s * 1000.0, latency_ms / 1000.0
+        return previous
+
+
+def shard_file(directory: str | Path, index: int) -> Path:
+    """The file server ``index`` writes its shards to in checkpoint ``directory``."""
+    return Path(directory) / f"{server_name(index)}.pt"
+
 
 _STATE: _ServerState | None = None
 
@@ -88,76 +164,39 @@ def _state() -> _ServerState:
 @register_read
 def ps_server_fetch(table: str, ids: torch.Tensor) -> torch.Tensor:
     """Rows ``ids`` (global ids held by this server) of ``table``."""
-    state = _state()
-    state.begin("fetch")
-    return state.table(table).fetch(ids)
+    return _state().fetch(table, ids)
 
 
 @register_read
 def ps_server_fetch_many(requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
     """Several fetches in one request: one latency, one round trip, results in request order."""
-    state = _state()
-    state.begin("fetch_many")
-    return [state.table(table).fetch(ids) for table, ids in requests]
+    return _state().fetch_many(requests)
 
 
 def ps_server_push(table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
     """Apply the table's sparse optimizer step to rows ``ids``."""
-    state = _state()
-    state.begin("push")
-    state.table(table).push(ids, grads, float(lr))
+    _state().push(table, ids, grads, lr)
 
 
 @register_read
 def ps_server_state_dict() -> dict[str, dict[str, Any]]:
     """This server's shards: ``{table: shard_state}`` (see :meth:`ShardTable.state_dict`)."""
-    return {name: shard.state_dict() for name, shard in _state().shards.items()}
+    return _state().state_dict()
 
 
 def ps_server_load_state_dict(state: dict[str, dict[str, Any]]) -> None:
     """Restore every shard held here from :func:`ps_server_state_dict` output."""
-    server = _state()
-    missing = sorted(set(server.shards) - set(state))
-    if missing:
-        raise KeyError(f"{server.name}: checkpoint lacks table {missing[0]!r}")
-    for name, shard_state in state.items():
-        server.table(name).load_state_dict(shard_state)
-
-
-def shard_file(directory: str | Path, index: int) -> Path:
-    """The file server ``index`` writes its shards to in checkpoint ``directory``."""
-    return Path(directory) / f"{server_name(index)}.pt"
+    _state().load_state_dict(state)
 
 
 def ps_server_save(directory: str) -> tuple[str, int]:
-    """Write every shard held here (weights and optimizer state) to ``<directory>/ps<i>.pt``,
-    atomically; returns the file's name and size. Each server writes its own file, so a
-    checkpoint's table data never travels through a trainer."""
-    server = _state()
-    payload = {
-        "server": server.name,
-        "num_servers": server.options.num_servers,
-        "tables": {name: shard.state_dict() for name, shard in server.shards.items()},
-    }
-    path = atomic_torch_save(payload, shard_file(directory, server.index))
-    return path.name, path.stat().st_size
+    """Write this server's shards to ``<directory>/ps<i>.pt`` (:meth:`_ServerState.save`)."""
+    return _state().save(directory)
 
 
 def ps_server_load(directory: str) -> None:
-    """Restore every shard held here from ``<directory>/ps<i>.pt`` (written by :func:`ps_server_save`
-    in a job with the same number of servers)."""
-    server = _state()
-    path = shard_file(directory, server.index)
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
-    except (OSError, RuntimeError) as err:
-        raise ConfigError(f"{server.name}: cannot load checkpoint {path}: {err}") from None
-    if payload.get("num_servers") != server.options.num_servers:
-        raise ConfigError(
-            f"{server.name}: checkpoint {path} was written by {payload.get('num_servers')} servers, "
-            f"this job has {server.options.num_servers} (resharding is not supported)"
-        )
-    ps_server_load_state_dict(payload["tables"])
+    """Restore this server's shards from ``<directory>/ps<i>.pt`` (:meth:`_ServerState.load`)."""
+    _state().load(directory)
 
 
 def ps_server_heartbeat(trainer: str) -> None:
@@ -202,7 +241,7 @@ def watch_trainers(state: _ServerState, timeout_s: float) -> None:
 @register_read
 def ps_server_tables() -> list[dict[str, Any]]:
     """Specs of the tables this server holds (the client builds its routing from them)."""
-    return [dataclasses.asdict(shard.spec) for shard in _state().shards.values()]
+    return _state().tables()
 
 
 def ps_server_abort(reason: str) -> None:
@@ -228,17 +267,13 @@ def ps_server_trainer_done(trainer: str) -> None:
 @register_read
 def ps_server_stats() -> dict[str, int]:
     """Request counts by operation since start (``requests`` is the total), and the PID."""
-    state = _state()
-    with state.counts_lock:
-        return {**state.counts, "pid": os.getpid()}
+    return _state().stats()
 
 
 def ps_server_set_latency(latency_ms: float) -> float:
     """Change the injected latency (benchmarks compare with a network-free reference on the same
     servers); returns the previous value in milliseconds."""
-    state = _state()
-    previous, state.latency_s = state.latency_s * 1000.0, latency_ms / 1000.0
-    return previous
+    return _state().set_latency(latency_ms)
 
 
 def serve(config: dict[str, Any]) -> None:

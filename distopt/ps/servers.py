@@ -10,7 +10,6 @@ from typing import Any
 
 from distopt.errors import ConfigError
 from distopt.ps.client import _client, flush
-from distopt.ps.futures import rpc_call
 from distopt.ps.server import (
     ps_server_load,
     ps_server_load_state_dict,
@@ -28,7 +27,7 @@ def _on_every_server(
     pending fetches and pushes are done; the results by server."""
     client = _client()
     flush()
-    futures = {s: rpc_call(s, fn, args(s), what=what, timeout_s=client.timeout_s) for s in client.servers}
+    futures = {s: client.call(s, fn, args(s), what=what, timeout_s=client.timeout_s) for s in client.servers}
     return {s: f.wait() for s, f in futures.items()}
 
 
@@ -62,7 +61,8 @@ def load_servers(directory: str) -> None:
 
 def server_stats(server: str) -> dict[str, int]:
     """Request counts of ``server`` by operation (``fetch``, ``fetch_many``, ``push``, ``requests``)."""
-    return rpc_call(server, ps_server_stats, (), what="stats", timeout_s=_client().timeout_s).wait()
+    client = _client()
+    return client.call(server, ps_server_stats, (), what="stats", timeout_s=client.timeout_s).wait()
 
 
 def set_latency_ms(latency_ms: float) -> None:

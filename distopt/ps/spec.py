@@ -15,6 +15,7 @@ from distopt.config import check
 
 Optimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
+BACKENDS: tuple[str, ...] = ("rpc", "ray")
 
 
 def server_name(index: int) -> str:
@@ -90,6 +91,10 @@ class TableSpec:
 class ServerOptions:
     """How the parameter-server processes of one job run."""
 
+    backend: str = "rpc"
+    """Transport and host of the servers: ``rpc`` (server processes in a ``torch.distributed.rpc``
+    group, TensorPipe) or ``ray`` (one Ray actor per server, :mod:`distopt.ps.ray_server`). Same
+    client API, ordering, errors and checkpoint files on both."""
     num_servers: int = 1
     """Number of server processes (``ps0 .. ps{n-1}``)."""
     seed: int = 0
@@ -103,7 +108,16 @@ class ServerOptions:
     """Network interface TensorPipe and gloo bind to (``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``);
     must carry ``host``."""
     num_worker_threads: int = 64
-    """RPC handler threads per server; concurrent requests beyond this queue."""
+    """Handler threads per server (RPC thread pool; a Ray actor's ``max_concurrency``);
+    concurrent requests beyond this queue."""
+    ray_address: str = "local"
+    """``ray`` backend: the Ray cluster to start actors on when this process has not called
+    ``ray.init`` yet (``local``: a private instance on ``host``, shut down with the servers)."""
+    ray_namespace: str = "distopt-ps"
+    """``ray`` backend: Ray namespace of the named server actors ``ps0 ..``."""
+    max_restarts: int = 0
+    """``ray`` backend: how often Ray restarts a dead server actor. A restarted server starts from
+    the seeded initial tables (load a checkpoint to resume), so 0 (fail the calls) by default."""
     transports: tuple[str, ...] = ("uv",)
     """TensorPipe transports, in preference order. ``uv`` (TCP, event-driven) by default: ``shm``
     dedicates a busy-polling reactor thread per process, which steals a whole core from the
@@ -121,6 +135,7 @@ class ServerOptions:
     stuck trainer never keeps the servers up forever."""
 
     def __post_init__(self) -> None:
+        check(self.backend in BACKENDS, "ps.backend", "one of " + ", ".join(BACKENDS), self.backend)
         check(self.num_servers >= 1, "ps.num_servers", "an integer >= 1", self.num_servers)
         check(self.latency_ms >= 0, "ps.latency_ms", "a number >= 0", self.latency_ms)
         check(bool(self.host), "ps.host", "a host address", self.host)
@@ -131,6 +146,9 @@ class ServerOptions:
         check(self.start_timeout_s > 0, "ps.start_timeout_s", "a number > 0", self.start_timeout_s)
         check(self.join_timeout_s > 0, "ps.join_timeout_s", "a number > 0", self.join_timeout_s)
         check(self.trainer_timeout_s > 0, "ps.trainer_timeout_s", "a number > 0", self.trainer_timeout_s)
+        check(bool(self.ray_address), "ps.ray_address", "a Ray address or 'local'", self.ray_address)
+        check(bool(self.ray_namespace), "ps.ray_namespace", "a non-empty string", self.ray_namespace)
+        check(self.max_restarts >= -1, "ps.max_restarts", "an integer >= -1 (-1: forever)", self.max_restarts)
 
 
 def check_tables(tables: tuple[TableSpec, ...] | list[TableSpec], num_servers: int) -> None:

@@ -1,0 +1,251 @@
+"""Parameter servers as Ray actors (``ps.backend: ray``): the same shards, updates and checkpoint
+files as the RPC server processes, reached through Ray instead of TensorPipe.
+
+Server ``i`` is the actor named ``ps{i}`` in the job's Ray namespace (``ServerOptions.ray_namespace``
+plus a per-job suffix, so consecutive jobs never meet a dying actor's name). Each actor wraps one
+:class:`distopt.ps.server._ServerState`, the object the RPC handlers delegate to: fetch, push,
+checkpoints, stats and latency injection are one code path on both backends, and a checkpoint
+written on one backend loads on the other.
+
+Actors are created by the launcher (:func:`distopt.ps.start_servers`), owned by it (they die with
+it: never an orphan), and killed by :func:`distopt.ps.stop_servers`. Ray restarts a dead actor
+``max_restarts`` times; a restarted actor starts from the seeded initial tables.
+
+Ordering. An actor runs ``max_concurrency = num_worker_threads`` calls at once (fetches of a slow
+server overlap, like the RPC thread pool), and a threaded Ray actor does **not** execute calls in
+submission order. Per-table ordering therefore never relies on Ray: the client sends a table's push
+only after the answers to that table's previous push and to every fetch issued before it have
+arrived, and a fetch only after the previous push's answer (:mod:`distopt.ps.client`). So at any
+moment the calls of one trainer that are in flight on an actor for one table are fetches only, which
+commute; calls for different tables touch different shards, each guarded by its own lock. Calls
+that address the whole server (state_dict, save, load, set_latency) are sent after
+:func:`distopt.ps.flush`. Across trainers there is no order, as with RPC.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from distopt import rendezvous
+from distopt.errors import RemoteCallError
+from distopt.ps import client, launch
+from distopt.ps.launch import LAUNCHER, PSJob
+from distopt.ps.ray_transport import RayTransport
+from distopt.ps.server import _ServerState, ps_server_tables
+from distopt.ps.spec import ServerOptions, TableSpec, server_name
+from distopt.rendezvous import StorePlan
+
+
+class PSServerActor:
+    """One parameter server: its shards and sparse optimizer state (wrapped by ``ray.remote``).
+
+    Methods mirror the RPC handlers ``distopt.ps.server.ps_server_*`` and delegate to the same
+    :class:`~distopt.ps.server._ServerState` methods.
+    """
+
+    def __init__(self, index: int, tables: list[dict[str, Any]], options: dict[str, Any]) -> None:
+        # Handlers are small index_select/index_add calls: one intra-op thread each avoids
+        # oversubscribing the cores that trainers and other servers share (as the RPC server).
+        torch.set_num_threads(1)
+        specs = tuple(TableSpec(**_tuples(t)) for t in tables)
+        self.state = _ServerState(index, specs, ServerOptions(**_tuples(options)))
+
+    def fetch(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        return self.state.fetch(table, ids)
+
+    def fetch_many(self, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        return self.state.fetch_many(requests)
+
+    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        self.state.push(table, ids, grads, lr)
+
+    def state_dict(self) -> dict[str, dict[str, Any]]:
+        return self.state.state_dict()
+
+    def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
+        self.state.load_state_dict(state)
+
+    def save(self, directory: str) -> tuple[str, int]:
+        return self.state.save(directory)
+
+    def load(self, directory: str) -> None:
+        self.state.load(directory)
+
+    def tables(self) -> list[dict[str, Any]]:
+        return self.state.tables()
+
+    def stats(self) -> dict[str, int]:
+        return self.state.stats()
+
+    def set_latency(self, latency_ms: float) -> float:
+        return self.state.set_latency(latency_ms)
+
+
+def _tuples(data: dict[str, Any]) -> dict[str, Any]:
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def ensure_ray(address: str, options: ServerOptions) -> bool:
+    """Connect this process to Ray at ``address`` unless it already is; whether it connected now.
+
+    ``local`` starts a private instance bound to ``options.host`` with no dashboard.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only head, nothing to guard
+    if address == "local":
+        ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False,
+                 _node_ip_address=options.host, log_to_driver=False)  # fmt: skip
+    else:
+        ray.init(address=address, log_to_driver=False)
+    return True
+
+
+_HANDLES: dict[str, list[Any]] = {}
+"""The actors of jobs started here, by namespace (held until :func:`stop_actors`)."""
+
+
+def start_actors(tables: Sequence[TableSpec], options: ServerOptions) -> tuple[str, str, bool]:
+    """Create the job's server actors; ``(ray address, namespace, whether Ray was started here)``.
+
+    Returns at once: the trainers' first calls (:func:`lookup_actors`) wait for the actors.
+    """
+    import ray
+
+    started = ensure_ray(options.ray_address, options)
+    namespace = f"{options.ray_namespace}-{uuid.uuid4().hex[:8]}"
+    actor_cls = ray.remote(PSServerActor)
+    specs = [dataclasses.asdict(t) for t in tables]
+    # Keep the handles: Ray destroys an unnamed-lifetime actor once no handle refers to it.
+    _HANDLES[namespace] = [
+        actor_cls.options(  # type: ignore[attr-defined]
+            name=server_name(index), namespace=namespace, num_cpus=0,
+            max_concurrency=options.num_worker_threads, max_restarts=options.max_restarts,
+        ).remote(index, specs, dataclasses.asdict(options))
+        for index in range(options.num_servers)
+    ]  # fmt: skip
+    address = ray.get_runtime_context().gcs_address
+    return address, namespace, started
+
+
+def lookup_actors(address: str, namespace: str, options: ServerOptions) -> dict[str, Any]:
+    """Handles of the job's actors by server name, once each answers (within ``start_timeout_s``)."""
+    import ray
+
+    ensure_ray(address, options)
+    names = [server_name(i) for i in range(options.num_servers)]
+    handles: dict[str, Any] = {}
+    for name in names:
+        try:
+            handles[name] = ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            raise RemoteCallError(f"ps.backend=ray: no actor {name!r} in namespace {namespace!r} "
+                                  f"of the Ray cluster at {address}") from None  # fmt: skip
+    pings = {name: h.stats.remote() for name, h in handles.items()}
+    ready, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=options.start_timeout_s)
+    late = [name for name, ref in pings.items() if ref not in ready]
+    if late:
+        raise RemoteCallError(f"ps.backend=ray: actors {', '.join(late)} did not start within "
+                              f"{options.start_timeout_s:g} s (ps.start_timeout_s)")  # fmt: skip
+    for name, ref in pings.items():
+        try:
+            ray.get(ref)
+        except Exception as err:
+            raise RemoteCallError(f"ps.backend=ray: actor {name} failed to start: {_first_line(err)}") from None
+    return handles
+
+
+def stop_actors(namespace: str, num_servers: int, *, shutdown_ray: bool) -> None:
+    """Kill the job's actors (no restart) and, if this process started Ray for them, stop Ray."""
+    import ray
+
+    _HANDLES.pop(namespace, None)
+    if not ray.is_initialized():
+        return
+    for index in range(num_servers):
+        try:
+            ray.kill(ray.get_actor(server_name(index), namespace=namespace), no_restart=True)
+        except ValueError:
+            pass  # already gone
+    if shutdown_ray:
+        ray.shutdown()
+
+
+# --- a job on actors: what distopt.ps.launch does for options.backend == "ray" --------------------
+
+_RAY_STARTED: dict[str, bool] = {}
+"""Jobs started here, by namespace: whether this process started Ray for them (and stops it)."""
+
+
+def start_job(tables: Sequence[TableSpec], options: ServerOptions, *, num_trainers: int) -> PSJob:
+    """``start_servers``: the server actors, and only the trainers' gloo store here (trainers of a
+    ``ray`` job form no RPC group)."""
+    wanted = StorePlan(host=options.host, hosted_by=LAUNCHER, rpc_port=None, gloo_port=0)
+    hosted = rendezvous.host_stores(wanted, me=LAUNCHER, timeout_s=options.join_timeout_s)
+    try:
+        address, namespace, started = start_actors(tables, options)
+    except BaseException:
+        hosted.close()
+        raise
+    launch._HOSTED[hosted.plan] = hosted
+    _RAY_STARTED[namespace] = started
+    return PSJob(plan=hosted.plan, num_trainers=num_trainers, options=options, ray_address=address,
+                 ray_namespace=namespace)  # fmt: skip
+
+
+def join(job: PSJob, name: str, *, rank: int, ddp: bool) -> None:
+    """``init_trainer``: find the actors and route the client through them. No heartbeat: the
+    actors belong to the launcher, which stops them (and they die with it)."""
+    if job.ray_address is None or job.ray_namespace is None:
+        raise RemoteCallError(f"{name}: ps.backend=ray but the job names no Ray cluster (start it "
+                              "with distopt.ps.start_servers)")  # fmt: skip
+    options = job.options
+    transport = RayTransport(lookup_actors(job.ray_address, job.ray_namespace, options))
+    try:
+        answers = [transport.call(s, ps_server_tables, (), what="tables", timeout_s=options.start_timeout_s)
+                   for s in job.servers]  # fmt: skip
+        routes = launch.routes_from(job, [answer.wait() for answer in answers])
+        client.connect(routes, rpc_timeout_s=options.rpc_timeout_s, call=transport.call,
+                       servers=tuple(job.servers))  # fmt: skip
+        if ddp:
+            rendezvous.init_gloo(job.plan, me=name, rank=rank, world_size=job.num_trainers,
+                                 timeout_s=options.start_timeout_s)  # fmt: skip
+    except BaseException:
+        client.disconnect()
+        transport.close()
+        raise
+    launch._JOINED.append(launch._Membership(job=job, name=name, transport=transport))
+
+
+def leave(transport: RayTransport, *, graceful: bool) -> None:
+    """``shutdown``: drain this trainer's calls (if ``graceful``), stop the transport, leave gloo."""
+    import torch.distributed as dist
+
+    try:
+        if graceful and client.is_connected():
+            client.flush()
+    finally:
+        client.disconnect()
+        transport.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def stop_job(job: PSJob) -> None:
+    """``stop_servers``: kill the actors; stop Ray if it was started for this job."""
+    assert job.ray_namespace is not None
+    started = _RAY_STARTED.pop(job.ray_namespace, False)
+    stop_actors(job.ray_namespace, job.num_servers, shutdown_ray=started)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return lines[0] if lines else type(err).__name__

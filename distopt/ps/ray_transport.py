@@ -1,0 +1,165 @@
+"""The client's calls to Ray server actors (``ps.backend: ray``): a twin of
+:func:`distopt.ps.futures.rpc_call` with the same signature and error semantics.
+
+``call(server, ps_server_fetch, args, ...)`` sends ``handle.fetch.remote(*args)`` to the actor
+named ``server``: the RPC handler function names the operation, so the client code is one for both
+backends. The answer completes a ``torch.futures.Future``; a failure completes it with a
+:class:`RemoteCallError` naming the actor and the server's one-line message, and a call with no
+answer within ``timeout_s`` (a stuck actor, or one Ray has not yet declared dead) fails with the
+same message as an RPC timeout.
+
+Threads: Ray runs an ``ObjectRef``'s done-callbacks on its own core-worker thread, where submitting
+more actor calls (which the client's ordering callbacks do) must not happen. So the callback only
+queues the answer; one reactor thread per transport completes the futures, runs their callbacks,
+and fails the calls whose deadline passed.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import heapq
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch.futures import Future
+
+from distopt.errors import RemoteCallError
+from distopt.ps import server as handlers
+
+METHODS: dict[Callable[..., Any], str] = {
+    handlers.ps_server_fetch: "fetch",
+    handlers.ps_server_fetch_many: "fetch_many",
+    handlers.ps_server_push: "push",
+    handlers.ps_server_state_dict: "state_dict",
+    handlers.ps_server_load_state_dict: "load_state_dict",
+    handlers.ps_server_save: "save",
+    handlers.ps_server_load: "load",
+    handlers.ps_server_stats: "stats",
+    handlers.ps_server_set_latency: "set_latency",
+    handlers.ps_server_tables: "tables",
+}
+"""RPC handler → the :class:`distopt.ps.ray_server.PSServerActor` method doing the same."""
+
+
+def ray_message(err: BaseException) -> str:
+    """The server-side exception as one line (``KeyError: ps0 holds no table 'x' ...``).
+
+    Ray wraps an actor method's exception in a ``RayTaskError`` whose ``cause`` is the original;
+    a dead actor raises ``ActorDiedError`` with a multi-line explanation.
+    """
+    import ray.exceptions
+
+    cause = getattr(err, "cause", None)
+    if isinstance(err, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
+        text = cause.args[0] if len(cause.args) == 1 and isinstance(cause.args[0], str) else str(cause)
+        first = text.strip().splitlines()[0] if text.strip() else ""
+        return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+    if isinstance(err, ray.exceptions.RayActorError):
+        return "the actor process exited or was killed (Ray: ActorDiedError)"
+    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+
+
+class RayTransport:
+    """Calls to the job's server actors, by server name (``handles``), completed on one thread."""
+
+    def __init__(self, handles: Mapping[str, Any]) -> None:
+        self.handles = dict(handles)
+        self._cond = threading.Condition()
+        self._answers: deque[tuple[int, concurrent.futures.Future[Any]]] = deque()
+        self._deadlines: list[tuple[float, int]] = []
+        self._pending: dict[int, tuple[Future, str, float]] = {}
+        """Call id → (its future, the error prefix naming the operation and actor, its timeout)."""
+        self._ids = itertools.count()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="distopt-ps-ray-reactor", daemon=True)
+        self._thread.start()
+
+    def call(self, server: str, fn: Callable[..., Any], args: tuple[Any, ...], *, what: str,
+             timeout_s: float) -> Future:  # fmt: skip
+        """``handle.<method>.remote(*args)`` as a future failing with a :class:`RemoteCallError`
+        that names ``server``; same signature as :func:`distopt.ps.futures.rpc_call`."""
+        out: Future = Future()
+        prefix = f"{what} on {server} failed"
+        try:
+            method = METHODS.get(fn)
+            if method is None:
+                raise RemoteCallError(f"{prefix}: {getattr(fn, '__name__', fn)!r} has no Ray actor method")
+            handle = self.handles.get(server)
+            if handle is None:
+                raise RemoteCallError(f"{prefix}: no server actor named {server!r}")
+            ref = getattr(handle, method).remote(*args)
+            answer = ref.future()
+        except Exception as err:  # reported at the wait, like every other failure
+            out.set_exception(err if isinstance(err, RemoteCallError) else RemoteCallError(f"{prefix}: {ray_message(err)}"))
+            return out
+        with self._cond:
+            key = next(self._ids)
+            self._pending[key] = (out, prefix, timeout_s)
+            heapq.heappush(self._deadlines, (time.monotonic() + timeout_s, key))
+            self._cond.notify()
+        answer.add_done_callback(lambda fut: self._queue(key, fut))
+        return out
+
+    def close(self) -> None:
+        """Stop the reactor; calls still pending fail (the client is leaving the job)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _queue(self, key: int, answer: concurrent.futures.Future[Any]) -> None:
+        """Ray's callback thread: hand the answer to the reactor, nothing else."""
+        with self._cond:
+            self._answers.append((key, answer))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._answers and not self._closed and not self._expired():
+                    wait_s = self._deadlines[0][0] - time.monotonic() if self._deadlines else None
+                    self._cond.wait(wait_s)
+                if self._closed:
+                    pending, self._pending = self._pending, {}
+                    break
+                answers = list(self._answers)
+                self._answers.clear()
+                done: list[tuple[tuple[Future, str, float] | None, concurrent.futures.Future[Any] | None]]
+                done = [(self._pending.pop(key, None), answer) for key, answer in answers]
+                done += [(self._pending.pop(key, None), None) for key in self._pop_expired()]
+            for entry, answer in done:
+                if entry is not None:  # None: already failed by its deadline, or answered
+                    _complete(*entry, answer)
+        for out, prefix, _ in pending.values():
+            out.set_exception(RemoteCallError(f"{prefix}: the client left the job"))
+
+    def _expired(self) -> bool:
+        return bool(self._deadlines) and self._deadlines[0][0] <= time.monotonic()
+
+    def _pop_expired(self) -> list[int]:
+        keys, now = [], time.monotonic()
+        while self._deadlines and self._deadlines[0][0] <= now:
+            _, key = heapq.heappop(self._deadlines)
+            if key in self._pending:
+                keys.append(key)
+        return keys
+
+
+def _complete(out: Future, prefix: str, timeout_s: float, answer: concurrent.futures.Future[Any] | None) -> None:
+    """Complete ``out`` with the actor's answer, its error, or (``answer is None``) the timeout."""
+    if answer is None:
+        out.set_exception(RemoteCallError(
+            f"{prefix}: no answer within {timeout_s:g} s (ps.rpc_timeout_s): the server is slow, "
+            "stuck or gone"))  # fmt: skip
+        return
+    try:
+        value = answer.result()
+    except Exception as err:
+        out.set_exception(RemoteCallError(f"{prefix}: {ray_message(err)}"))
+        return
+    out.set_result(value)

@@ -1,0 +1,179 @@
+"""The parameter server on Ray actors (``ps.backend: ray``) against a real loopback Ray instance:
+the same numerics, ordering, errors and checkpoints as the RPC backend."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import distopt
+import distopt.ps as ps
+from distopt.config import from_dict
+from distopt.errors import ConfigError, RemoteCallError
+from distopt.models.dlrm import DLRM, DLRMConfig, dlrm_tables, make_batch
+from distopt.passes.remote.nodes import remote_ops
+from distopt.ps.spec import ServerOptions, TableSpec
+from distopt.ps.table import ShardTable, initial_rows
+from distopt.remote.wait import is_wait
+from distopt.report import report_of
+
+ray = pytest.importorskip("ray")
+
+pytestmark = pytest.mark.slow
+
+SEED = 5
+TABLES = (
+    TableSpec(name="sgd", num_rows=10, dim=4),
+    TableSpec(name="ada", num_rows=12, dim=3, optimizer="adagrad"),
+    TableSpec(name="row", num_rows=9, dim=2, optimizer="rowwise_adagrad"),
+    TableSpec(name="dense", num_rows=3, dim=5, kind="dense"),
+)
+
+
+def _options(backend: str, **kwargs) -> ServerOptions:
+    defaults = {"num_servers": 2, "seed": SEED, "rpc_timeout_s": 10.0, "start_timeout_s": 30.0}
+    return ServerOptions(backend=backend, **{**defaults, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[None]:
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a loopback-only head, no dashboard
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+             log_to_driver=False)  # fmt: skip
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _train(steps: int = 3) -> dict[str, torch.Tensor]:
+    """Pushes and fetches of every table from fixed seeds; the tables afterwards."""
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(steps):
+        for spec in TABLES:
+            ids = torch.randint(0, spec.num_rows, (7,), generator=gen)
+            with torch.no_grad():
+                ps.fetch(spec.name, ids)
+            ps.push_async(spec.name, ids, torch.randn(7, spec.dim, generator=gen), lr=0.3)
+    with torch.no_grad():
+        return {spec.name: ps.fetch(spec.name) for spec in TABLES}
+
+
+def test_bad_backend_is_a_one_line_error_naming_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"^ps\.backend: expected one of rpc, ray, got 'x'$"):
+        ServerOptions(backend="x")
+    with pytest.raises(ConfigError, match=r"^ps\.backend: expected one of rpc, ray, got 'grpc'$"):
+        from_dict(ServerOptions, {"backend": "grpc"}, prefix="ps")
+
+
+def test_numerics_and_checkpoints_agree_across_backends(cluster, tmp_path: Path) -> None:
+    """Same seeds → bitwise-equal tables; a checkpoint of either backend resumes on the other."""
+    (tmp_path / "rpc").mkdir()
+    (tmp_path / "ray").mkdir()
+    with ps.local_job(TABLES, _options("rpc")):
+        on_rpc = _train()
+        ps.save_servers(str(tmp_path / "rpc"))
+    with ps.local_job(TABLES, _options("ray")) as job:
+        assert job.ray_namespace is not None and not job.pids
+        on_ray = _train()
+        assert all(torch.equal(on_rpc[t], on_ray[t]) for t in on_rpc)
+        ps.load_servers(str(tmp_path / "rpc"))  # resume the RPC job's checkpoint on actors
+        with torch.no_grad():
+            assert all(torch.equal(ps.fetch(t), on_rpc[t]) for t in on_rpc)
+        resumed = _train(steps=1)
+        saved_on_ray = ps.state_dict()
+        ps.save_servers(str(tmp_path / "ray"))
+    with ps.local_job(TABLES, _options("rpc")):
+        ps.load_servers(str(tmp_path / "ray"))  # and back: optimizer state included
+        loaded = ps.state_dict()
+        with torch.no_grad():
+            assert all(torch.equal(ps.fetch(t), resumed[t]) for t in resumed)
+    for server, shards in saved_on_ray.items():
+        for table, state in shards.items():
+            for key, value in state.items():
+                other = loaded[server][table][key]
+                assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+def test_interleaved_pushes_and_fetches_equal_the_sequential_reference(cluster) -> None:
+    """Nothing waited in between, slow threaded actors: every fetch sees exactly the pushes
+    issued before it (the client orders conflicting calls; Ray's execution order does not matter)."""
+    spec = TABLES[1]
+    reference = ShardTable(spec, shard=0, num_shards=1, seed=SEED)
+    gen = torch.Generator().manual_seed(2)
+    fetches, expected = [], []
+    with ps.local_job(TABLES, _options("ray", latency_ms=5)), torch.no_grad():
+        for step in range(12):
+            ids = torch.randint(0, spec.num_rows, (5,), generator=gen)
+            fetches.append(ps.fetch_async(spec.name, ids))
+            fetches.append(ps.fetch_async("sgd", torch.arange(10)))  # another table meanwhile
+            expected.append(reference.fetch(ids))
+            expected.append(initial_rows(TABLES[0], SEED))
+            grads = torch.randn(5, spec.dim, generator=gen)
+            ps.push_async(spec.name, ids, grads, lr=0.5)
+            reference.push(ids, grads, lr=0.5)
+            assert step or not fetches[0].done()  # truly in flight together
+        got = [ps.wait(f) for f in fetches]
+        final = ps.fetch(spec.name)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+    assert torch.equal(final, reference.weight)
+
+
+def test_batched_fetch_is_one_call_per_actor(cluster) -> None:
+    with ps.local_job(TABLES, _options("ray")), torch.no_grad():
+        before = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
+        rows = ps.wait(ps.fetch_many_async([("sgd", [0, 1, 2]), ("ada", [3, 4]), ("row", [8])]))
+        assert torch.equal(rows[1], initial_rows(TABLES[1], SEED)[[3, 4]])
+        for server in ("ps0", "ps1"):
+            after = ps.server_stats(server)
+            assert after["requests"] - before[server].get("requests", 0) == 1
+            assert after["fetch_many"] - before[server].get("fetch_many", 0) == 1
+
+
+def test_errors_name_the_actor_and_a_killed_actor_fails_within_the_timeout(cluster) -> None:
+    options = _options("ray", latency_ms=500, rpc_timeout_s=5.0)
+    with ps.local_job(TABLES, options), torch.no_grad():
+        with pytest.raises(ConfigError, match=r"unknown table 'nope'"):
+            ps.fetch("nope", [0])
+        with pytest.raises(RemoteCallError, match=r"^fetch of 'sgd' on ps1 failed: ConfigError: table 'sgd': row id 99 outside 0\.\.9$"):
+            ps.fetch("sgd", [2, 99])
+        pid = ps.server_stats("ps1")["pid"]
+        fut = ps.fetch_async("sgd", torch.arange(10))  # both shards, 500 ms each
+        os.kill(pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(RemoteCallError, match=r"fetch of 'sgd' on ps1 failed: the actor process exited"):
+            ps.wait(fut)
+        assert time.monotonic() - start < options.rpc_timeout_s
+        with pytest.raises(RemoteCallError, match="on ps1 failed"):  # later calls fail too
+            ps.fetch("sgd", [1])
+        ps.shutdown(graceful=False)  # the job is broken: leave without draining
+
+
+def test_optimize_hoists_and_batches_fetches_on_the_ray_backend(cluster) -> None:
+    config = DLRMConfig(num_tables=3, num_rows=50, embedding_dim=8, batch_size=6, bag_size=3)
+    options = ServerOptions(num_servers=1, backend="ray", latency_ms=2, start_timeout_s=30)
+    batch = make_batch(config, 0)
+    with ps.local_job(dlrm_tables(config), options):
+        torch.manual_seed(0)
+        model = DLRM(config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", distopt.DistoptFallbackWarning)
+            gm = distopt.optimize(model, (batch.dense, batch.sparse))
+        verification = report_of(gm).verification
+        assert verification.passed and verification.skipped is None, verification
+        nodes = list(gm.graph.nodes)
+        ops = remote_ops(gm.graph)
+        issues = [i for i, n in enumerate(nodes) if n in ops and n is ops[n].start]
+        waits = [i for i, n in enumerate(nodes) if is_wait(n)]
+        towers = [i for i, n in enumerate(nodes) if n.op == "call_module" and str(n.target).startswith("towers")]
+        assert len(issues) == 1, gm.code  # the three fetches batched into one request
+        assert issues[0] < min(towers) and waits and max(waits) > min(towers), gm.code
+        with torch.no_grad():
+            torch.testing.assert_close(gm(batch.dense, batch.sparse), model(batch.dense, batch.sparse), rtol=0, atol=0)
