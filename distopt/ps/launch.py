@@ -52,6 +52,7 @@ from distopt.errors import RemoteCallError
 from distopt.ps import client
 from distopt.ps.client import Route
 from distopt.ps.server import (
+    lists_as_tuples,
     ps_server_abort,
     ps_server_heartbeat,
     ps_server_tables,
@@ -269,8 +270,8 @@ def routes_from(job: PSJob, answers: list[list[dict[str, Any]]]) -> dict[str, Ro
     specs: dict[str, TableSpec] = {}
     for answer in answers:
         for data in answer:
-            data = {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-            specs[data["name"]] = TableSpec(**data)
+            spec = TableSpec(**lists_as_tuples(data))
+            specs[spec.name] = spec
     return {
         name: Route(spec, tuple(server_name(i) for i in spec.placement(job.num_servers)))
         for name, spec in specs.items()

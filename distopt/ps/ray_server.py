@@ -24,6 +24,7 @@ that address the whole server (state_dict, save, load, set_latency) are sent aft
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import uuid
@@ -36,7 +37,7 @@ from distopt import rendezvous
 from distopt.errors import RemoteCallError
 from distopt.ps import client, launch
 from distopt.ps.launch import LAUNCHER, PSJob
-from distopt.ps.ray_transport import RayTransport
+from distopt.ps.ray_transport import RayTransport, ray_message
 from distopt.ps.server import _ServerState, ps_server_tables
 from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.rendezvous import StorePlan
@@ -49,12 +50,11 @@ class PSServerActor:
     :class:`~distopt.ps.server._ServerState` methods.
     """
 
-    def __init__(self, index: int, tables: list[dict[str, Any]], options: dict[str, Any]) -> None:
+    def __init__(self, index: int, tables: tuple[TableSpec, ...], options: ServerOptions) -> None:
         # Handlers are small index_select/index_add calls: one intra-op thread each avoids
         # oversubscribing the cores that trainers and other servers share (as the RPC server).
         torch.set_num_threads(1)
-        specs = tuple(TableSpec(**_tuples(t)) for t in tables)
-        self.state = _ServerState(index, specs, ServerOptions(**_tuples(options)))
+        self.state = _ServerState(index, tables, options)
 
     def fetch(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         return self.state.fetch(table, ids)
@@ -87,10 +87,6 @@ class PSServerActor:
         return self.state.set_latency(latency_ms)
 
 
-def _tuples(data: dict[str, Any]) -> dict[str, Any]:
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-
-
 def ensure_ray(address: str, options: ServerOptions) -> bool:
     """Connect this process to Ray at ``address`` unless it already is; whether it connected now.
 
@@ -109,12 +105,21 @@ def ensure_ray(address: str, options: ServerOptions) -> bool:
     return True
 
 
-_HANDLES: dict[str, list[Any]] = {}
-"""The actors of jobs started here, by namespace (held until :func:`stop_actors`)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Started:
+    """Actors created here (held: Ray destroys an actor once no handle refers to it)."""
+
+    handles: list[Any]
+    started_ray: bool
+    """Whether this process started Ray for them (and stops it with them)."""
 
 
-def start_actors(tables: Sequence[TableSpec], options: ServerOptions) -> tuple[str, str, bool]:
-    """Create the job's server actors; ``(ray address, namespace, whether Ray was started here)``.
+_STARTED: dict[str, _Started] = {}
+"""Jobs started here, by namespace, until :func:`stop_job`."""
+
+
+def start_actors(tables: Sequence[TableSpec], options: ServerOptions) -> tuple[str, str]:
+    """Create the job's server actors; ``(ray address, namespace)``.
 
     Returns at once: the trainers' first calls (:func:`lookup_actors`) wait for the actors.
     """
@@ -123,17 +128,15 @@ def start_actors(tables: Sequence[TableSpec], options: ServerOptions) -> tuple[s
     started = ensure_ray(options.ray_address, options)
     namespace = f"{options.ray_namespace}-{uuid.uuid4().hex[:8]}"
     actor_cls = ray.remote(PSServerActor)
-    specs = [dataclasses.asdict(t) for t in tables]
-    # Keep the handles: Ray destroys an unnamed-lifetime actor once no handle refers to it.
-    _HANDLES[namespace] = [
+    handles = [
         actor_cls.options(  # type: ignore[attr-defined]
             name=server_name(index), namespace=namespace, num_cpus=0,
             max_concurrency=options.num_worker_threads, max_restarts=options.max_restarts,
-        ).remote(index, specs, dataclasses.asdict(options))
+        ).remote(index, tuple(tables), options)
         for index in range(options.num_servers)
     ]  # fmt: skip
-    address = ray.get_runtime_context().gcs_address
-    return address, namespace, started
+    _STARTED[namespace] = _Started(handles, started)
+    return ray.get_runtime_context().gcs_address, namespace
 
 
 def lookup_actors(address: str, namespace: str, options: ServerOptions) -> dict[str, Any]:
@@ -159,31 +162,11 @@ def lookup_actors(address: str, namespace: str, options: ServerOptions) -> dict[
         try:
             ray.get(ref)
         except Exception as err:
-            raise RemoteCallError(f"ps.backend=ray: actor {name} failed to start: {_first_line(err)}") from None
+            raise RemoteCallError(f"ps.backend=ray: actor {name} failed to start: {ray_message(err)}") from None
     return handles
 
 
-def stop_actors(namespace: str, num_servers: int, *, shutdown_ray: bool) -> None:
-    """Kill the job's actors (no restart) and, if this process started Ray for them, stop Ray."""
-    import ray
-
-    _HANDLES.pop(namespace, None)
-    if not ray.is_initialized():
-        return
-    for index in range(num_servers):
-        try:
-            ray.kill(ray.get_actor(server_name(index), namespace=namespace), no_restart=True)
-        except ValueError:
-            pass  # already gone
-    if shutdown_ray:
-        ray.shutdown()
-
-
 # --- a job on actors: what distopt.ps.launch does for options.backend == "ray" --------------------
-
-_RAY_STARTED: dict[str, bool] = {}
-"""Jobs started here, by namespace: whether this process started Ray for them (and stops it)."""
-
 
 def start_job(tables: Sequence[TableSpec], options: ServerOptions, *, num_trainers: int) -> PSJob:
     """``start_servers``: the server actors, and only the trainers' gloo store here (trainers of a
@@ -191,12 +174,11 @@ def start_job(tables: Sequence[TableSpec], options: ServerOptions, *, num_traine
     wanted = StorePlan(host=options.host, hosted_by=LAUNCHER, rpc_port=None, gloo_port=0)
     hosted = rendezvous.host_stores(wanted, me=LAUNCHER, timeout_s=options.join_timeout_s)
     try:
-        address, namespace, started = start_actors(tables, options)
+        address, namespace = start_actors(tables, options)
     except BaseException:
         hosted.close()
         raise
     launch._HOSTED[hosted.plan] = hosted
-    _RAY_STARTED[namespace] = started
     return PSJob(plan=hosted.plan, num_trainers=num_trainers, options=options, ray_address=address,
                  ray_namespace=namespace)  # fmt: skip
 
@@ -240,12 +222,15 @@ def leave(transport: RayTransport, *, graceful: bool) -> None:
 
 
 def stop_job(job: PSJob) -> None:
-    """``stop_servers``: kill the actors; stop Ray if it was started for this job."""
+    """``stop_servers``: kill the actors (no restart); stop Ray if it was started for this job."""
+    import ray
+
     assert job.ray_namespace is not None
-    started = _RAY_STARTED.pop(job.ray_namespace, False)
-    stop_actors(job.ray_namespace, job.num_servers, shutdown_ray=started)
-
-
-def _first_line(err: BaseException) -> str:
-    lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
-    return lines[0] if lines else type(err).__name__
+    started = _STARTED.pop(job.ray_namespace, None)
+    if started is None or not ray.is_initialized():
+        return
+    for handle in started.handles:
+        with contextlib.suppress(ray.exceptions.RayActorError):  # already gone
+            ray.kill(handle, no_restart=True)
+    if started.started_ray:
+        ray.shutdown()

@@ -284,7 +284,7 @@ def serve(config: dict[str, Any]) -> None:
     from distopt import rendezvous
 
     options = ServerOptions(**config["options"])
-    tables = tuple(TableSpec(**_tuples(t)) for t in config["tables"])
+    tables = tuple(TableSpec(**lists_as_tuples(t)) for t in config["tables"])
     plan = rendezvous.StorePlan(**config["plan"])
     index = int(config["index"])
     name = server_name(index)
@@ -330,7 +330,8 @@ def _exit_with_launcher(launcher_pid: int | None) -> None:
     threading.Thread(target=watch, name="distopt-ps-launcher-watch", daemon=True).start()
 
 
-def _tuples(data: dict[str, Any]) -> dict[str, Any]:
+def lists_as_tuples(data: dict[str, Any]) -> dict[str, Any]:
+    """A spec's fields from JSON or a handler's answer, with lists back as the tuples they were."""
     return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
 
 
