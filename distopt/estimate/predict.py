@@ -218,9 +218,12 @@ def pipeline_window_s(forward: Prediction, measured_step_s: float | None, stalen
     """How much earlier than within one step a pipeline sends a batch's reads.
 
     Exact mode sends them after the previous step's pushes, so only that step's optimizer update
-    (not modelled: 0) is gained. With ``staleness`` s >= 1 they leave before the previous step's
-    backward and s − 1 whole steps before that. Backward is the measured forward+backward less
-    the predicted forward of the model as written (the forward's compute when nothing was measured).
+    (not modelled: 0) is gained. With ``staleness`` s >= 1 they are issued before the previous
+    step's backward and s − 1 whole steps before that, but a table's read leaves only once the
+    push issued before it is done (:mod:`distopt.ps.ordering`), one latency after the step before
+    ended: the window is ``s·step − max(forward, latency)``. Backward is the measured
+    forward+backward less the predicted forward of the model as written (the forward's compute
+    when nothing was measured).
     """
     if staleness == 0:
         return 0.0
@@ -229,7 +232,7 @@ def pipeline_window_s(forward: Prediction, measured_step_s: float | None, stalen
     else:
         backward = max(0.0, measured_step_s - forward.before_s)
     step = forward.after_s + backward
-    return backward + (staleness - 1) * step
+    return max(0.0, staleness * step - max(forward.after_s, forward.rpc_latency_s))
 
 
 def staleness_to_hide(forward: Prediction, measured_step_s: float | None, *, limit: int) -> int:

@@ -226,7 +226,7 @@ def train(
         split = pipeline_split(trained)
         trained = split.main
         prefetcher = Prefetcher(split, batches, staleness=config.pipeline.staleness,
-                                inputs=lambda b: b.inputs,
+                                inputs=lambda b: b.inputs, deterministic=config.deterministic,
                                 to_device=lambda b: job_device.to_device(b, device, keep=keep))
     group = job_device.data_parallel_group(device)
     trained = _parallelize(trained, example, config, device=device, group=group)

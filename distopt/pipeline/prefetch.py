@@ -8,17 +8,23 @@ calls it sets how stale the prefetched rows may be:
   operations in issue order (:mod:`distopt.ps.client`), so the next batch's rows are what a
   sequential run would read.
 * ``staleness=s >= 1``: before a step's backward, for the batch ``s`` steps ahead; its rows miss at
-  most the pushes of the ``s`` steps in between.
+  most the pushes of the ``s`` steps in between. These fetches are issued as
+  stale reads and pushes do not wait for each other (:mod:`distopt.ps.ordering`): a push may
+  reach the server before an earlier prefetch, making its rows fresher, never staler. With
+  ``deterministic=True`` the issue order is kept instead: slower (a table's prefetch and push
+  then chain), but the run repeats bitwise and the counted staleness is exact.
 
 Staleness is counted, not assumed: every push this trainer issues is numbered per table
 (:func:`distopt.ps.client.on_push`), and when a batch is taken each of its fetched rows counts the
-pushes of that row issued after its fetch. Memory is measured the same way: the bytes of every
+pushes of that row issued after its fetch. Without ``deterministic`` this is an upper bound for
+``staleness >= 1`` (a push issued after the fetch may still have reached the server first). Memory is measured the same way: the bytes of every
 prefetched result that has arrived and waits to be used, and the bytes one batch's rows take.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
@@ -117,10 +123,13 @@ class Prefetcher(Generic[B]):
         staleness: int,
         inputs: Callable[[B], Sequence[Any]],
         to_device: Callable[[B], B] | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.split = split
         self.batches = batches
         self.staleness = staleness
+        self.relaxed = staleness >= 1 and not deterministic
+        """Whether prefetches and pushes skip the exact issue order (see the module)."""
         self.inputs = inputs
         self.to_device = to_device
         self.stats = PipelineStats()
@@ -129,6 +138,9 @@ class Prefetcher(Generic[B]):
         self._journal = PushJournal()
         self._last: list[Issued] = []
         self._stop_listening = ps.client.on_push(self._journal.record) if ps.client.is_connected() else None
+        self._exact_pushes: bool | None = None
+        if self.relaxed and ps.client.is_connected():
+            self._exact_pushes = not ps.client.set_stale_pushes(True)
 
     def fill(self) -> None:
         """Issue the prefetch stage of the next batches until ``max(1, staleness)`` are in flight."""
@@ -144,7 +156,8 @@ class Prefetcher(Generic[B]):
                 break
             if self.to_device is not None:
                 batch = self.to_device(batch)
-            with torch.no_grad():
+            stale = ps.ordering.stale_reads() if self.relaxed else contextlib.nullcontext()
+            with torch.no_grad(), stale:
                 issued = [(f, tuple(a), dict(k)) for f, a, k in self.split.prefetch(*self.inputs(batch))]
             clocks = {table: self._journal.clock[table] for table, _ in _ps_requests(issued)}
             self._queue.append(_InFlight(batch, issued, clocks))
@@ -155,6 +168,7 @@ class Prefetcher(Generic[B]):
         if not self._queue:
             self._issue_ahead()
         if not self._queue:
+            self.close()  # back to exact pushes even if the caller never closes
             raise StopIteration
         entry = self._queue.popleft()
         for table, ids in _ps_requests(entry.issued):
@@ -192,4 +206,7 @@ class Prefetcher(Generic[B]):
         if self._stop_listening is not None:
             self._stop_listening()
             self._stop_listening = None
+        if self._exact_pushes:
+            ps.client.set_stale_pushes(False)
+            self._exact_pushes = None
         self._queue.clear()

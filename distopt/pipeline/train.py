@@ -16,6 +16,8 @@ One step: take the batch in hand (its reads in flight since an earlier step), ru
 then ``backward``, ``push`` and the optimizer step. With ``staleness >= 1`` the batch ``staleness``
 steps ahead is prefetched before ``backward``; with ``staleness=0`` the next batch is prefetched
 right after ``push``, which makes the run bitwise equal to the optimized model without a pipeline.
+``staleness >= 1`` lets pushes and prefetches overtake each other, so results vary run to run
+within the bound; ``deterministic=True`` keeps the issue order (repeatable, but slower).
 The job's trainer (``pipeline:`` in a job config) uses the same :class:`Prefetcher` in its loop.
 """
 
@@ -94,8 +96,10 @@ class TrainPipeline:
         inputs: Callable[[Any], Sequence[Any]] = _default_inputs,
         push: Callable[[], Any] | None = None,
         to_device: Callable[[Any], Any] | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.staleness = check_staleness(staleness)
+        self.deterministic = deterministic
         self.split = pipeline_split(model)
         self.model = self.split.main
         self.optimizer = optimizer
@@ -119,7 +123,8 @@ class TrainPipeline:
             if self._data_iter is None:
                 raise ConfigError("TrainPipeline.progress: no data_iter (pass one here or to the constructor)")
             self._prefetcher = Prefetcher(self.split, self._data_iter, staleness=self.staleness,
-                                          inputs=self.inputs, to_device=self.to_device)
+                                          inputs=self.inputs, to_device=self.to_device,
+                                          deterministic=self.deterministic)
             self._prefetcher.fill()
         return self._prefetcher
 

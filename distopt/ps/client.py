@@ -15,10 +15,9 @@ Asynchronous counterparts (what the passes emit, or a hand-optimized model calls
 Registration for the graph passes (``fetch`` a read, ``push`` a write, per table): see
 :mod:`distopt.ps.registration`.
 
-Ordering (so hoisting reads and deferring pushes never changes results): per table, each operation
-takes effect on the servers in the order this process issued it. A fetch is sent once the table's
-previous push has completed; a push once the previous push and every fetch issued before it have
-completed. Fetches of a table run concurrently with each other.
+Ordering: per table, operations take effect in the order this process issued them, so hoisting
+reads and deferring pushes never changes results; the pipeline's stale mode relaxes it (see
+:mod:`distopt.ps.ordering`).
 
 Errors: anything raised on a server surfaces at the wait as :class:`RemoteCallError` with the
 server's name and its one-line message; a dead server fails the wait within ``rpc_timeout_s``.
@@ -51,6 +50,7 @@ from torch.futures import Future
 from distopt.errors import ConfigError, RemoteCallError
 from distopt.ps import context
 from distopt.ps.futures import FetchFuture, after, gather, rpc_call, when_all
+from distopt.ps.ordering import TableOrder, in_stale_reads
 from distopt.ps.server import (
     ps_server_fetch,
     ps_server_fetch_many,
@@ -83,8 +83,8 @@ class _Client:
         """How every request reaches a server; the ordering below is the same for any transport."""
         self.known_servers = servers
         self.lock = threading.Lock()
-        self.last_write: dict[str, Future] = {}
-        self.reads: dict[str, list[Future]] = {}
+        self.order = TableOrder()
+        """What each new fetch or push waits for; guarded by ``lock``."""
         self.device = torch.device("cpu")
         self.copy_stream: Any = None
         """CUDA stream of host-to-device row copies (made on the first fetch to a GPU)."""
@@ -149,6 +149,13 @@ def set_device(device: torch.device | str) -> None:
 
 
 _WAITED = [0.0]
+def set_stale_pushes(on: bool) -> bool:
+    """Let pushes overtake the table's earlier pushes (``on``) or keep issue order; returns the
+    previous setting. The pipeline turns it on for ``staleness >= 1`` (see the module)."""
+    client = _client()
+    with client.lock:
+        previous, client.order.stale_pushes = client.order.stale_pushes, bool(on)
+    return previous
 
 
 def take_wait_time() -> float:
@@ -244,7 +251,8 @@ def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
             per_server.setdefault(route.servers[shard], []).append((index, pos, table, shard_ids))
     tables = [t for t, _, _ in resolved]
     label = f"ps.fetch:{tables[0]}" if single else f"ps.fetch_many:{'+'.join(tables)}"
-    out = FetchFuture(tuple((t, ids) for t, ids, _ in resolved), single=single, label=label)
+    out = FetchFuture(tuple((t, ids) for t, ids, _ in resolved), single=single, label=label,
+                      stale=in_stale_reads())
     plan = list(per_server.items())
 
     def start() -> Future:
@@ -276,11 +284,7 @@ def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
         return shaped[0] if single else shaped
 
     with client.lock:
-        pending = {t: client.last_write[t] for t in tables if t in client.last_write}
-        writes = list({id(f): f for f in pending.values()}.values())
-        for table in tables:
-            live = [r for r in client.reads.get(table, []) if not r.done()]
-            client.reads[table] = [*live, out]
+        writes = client.order.fetch(tables, out)
     after(out, writes=writes, reads=(), start=start, finish=finish, what=label)
     return out
 
@@ -337,12 +341,8 @@ def push_async(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> Future:
     for listener in list(client.push_listeners):
         listener(table, flat)
     with client.lock:
-        previous = client.last_write.get(table)
-        reads = [r for r in client.reads.get(table, []) if not r.done()]
-        client.reads[table] = []
-        client.last_write[table] = out
-    after(out, writes=[previous] if previous is not None else [], reads=reads, start=start,
-          finish=lambda _: None, what=label)
+        writes, reads = client.order.push(table, out)
+    after(out, writes=writes, reads=reads, start=start, finish=lambda _: None, what=label)
     return out
 
 
@@ -376,7 +376,7 @@ def flush() -> None:
     """Wait for every fetch and push this process issued (before a checkpoint or shutdown)."""
     client = _client()
     with client.lock:
-        pending = [*client.last_write.values(), *(r for rs in client.reads.values() for r in rs)]
+        pending = client.order.pending()
     done = threading.Event()
     when_all(pending, done.set)
     done.wait()

@@ -165,11 +165,14 @@ class FetchFuture(Future):
     :func:`distopt.ps.push_gradients`; ``fut.wait()`` returns the raw rows (no recording).
     """
 
-    def __init__(self, requests: tuple[tuple[str, torch.Tensor], ...], *, single: bool, label: str) -> None:
+    def __init__(self, requests: tuple[tuple[str, torch.Tensor], ...], *, single: bool, label: str,
+                 stale: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.requests = requests
         self.single = single
         self.label = label
+        self.stale = stale
+        """Issued under :func:`distopt.ps.client.stale_reads`: later pushes do not wait for it."""
         self._leaves: Any = None
         self._leaves_lock = threading.Lock()
         self.copied: Any = None

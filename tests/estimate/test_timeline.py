@@ -86,3 +86,23 @@ def test_the_staleness_to_hide_is_the_least_whose_window_covers_the_latency() ->
     assert pipeline_window_s(forward, step, chosen - 1) < 0.050 <= pipeline_window_s(forward, step, chosen)
     assert staleness_to_hide(forward, forward.before_s + 0.060, limit=8) == 1
     assert staleness_to_hide(forward, step, limit=1) == 1  # capped: the caller's bound wins
+
+
+def test_a_read_waits_for_the_previous_push_so_a_long_latency_shrinks_the_window() -> None:
+    """A table's prefetch leaves once the previous step's push is done (distopt.ps.ordering)."""
+    import dataclasses
+
+    from distopt.estimate.predict import Prediction, pipeline_window_s, staleness_to_hide
+
+    _, before, after, _ = graphs()
+    costs = _synthetic_costs(after, 0.001)
+    forward = Prediction(before=simulate(before, costs, 0.050), after=simulate(after, costs, 0.050),
+                         rpc_latency_s=0.050, after_costs=costs)
+    slow = dataclasses.replace(forward, rpc_latency_s=forward.after_s + 0.040)
+    measured = slow.before_s + 0.030
+    step = slow.after_s + 0.030
+    assert pipeline_window_s(slow, measured, 1) == pytest.approx(max(0.0, step - slow.rpc_latency_s))
+    assert pipeline_window_s(slow, measured, 3) == pytest.approx(3 * step - slow.rpc_latency_s)
+    chosen = staleness_to_hide(slow, measured, limit=8)
+    assert pipeline_window_s(slow, measured, chosen - 1) < slow.rpc_latency_s
+    assert pipeline_window_s(slow, measured, chosen) >= slow.rpc_latency_s

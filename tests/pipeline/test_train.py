@@ -45,13 +45,13 @@ def _sequential(server) -> tuple[list[float], dict, dict]:
     return losses, gm.state_dict(), opt.state_dict()
 
 
-def _pipelined(server, staleness: int) -> tuple[list[float], dict, dict, TrainPipeline]:
+def _pipelined(server, staleness: int, deterministic: bool = False) -> tuple[list[float], dict, dict, TrainPipeline]:
     ps.load_state_dict(server)
     batches = _batches()
     gm = optimized_dlrm(_inputs(batches[0]))
     opt = torch.optim.Adam(gm.parameters(), lr=0.01)
     pipe = TrainPipeline(gm, opt, iter(batches), staleness=staleness, loss_fn=_loss, inputs=_inputs,
-                         push=lambda: ps.push_gradients(lr=LR))
+                         push=lambda: ps.push_gradients(lr=LR), deterministic=deterministic)
     losses = [out.loss.item() for out in pipe.run()]
     pipe.close()
     ps.flush()
@@ -89,6 +89,17 @@ def test_rows_miss_at_most_staleness_updates_and_the_count_is_measured(server, s
     # Extra memory: prefetched rows waiting for their step, at most one batch's rows per stage.
     assert 0 < stats.batch_bytes_max
     assert stats.inflight_bytes_max <= staleness * stats.batch_bytes_max
+
+
+def test_deterministic_stale_runs_repeat_bitwise_and_pushes_are_ordered_again_after(server) -> None:
+    first_losses, first_params, _, first = _pipelined(server, staleness=1, deterministic=True)
+    first_tables = ps.state_dict()
+    losses, params, _, pipe = _pipelined(server, staleness=1, deterministic=True)
+    assert losses == first_losses and _equal(params, first_params)
+    assert _equal(ps.state_dict(), first_tables)
+    assert pipe.stats.staleness_max == 1 == first.stats.staleness_max
+    _pipelined(server, staleness=1)  # relaxed: pushes may overtake each other while it runs
+    assert ps.client.set_stale_pushes(False) is False  # and the issue order is back after it
 
 
 def test_the_data_ends_cleanly_between_steps(server) -> None:

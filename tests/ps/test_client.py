@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -11,7 +12,7 @@ import torch.distributed.rpc as rpc
 import distopt.ps as ps
 from distopt.capture import DistoptTracer
 from distopt.errors import ConfigError, RemoteCallError
-from distopt.ps.server import ps_server_fetch
+from distopt.ps.server import ps_server_fetch, ps_server_set_latency
 from distopt.ps.spec import ServerOptions, TableSpec
 from distopt.ps.table import ShardTable, initial_rows
 from distopt.remote import effect_of, lookup
@@ -27,6 +28,7 @@ TABLES = (
     TableSpec(name="ckpt", num_rows=6, dim=2, optimizer="adagrad"),
     TableSpec(name="bag", num_rows=20, dim=4),
     TableSpec(name="dense", num_rows=3, dim=5, kind="dense"),
+    TableSpec(name="stale", num_rows=8, dim=2),
 )
 
 
@@ -80,6 +82,47 @@ def test_async_push_then_fetch_sees_the_push(job: ps.PSJob) -> None:
             after = ps.fetch("order", ids)
         torch.testing.assert_close(after, before[ids] - (step + 1))
     ps.wait(push)
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_stale_read_sees_earlier_pushes_and_does_not_hold_back_later_ones(job: ps.PSJob, stale: bool) -> None:
+    """Odd ids live on ps1, made slow (1 s); a push of even ids (ps0) issued after a slow read of
+    the same table waits for it, unless the read was issued as stale."""
+    with torch.no_grad():
+        before = ps.fetch("stale")
+    ps.push_async("stale", torch.tensor([1, 3]), torch.ones(2, 2), lr=1.0)  # in flight, 20 ms
+    rpc.rpc_sync("ps1", ps_server_set_latency, args=(1000.0,))
+    try:
+        with ps.ordering.stale_reads() if stale else contextlib.nullcontext(), torch.no_grad():
+            read = ps.fetch_async("stale", torch.tensor([1, 3]))
+        push = ps.push_async("stale", torch.tensor([0, 2]), torch.ones(2, 2), lr=1.0)
+        ps.wait(push)
+        assert read.done() is not stale  # exact reads hold the push back; stale ones do not
+        rows = read.wait()
+    finally:
+        rpc.rpc_sync("ps1", ps_server_set_latency, args=(20.0,))
+    torch.testing.assert_close(rows, before[[1, 3]] - 1)  # the push issued before it is seen
+    with torch.no_grad():
+        torch.testing.assert_close(ps.fetch("stale"), before - torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0])[:, None])
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_stale_pushes_overtake_earlier_pushes_and_fetches_still_see_all(job: ps.PSJob, stale: bool) -> None:
+    with torch.no_grad():
+        before = ps.fetch("stale")
+    rpc.rpc_sync("ps1", ps_server_set_latency, args=(1000.0,))
+    previous = ps.client.set_stale_pushes(stale)
+    try:
+        slow = ps.push_async("stale", torch.tensor([1, 3]), torch.ones(2, 2), lr=1.0)  # ps1: 1 s
+        fast = ps.push_async("stale", torch.tensor([0, 2]), torch.ones(2, 2), lr=1.0)
+        ps.wait(fast)
+        assert slow.done() is not stale
+        with torch.no_grad():
+            after = ps.fetch("stale", torch.tensor([0, 1, 2, 3]))  # waits for both pushes
+    finally:
+        ps.client.set_stale_pushes(previous)
+        rpc.rpc_sync("ps1", ps_server_set_latency, args=(20.0,))
+    torch.testing.assert_close(after, before[:4] - 1)
 
 
 def test_batched_fetch_is_one_request_per_server(job: ps.PSJob) -> None:

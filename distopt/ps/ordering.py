@@ -1,0 +1,79 @@
+"""Which earlier operations of a table each new fetch or push waits for (one trainer's view).
+
+Exact (the default, so hoisting reads and deferring pushes never changes results): per table,
+each operation takes effect on the servers in the order this process issued it. A fetch is sent
+once every push issued before it has completed; a push once the earlier pushes and every fetch
+issued before it have completed. Fetches of a table run concurrently with each other.
+
+Stale (the pipeline with ``staleness >= 1``) drops the rules that make results exact but keep the
+network in the step: fetches issued inside :func:`stale_reads` do not hold back later pushes, and
+with ``stale_pushes`` on a push does not wait for the table's earlier pushes (they may apply in
+either order: summed updates, with Adagrad rounded differently). A fetch still waits for every
+push issued before it, so it misses none of them; it may see pushes issued after it, which only
+makes it less stale. Without this a table's prefetch, push and next prefetch form a serial chain
+of round trips per step that no staleness can hide::
+
+    exact:  fetch(t+s) ─▶ push(t) ─▶ fetch(t+s+1) ─▶ push(t+1)      two round trips per step
+    stale:  push(t-1) ─▶ fetch(t+s);  push(t) beside fetch(t+s) and push(t-1)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+
+from torch.futures import Future
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def stale_reads() -> Iterator[None]:
+    """Fetches issued in this thread inside the block do not hold back later pushes."""
+    previous = in_stale_reads()
+    _LOCAL.stale = True
+    try:
+        yield
+    finally:
+        _LOCAL.stale = previous
+
+
+def in_stale_reads() -> bool:
+    """Whether this thread is inside :func:`stale_reads`."""
+    return bool(getattr(_LOCAL, "stale", False))
+
+
+def _live(futures: dict[str, list[Future]], table: str) -> list[Future]:
+    return [f for f in futures.get(table, []) if not f.done()]
+
+
+class TableOrder:
+    """The operations still in flight per table; callers hold their own lock around each call."""
+
+    def __init__(self) -> None:
+        self.writes: dict[str, list[Future]] = {}
+        self.reads: dict[str, list[Future]] = {}
+        self.stale_pushes = False
+        """Whether a push may overtake the table's earlier pushes."""
+
+    def fetch(self, tables: Sequence[str], out: Future) -> list[Future]:
+        """Record fetch ``out`` of ``tables`` (``out.stale``: issued in :func:`stale_reads`);
+        returns the pushes it must wait for."""
+        pending = {id(w): w for t in tables for w in _live(self.writes, t)}
+        for table in tables:
+            self.reads[table] = [*_live(self.reads, table), out]
+        return list(pending.values())
+
+    def push(self, table: str, out: Future) -> tuple[list[Future], list[Future]]:
+        """Record push ``out`` of ``table``; returns the (pushes, fetches) it must wait for."""
+        earlier = _live(self.writes, table)
+        self.writes[table] = [*earlier, out]
+        live = _live(self.reads, table)
+        exact = [r for r in live if not getattr(r, "stale", False)]
+        self.reads[table] = [r for r in live if getattr(r, "stale", False)]  # still flushed
+        return ([] if self.stale_pushes else earlier), exact
+
+    def pending(self) -> list[Future]:
+        """Every fetch and push not yet known done (what a flush waits for)."""
+        return [f for futures in (*self.writes.values(), *self.reads.values()) for f in futures]
