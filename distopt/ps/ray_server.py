@@ -15,9 +15,10 @@ Ordering. An actor runs ``max_concurrency = num_worker_threads`` calls at once (
 server overlap, like the RPC thread pool), and a threaded Ray actor does **not** execute calls in
 submission order. Per-table ordering therefore never relies on Ray: the client sends a table's push
 only after the answers to that table's previous push and to every fetch issued before it have
-arrived, and a fetch only after the previous push's answer (:mod:`distopt.ps.client`). So at any
+arrived, and a fetch only after the previous push's answer (:mod:`distopt.ps.ordering`). So at any
 moment the calls of one trainer that are in flight on an actor for one table are fetches only, which
-commute; calls for different tables touch different shards, each guarded by its own lock. Calls
+commute; calls for different tables touch different shards, each guarded by its own lock. (A
+pipeline's stale mode lets pushes overtake on purpose; the same holds on RPC.) Calls
 that address the whole server (state_dict, save, load, set_latency) are sent after
 :func:`distopt.ps.flush`. Across trainers there is no order, as with RPC.
 """
