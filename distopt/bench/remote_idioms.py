@@ -3,7 +3,8 @@
 For each idiom (a module with ``build(seed, hand=False)`` and ``remote_parameters(model)``, e.g.
 the corpus in ``tests/remote/corpus``) the RPC group's servers answer every request after the
 injected latency, and this process trains three variants of the same model with
-``dist_autograd`` and a ``DistributedOptimizer``, interleaved in rounds (the order rotates): the
+``dist_autograd`` and a ``DistributedOptimizer``, interleaved step by step in rounds (the order
+rotates each round): the
 model as written (blocking calls), its distopt-optimized GraphModule, and the hand-written async
 model. H = (T_base − T_opt) / (T_base − T_hand) of median step times: the share of the hand-written
 version's hidden latency that distopt hides too.
@@ -57,6 +58,9 @@ class RemoteIdiomsConfig:
     warmup: int = 3
     lr: float = 0.05
     target_hidden: float = 0.8
+    target_ratio_vs_hand: float = 0.98
+    """Where the hand-written model hides under 5% of the step (H is then noise over noise): the
+    optimized model's QPS over the hand-written one's (2% noise allowance, as in ps_overlap)."""
 
     def __post_init__(self) -> None:
         check(bool(self.idioms), "idioms", "at least one idiom module", self.idioms)
@@ -65,16 +69,14 @@ class RemoteIdiomsConfig:
         check(self.steps > self.warmup >= 0, "steps", f"an integer > warmup ({self.warmup})", self.steps)
 
 
-def _train_chunk(model: torch.nn.Module, optimizer: Any, batches: list, loss: Callable) -> list[float]:
-    times = []
-    for (dense, ids), target in batches:
-        start = time.perf_counter()
-        with dist_autograd.context() as context:
-            value = loss(model(dense, ids), target)
-            dist_autograd.backward(context, [value])
-            optimizer.step(context)
-        times.append(time.perf_counter() - start)
-    return times
+def _train_step(model: torch.nn.Module, optimizer: Any, batch: Any, loss: Callable) -> float:
+    (dense, ids), target = batch
+    start = time.perf_counter()
+    with dist_autograd.context() as context:
+        value = loss(model(dense, ids), target)
+        dist_autograd.backward(context, [value])
+        optimizer.step(context)
+    return time.perf_counter() - start
 
 
 def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
@@ -101,11 +103,15 @@ def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
         for s in range(bench.steps)
     ]
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    # Interleaved per step, not per chunk: with ~1 ms to hide in a ~20 ms step (the chained
+    # idiom), load drifting between chunks moved H by more than the effect itself.
     for round_index in range(bench.rounds):
         order = VARIANTS[round_index % 3:] + VARIANTS[: round_index % 3]
-        for variant in order:
-            chunk = _train_chunk(models[variant], optimizers[variant], batches, common.loss)
-            times[variant].extend(chunk[bench.warmup:])
+        for step, batch in enumerate(batches):
+            for variant in order:
+                took = _train_step(models[variant], optimizers[variant], batch, common.loss)
+                if step >= bench.warmup:
+                    times[variant].append(took)
     t_base, t_opt, t_hand = (median(times[v]) for v in VARIANTS)
     hideable = t_base - t_hand
     hidden = (t_base - t_opt) / hideable if hideable > 0.05 * t_base else None
@@ -114,6 +120,7 @@ def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
         "median_step_s": {v: median(times[v]) for v in VARIANTS},
         "step_times_s": times,
         "hidden": hidden,
+        "opt_vs_hand_qps": t_hand / t_opt,
         "optimize_s": optimize_s,
     }
 
@@ -121,13 +128,17 @@ def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
 def _table(results: list[dict[str, Any]], bench: RemoteIdiomsConfig) -> Table:
     table = Table(title=f"remote_idioms: median step ms (dist_autograd), {bench.latency_ms:g} ms server latency; "
                   "H = share of the hand-written async model's hidden latency distopt hides")
-    for col in ("idiom", "baseline", "optimized", "hand", "opt speed-up", "H"):
+    for col in ("idiom", "baseline", "optimized", "hand", "opt speed-up", "H", "opt/hand"):
         table.add_column(col, justify="left" if col == "idiom" else "right")
     for r in results:
         ms = {v: r["median_step_s"][v] * 1e3 for v in VARIANTS}
         h = r["hidden"]
         cell = "n/a" if h is None else (f"{h:.2f}" if h >= bench.target_hidden else f"[red]{h:.2f}[/red]")
-        table.add_row(r["idiom"], *(f"{ms[v]:.2f}" for v in VARIANTS), f"{ms['baseline'] / ms['optimized']:.2f}×", cell)
+        ratio = r["opt_vs_hand_qps"]
+        scored = h is None  # the ratio is the target only where H is not
+        ratio_cell = f"{ratio:.2f}" if not scored or ratio >= bench.target_ratio_vs_hand else f"[red]{ratio:.2f}[/red]"
+        table.add_row(r["idiom"], *(f"{ms[v]:.2f}" for v in VARIANTS), f"{ms['baseline'] / ms['optimized']:.2f}×",
+                      cell, ratio_cell)
     return table
 
 
@@ -147,8 +158,14 @@ def run(config: dict, args: argparse.Namespace) -> int:
     console.print(_table(results, bench))
     scored = [r for r in results if r["hidden"] is not None]
     missed = [r["idiom"] for r in scored if r["hidden"] < bench.target_hidden]
+    small = [r for r in results if r["hidden"] is None]
+    slower = [r["idiom"] for r in small if r["opt_vs_hand_qps"] < bench.target_ratio_vs_hand]
     console.print(f"H ≥ {bench.target_hidden} at {len(scored) - len(missed)}/{len(scored)} idioms with hideable latency"
-                  + (f"; missed: {', '.join(missed)}" if missed else ""))
+                  + (f"; missed: {', '.join(missed)}" if missed else "")
+                  + (f"; optimized ≥ {bench.target_ratio_vs_hand}× hand QPS at {len(small) - len(slower)}/{len(small)} "
+                     "idioms where hand hides under 5% of the step" if small else "")
+                  + (f"; missed: {', '.join(slower)}" if slower else ""))
+    missed += slower
     if args.json:
         Path(args.json).write_text(json.dumps({"kind": "remote_idioms", "config": to_dict(bench), "results": results}, indent=2))
     return 1 if missed else 0
