@@ -112,8 +112,7 @@ def test_baseline_and_optimized_runs_compare(tmp_path: Path) -> None:
          "pipeline.enabled: expected false unless the model is optimized (variant 'baseline' runs it "
          "as written), got True"),
         (["--set", "variant=optimized", "--set", "pipeline.enabled=true"],
-         "pipeline: model MLP has no remote read whose arguments come from its inputs alone; "
-         "nothing to prefetch"),
+         "pipeline: model MLP has no remote read; nothing to prefetch"),
     ],
 )  # fmt: skip
 def test_bad_config_is_a_one_line_error(

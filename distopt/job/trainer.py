@@ -40,7 +40,7 @@ from distopt.job.optim import Stepper
 from distopt.job.progress import Progress
 from distopt.job.record import Recorder, tensorboard_writer
 from distopt.metrics.qps_log import QpsLogWriter
-from distopt.pipeline import Prefetcher, pipeline_split, provided
+from distopt.pipeline import Prefetcher, check_pipelined, provided
 
 logger = logging.getLogger(__name__)
 
@@ -222,8 +222,9 @@ def train(
         header.update(_prediction(model, trained, example, staleness))
     prefetcher = None
     if config.pipeline.enabled:
-        # Split before DDP wraps it: DDP runs the main stage, which shares the parameters.
-        split = pipeline_split(trained)
+        # Split before DDP wraps it: DDP runs the main stage, which shares the parameters. The
+        # job's only writes outside the graph are distopt.ps pushes, which staleness counts.
+        split = check_pipelined(trained, config.pipeline.staleness, push=False)
         trained = split.main
         prefetcher = Prefetcher(split, batches, staleness=config.pipeline.staleness,
                                 inputs=lambda b: b.inputs, deterministic=config.deterministic,

@@ -4,7 +4,13 @@ step trains (:class:`TrainPipeline`; ``pipeline:`` in a job config)."""
 from distopt.pipeline.prefetch import PipelineStats, Prefetcher
 from distopt.pipeline.slots import PipelineError, provided
 from distopt.pipeline.split import PrefetchSplit, prefetchable, split_prefetch
-from distopt.pipeline.train import StepOutput, TrainPipeline, check_staleness, pipeline_split
+from distopt.pipeline.train import (
+    StepOutput,
+    TrainPipeline,
+    check_pipelined,
+    check_staleness,
+    pipeline_split,
+)
 
 __all__ = [
     "PipelineError",
@@ -13,6 +19,7 @@ __all__ = [
     "Prefetcher",
     "StepOutput",
     "TrainPipeline",
+    "check_pipelined",
     "check_staleness",
     "pipeline_split",
     "prefetchable",

@@ -142,13 +142,13 @@ def split_prefetch(gm: GraphModule) -> PrefetchSplit:
         taken.meta = dict(copy.meta)
         copy.replace_all_uses_with(taken)
         main_graph.erase_node(copy)
-        slots.append(f"{issue.name}: {_line(issue)}")
+        slots.append(f"{issue.name}: {issue_line(issue)}")
     main = GraphModule(gm, main_graph, class_name=type(gm).__name__)
     main.graph.lint()
     return PrefetchSplit(prefetch=prefetch, main=main, slots=tuple(slots))
 
 
-def _line(issue: Node) -> str:
+def issue_line(issue: Node) -> str:
     """The user's source lines of the calls an issue serves (its waits quote them)."""
     lines = dict.fromkeys(str(u.args[1]) for u in issue.users if is_wait(u) and len(u.args) > 1)
     return "; ".join(lines) if lines else source_line(issue)

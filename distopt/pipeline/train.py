@@ -19,6 +19,12 @@ right after ``push``, which makes the run bitwise equal to the optimized model w
 ``staleness >= 1`` lets pushes and prefetches overtake each other, so results vary run to run
 within the bound; ``deterministic=True`` keeps the issue order (repeatable, but slower).
 The job's trainer (``pipeline:`` in a job config) uses the same :class:`Prefetcher` in its loop.
+
+Before any step, the pipeline refuses (one-line ``ConfigError`` naming the model) what it cannot
+run exactly or with counted staleness: a model with no captured graph, no read to prefetch, reads
+made with user RPCs running ahead of writes it cannot see (:mod:`distopt.pipeline.checks`), or a
+step inside a ``dist_autograd`` context. Writes belong in the forward or in ``push``; writes made
+between steps elsewhere are not seen (a ``distopt.ps`` push there is still counted).
 """
 
 from __future__ import annotations
@@ -31,6 +37,12 @@ import torch
 from torch import nn
 
 from distopt.errors import ConfigError
+from distopt.pipeline.checks import (
+    in_dist_autograd,
+    no_slot_reason,
+    not_captured,
+    staleness_problem,
+)
 from distopt.pipeline.prefetch import PipelineStats, Prefetcher
 from distopt.pipeline.slots import provided
 from distopt.pipeline.split import PrefetchSplit, split_prefetch
@@ -48,21 +60,26 @@ def pipeline_split(model: nn.Module) -> PrefetchSplit:
     """The two stages of a model ``distopt.optimize`` captured, or a one-line error naming it."""
     name = type(model).__name__
     if not isinstance(model, torch.fx.GraphModule):
-        raise ConfigError(
-            f"pipeline: {name} is not a captured graph (distopt.optimize returned it as written, or "
-            "compiled it with Dynamo), so its remote reads cannot be prefetched"
-        )
+        raise ConfigError(f"pipeline: model {name} {not_captured(model)}")
     try:
         split = split_prefetch(model)
     except ValueError:
-        raise ConfigError(
-            f"pipeline: model {name} has no remote read whose arguments come from its inputs alone; "
-            "nothing to prefetch"
-        ) from None
+        raise ConfigError(f"pipeline: model {name} {no_slot_reason(model)}") from None
     report = report_of(model)
     if report is not None:  # explain shows both stages
         record = PipelineRecord(slots=list(split.slots), prefetch_code=split.prefetch.code)
         attach(split.main, dataclasses.replace(report, pipeline=record))
+    return split
+
+
+def check_pipelined(model: nn.Module, staleness: int, *, push: bool) -> PrefetchSplit:
+    """The two stages of ``model`` if it can be pipelined ``staleness`` steps ahead with exact or
+    counted reads (see :mod:`distopt.pipeline.checks`), else a one-line ``ConfigError`` naming it."""
+    split = pipeline_split(model)
+    assert isinstance(model, torch.fx.GraphModule)  # pipeline_split refused anything else
+    problem = staleness_problem(model, staleness, push=push)
+    if problem is not None:
+        raise ConfigError(f"pipeline: model {type(model).__name__}: {problem}")
     return split
 
 
@@ -100,7 +117,7 @@ class TrainPipeline:
     ) -> None:
         self.staleness = check_staleness(staleness)
         self.deterministic = deterministic
-        self.split = pipeline_split(model)
+        self.split = check_pipelined(model, self.staleness, push=push is not None)
         self.model = self.split.main
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -130,6 +147,12 @@ class TrainPipeline:
 
     def progress(self, data_iter: Iterator[Any] | None = None) -> StepOutput:
         """Train one step; ``StopIteration`` once the data is used up (nothing half-done)."""
+        if in_dist_autograd():
+            raise ConfigError(
+                f"pipeline: model {type(self.model).__name__}: progress() ran inside a dist_autograd "
+                "context, which TrainPipeline cannot drive (it trains with loss.backward() and push=, and "
+                "would send the next batch's reads in this step's context)"
+            )
         prefetcher = self._connect(data_iter)
         batch, issued = prefetcher.take()
         self.optimizer.zero_grad(set_to_none=True)

@@ -78,6 +78,13 @@ def bump_counter(name: str, amount: int) -> int:
         return COUNTS[name]
 
 
+def add_rows(name: str, ids: torch.Tensor, delta: float) -> None:
+    """A write of the rows a lookup reads: add ``delta`` to rows ``ids`` of the named table."""
+    _network()
+    with _LOCK:
+        _TABLES[name][ids.reshape(-1).unique()] += delta
+
+
 STOP = threading.Event()
 
 
