@@ -60,19 +60,26 @@ class TableOrder:
     def fetch(self, tables: Sequence[str], out: Future) -> list[Future]:
         """Record fetch ``out`` of ``tables`` (``out.stale``: issued in :func:`stale_reads`);
         returns the pushes it must wait for."""
-        pending = {id(w): w for t in tables for w in _live(self.writes, t)}
+        pending = {id(w): w for t in tables for w in self._writes(t)}
         for table in tables:
             self.reads[table] = [*_live(self.reads, table), out]
         return list(pending.values())
 
     def push(self, table: str, out: Future) -> tuple[list[Future], list[Future]]:
         """Record push ``out`` of ``table``; returns the (pushes, fetches) it must wait for."""
-        earlier = _live(self.writes, table)
+        earlier = self._writes(table)
         self.writes[table] = [*earlier, out]
         live = _live(self.reads, table)
         exact = [r for r in live if not getattr(r, "stale", False)]
         self.reads[table] = [r for r in live if getattr(r, "stale", False)]  # still flushed
-        return ([] if self.stale_pushes else earlier), exact
+        # A stale push skips only the waiting: a failed earlier push still fails it.
+        return ([w for w in earlier if w.done()] if self.stale_pushes else earlier), exact
+
+    def _writes(self, table: str) -> list[Future]:
+        """The table's pushes not yet done, and its last push even when done: a failed push
+        fails every later operation of its table (the table's state is unknown)."""
+        writes = self.writes.get(table, [])
+        return [w for w in writes[:-1] if not w.done()] + writes[-1:]
 
     def pending(self) -> list[Future]:
         """Every fetch and push not yet known done (what a flush waits for)."""

@@ -29,6 +29,7 @@ TABLES = (
     TableSpec(name="bag", num_rows=20, dim=4),
     TableSpec(name="dense", num_rows=3, dim=5, kind="dense"),
     TableSpec(name="stale", num_rows=8, dim=2),
+    TableSpec(name="poisoned", num_rows=8, dim=2),
 )
 
 
@@ -123,6 +124,22 @@ def test_stale_pushes_overtake_earlier_pushes_and_fetches_still_see_all(job: ps.
         ps.client.set_stale_pushes(previous)
         rpc.rpc_sync("ps1", ps_server_set_latency, args=(20.0,))
     torch.testing.assert_close(after, before[:4] - 1)
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_a_failed_push_fails_every_later_operation_of_its_table(job: ps.PSJob, stale: bool) -> None:
+    """Even after the failure is known (done), and in stale mode: the table's state is unknown."""
+    previous = ps.client.set_stale_pushes(stale)
+    try:
+        bad = ps.push_async("poisoned", torch.tensor([64]), torch.ones(1, 2), lr=1.0)  # no row 64
+        with pytest.raises(RemoteCallError):
+            ps.wait(bad)
+        with pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
+            ps.wait(ps.push_async("poisoned", torch.tensor([0]), torch.ones(1, 2), lr=1.0))
+        with torch.no_grad(), pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
+            ps.fetch("poisoned", torch.tensor([0]))
+    finally:
+        ps.client.set_stale_pushes(previous)
 
 
 def test_batched_fetch_is_one_request_per_server(job: ps.PSJob) -> None:
