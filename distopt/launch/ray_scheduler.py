@@ -66,8 +66,8 @@ __all__ = [
 ]
 
 DEFAULT_DASHBOARD = "127.0.0.1:8265"
-DRIVER = Path(__file__).with_name("ray_job_driver.py")
-RANK0_ENV = "TORCHX_RANK0_HOST"  # the driver's name for it too (ray_job_driver.RANK0_ENV)
+DRIVER = Path(__file__).with_name("ray_job_driver")  # a package: python -m ray_job_driver
+RANK0_ENV = "TORCHX_RANK0_HOST"  # the driver's name for it too (ray_job_driver.__main__)
 ROLES_KEY = "distopt.roles"  # job metadata: {role: replicas}; marks the jobs this scheduler made
 _ADDRESS = re.compile(r"^(?:https?://)?([A-Za-z0-9.\-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})/?$")
 _APP_ID = re.compile(r"^(.+:\d+)-(.+)$")
@@ -244,7 +244,7 @@ class RayJobScheduler(Scheduler[RayJobOpts]):
         request = RayJobRequest(
             dashboard_address=netloc,
             submission_id=app_id,
-            entrypoint=f"python -m {DRIVER.stem} {shlex.quote(spec)}",
+            entrypoint=f"python -m {DRIVER.name} {shlex.quote(spec)}",
             runtime_env=runtime_env,
             metadata={ROLES_KEY: json.dumps({r.name: r.num_replicas for r in app.roles})},
             replicas=replicas,

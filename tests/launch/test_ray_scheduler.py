@@ -69,7 +69,7 @@ def test_dryrun_is_one_job_with_every_replica(tmp_path: Path) -> None:
     ]  # fmt: skip
     # The driver receives exactly these replicas.
     module, spec = shlex.split(req.entrypoint)[2:]
-    assert module == "ray_job_driver" == ray_scheduler.DRIVER.stem
+    assert module == "ray_job_driver" == ray_scheduler.DRIVER.name
     assert [r["command"] for r in json.loads(spec)] == [r.command for r in req.replicas]
 
 

@@ -1,7 +1,7 @@
 """The entrypoint of a distopt Ray job: runs every replica of every role as a Ray actor.
 
 :mod:`distopt.launch.ray_scheduler` submits ``python -m ray_job_driver '<replicas as JSON>'`` as
-one Ray job and ships this file with it (``runtime_env.py_modules``), so it imports Ray and the
+one Ray job and ships this package with it (``runtime_env.py_modules``), so it imports Ray and the
 standard library only: the cluster needs neither distopt nor TorchX.
 
 1. One placement group holds a bundle per replica (CPU, GPU, memory), so the job starts whole or
@@ -46,6 +46,9 @@ class Replica:
         self.proc: subprocess.Popen[str] | None = None
         self.stopped = threading.Event()
 
+    def __repr__(self) -> str:  # names the replica in Ray's errors and log prefixes
+        return f"Replica({self.name})"
+
     def host(self) -> str:
         return ray.util.get_node_ip_address()
 
@@ -61,7 +64,9 @@ class Replica:
             text=True, errors="replace", bufsize=1, preexec_fn=os.setpgrp,
         )  # fmt: skip
         assert self.proc.stdout is not None
-        yield from self.proc.stdout
+        # Not `yield from`: Ray drives this generator with send(), which a file lacks.
+        for line in self.proc.stdout:  # noqa: UP028
+            yield line
         yield self.proc.wait()
 
     def stop(self) -> None:
