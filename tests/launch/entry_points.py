@@ -48,7 +48,8 @@ def checkout_entry_points_env(tmp: Path) -> dict[str, str]:
     info.mkdir(parents=True, exist_ok=True)
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: distopt\nVersion: 0.1.0\n")
     sections = [
-        f"[{group}]\n" + "".join(f"{name} = {value}\n" for name, value in eps.items())
+        # sorted by name, as setuptools writes them (TorchX's default scheduler is the first)
+        f"[{group}]\n" + "".join(f"{name} = {eps[name]}\n" for name in sorted(eps))
         for group, eps in pyproject_entry_points().items()
     ]
     (info / "entry_points.txt").write_text("\n".join(sections))

@@ -137,11 +137,10 @@ def test_distopt_ray_is_always_ours() -> None:
 def test_entry_points_keep_torchx_builtins() -> None:
     """TorchX <= 0.7 drops its builtins once any torchx.schedulers entry point exists, so the
     table must name every builtin of this TorchX with TorchX's own factory (ray: ours, which
-    defers to TorchX's), and local_docker first (TorchX's default)."""
+    defers to TorchX's)."""
     from torchx.schedulers import DEFAULT_SCHEDULER_MODULES
 
     table = pyproject_entry_points()["torchx.schedulers"]
-    assert next(iter(table)) == "local_docker"
     for name, module in DEFAULT_SCHEDULER_MODULES.items():
         expected = f"{module}:create_scheduler" if name != "ray" else None
         assert table[name] == (expected or "distopt.launch.ray_scheduler:create_ray_scheduler")
