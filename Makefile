@@ -7,7 +7,7 @@ STAMP := $(VENV)/.distopt-installed
 CONSTRAINT := $(shell command -v nvidia-smi >/dev/null 2>&1 || echo "-c constraints/cpu.txt")
 PYTEST_ARGS ?=
 
-.PHONY: install demo test test-gpu lint bench clean
+.PHONY: install demo test test-gpu test-torchx-nightly lint bench clean
 
 install: $(STAMP)
 
@@ -29,6 +29,21 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m cuda $(PYTEST_ARGS)
 
+# The Ray scheduler under torchx-nightly, which has no `ray` scheduler of its own (distopt's takes
+# the name). Its own venv: torchx-nightly and torchx install the same package, and distopt's
+# `torchx>=0.7.0` would pull torchx back in, so distopt goes in without deps. Not part of `make
+# test` (a second torch + ray install); its Ray head keeps its own state dir.
+NIGHTLY_VENV ?= .venv-nightly
+test-torchx-nightly:
+	test -x $(NIGHTLY_VENV)/bin/python || python3 -m venv $(NIGHTLY_VENV)
+	$(NIGHTLY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(CONSTRAINT) \
+		torch torchx-nightly 'ray[default]>=2.9' PyYAML rich tqdm numpy torcheval tensorboard \
+		pytest pytest-timeout
+	$(NIGHTLY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
+	DISTOPT_RAY_TEST_STATE_DIR=/tmp/distopt-ray-test-nightly $(NIGHTLY_VENV)/bin/python -m pytest \
+		tests/launch/test_ray_scheduler.py tests/launchers/test_ray_scheduler.py \
+		tests/launchers/test_ray.py $(PYTEST_ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check distopt launchers tests examples
 	$(VENV)/bin/mypy distopt
@@ -37,4 +52,4 @@ bench: $(STAMP)
 	$(VENV)/bin/distopt bench configs/bench/optimize_overhead.yaml
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(NIGHTLY_VENV) build *.egg-info .pytest_cache
