@@ -1,11 +1,8 @@
 """A TorchX scheduler for Ray built on Ray's job submission API, for TorchX releases without one.
 
-TorchX removed its ``ray`` scheduler upstream (pytorch/torchx#1120). distopt registers two names
-through the ``torchx.schedulers`` entry point (``pyproject.toml``):
-
-* ``ray``: TorchX's own scheduler when the installed TorchX still has one, this one otherwise
-  (:func:`create_ray_scheduler`), so ``torchx run -s ray`` keeps working across the removal;
-* ``distopt_ray``: always this one (:func:`create_scheduler`), to choose or test it anywhere.
+TorchX removed its ``ray`` scheduler upstream (pytorch/torchx#1120). This scheduler is
+``distopt_ray`` everywhere and ``ray`` where TorchX has none; :mod:`.schedulers` says how it
+reaches TorchX without changing TorchX's own scheduler list.
 
 **One Ray job per app.** The job's entrypoint is :mod:`distopt.launch.ray_job_driver` (shipped
 with the job), which reserves one placement group for every replica of every role and runs each
@@ -23,7 +20,6 @@ replica's. Role retries (``max_retries``) are not supported: a failing replica f
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -62,7 +58,6 @@ __all__ = [
     "ReplicaSpec",
     "create_ray_scheduler",
     "create_scheduler",
-    "torchx_has_ray",
 ]
 
 DEFAULT_DASHBOARD = "127.0.0.1:8265"
@@ -343,20 +338,11 @@ class RayJobScheduler(Scheduler[RayJobOpts]):
             time.sleep(poll_s)
 
 
-def torchx_has_ray() -> bool:
-    """Whether the installed TorchX still ships its own ``ray`` scheduler."""
-    return importlib.util.find_spec("torchx.schedulers.ray_scheduler") is not None
-
-
 def create_scheduler(session_name: str, **kwargs: Any) -> RayJobScheduler:
-    """The ``distopt_ray`` entry point: always this scheduler."""
+    """This scheduler as ``distopt_ray``."""
     return RayJobScheduler(session_name, backend="distopt_ray")
 
 
-def create_ray_scheduler(session_name: str, **kwargs: Any) -> Scheduler[Any]:
-    """The ``ray`` entry point: TorchX's own Ray scheduler while TorchX has one, else ours."""
-    if torchx_has_ray():
-        from torchx.schedulers import ray_scheduler
-
-        return ray_scheduler.create_scheduler(session_name, **kwargs)
+def create_ray_scheduler(session_name: str, **kwargs: Any) -> RayJobScheduler:
+    """This scheduler as ``ray``, for TorchX releases without their own (:mod:`.schedulers`)."""
     return RayJobScheduler(session_name, backend="ray")

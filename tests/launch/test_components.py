@@ -264,13 +264,16 @@ def test_cli_unknown_scheduler(config: str) -> None:
 
 
 def test_torchxconfig_defaults_are_valid() -> None:
-    """Every key in .torchxconfig is a known scheduler option or component argument."""
+    """Every key in .torchxconfig is a known scheduler option (of distopt launch's schedulers:
+    TorchX's and distopt_ray) or component argument."""
     import configparser
     import inspect
 
+    from distopt.launch.schedulers import get_runner as distopt_runner
+
     parser = configparser.ConfigParser()
     parser.read(REPO / ".torchxconfig")
-    with get_runner() as runner:
+    with distopt_runner() as runner:
         for section in parser.sections():
             keys = set(parser[section])
             if section.startswith("component:"):

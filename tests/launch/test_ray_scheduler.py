@@ -1,6 +1,7 @@
-"""distopt's Ray scheduler without a cluster: the job it would submit, its errors, its registration.
+"""distopt's Ray scheduler without a cluster: the job it would submit, its errors, its names.
 
-The same scheduler against a real Ray head: tests/launchers/test_ray.py.
+How it reaches TorchX without changing TorchX: tests/launch/test_schedulers.py. The same scheduler
+against a real Ray head: tests/launchers/test_ray_scheduler.py and test_ray.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from torchx import specs
-from torchx.schedulers import get_scheduler_factories
 
 from distopt.launch import ray_scheduler
 from distopt.launch.ray_scheduler import (
@@ -22,11 +22,6 @@ from distopt.launch.ray_scheduler import (
     create_scheduler,
 )
 from distopt.rendezvous import free_port
-from tests.launch.entry_points import (
-    installed_entry_points,
-    installed_matches_checkout,
-    pyproject_entry_points,
-)
 
 pytest.importorskip("ray")
 
@@ -116,46 +111,8 @@ def test_app_id_names_the_dashboard() -> None:
         ray_scheduler._split_app_id("tiny")
 
 
-def test_ray_name_is_torchx_own_while_torchx_has_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ray_scheduler, "torchx_has_ray", lambda: False)
-    ours = create_ray_scheduler("test")
-    assert isinstance(ours, RayJobScheduler) and ours.backend == "ray"
-    if not ray_scheduler.importlib.util.find_spec("torchx.schedulers.ray_scheduler"):
-        pytest.skip("this TorchX has no ray scheduler of its own")
-    monkeypatch.setattr(ray_scheduler, "torchx_has_ray", lambda: True)
-    from torchx.schedulers.ray_scheduler import RayScheduler
-
-    assert isinstance(create_ray_scheduler("test"), RayScheduler)
-
-
-def test_distopt_ray_is_always_ours() -> None:
-    sched = create_scheduler("test")
-    assert isinstance(sched, RayJobScheduler) and sched.backend == "distopt_ray"
-    assert set(sched.run_opts()._opts) == {"dashboard_address", "working_dir", "requirements"}
-
-
-def test_entry_points_keep_torchx_builtins() -> None:
-    """TorchX <= 0.7 drops its builtins once any torchx.schedulers entry point exists, so the
-    table must name every builtin of this TorchX with TorchX's own factory (ray: ours, which
-    defers to TorchX's)."""
-    from torchx.schedulers import DEFAULT_SCHEDULER_MODULES
-
-    table = pyproject_entry_points()["torchx.schedulers"]
-    for name, module in DEFAULT_SCHEDULER_MODULES.items():
-        expected = f"{module}:create_scheduler" if name != "ray" else None
-        assert table[name] == (expected or "distopt.launch.ray_scheduler:create_ray_scheduler")
-    assert table["distopt_ray"] == "distopt.launch.ray_scheduler:create_scheduler"
-
-
-def test_installed_entry_points_resolve() -> None:
-    """Where this checkout is the installed distopt, TorchX sees both names."""
-    if not installed_matches_checkout():
-        pytest.skip(
-            f"installed distopt declares {sorted(installed_entry_points('torchx.schedulers'))}, "
-            "not this checkout's table (an editable install of another checkout)"
-        )
-    factories = get_scheduler_factories()
-    assert {"local_cwd", "ray", "distopt_ray"} <= set(factories)
-    assert isinstance(factories["distopt_ray"]("test"), RayJobScheduler)
-    ours = not ray_scheduler.torchx_has_ray()
-    assert isinstance(factories["ray"]("test"), RayJobScheduler) is ours
+def test_both_names_are_this_scheduler() -> None:
+    for factory, name in [(create_scheduler, "distopt_ray"), (create_ray_scheduler, "ray")]:
+        sched = factory("test")
+        assert isinstance(sched, RayJobScheduler) and sched.backend == name
+        assert set(sched.run_opts()._opts) == {"dashboard_address", "working_dir", "requirements"}
