@@ -29,20 +29,21 @@ test: $(STAMP)
 test-gpu: $(STAMP)
 	$(PY) -m pytest -m cuda $(PYTEST_ARGS)
 
-# The Ray scheduler under torchx-nightly, which has no `ray` scheduler of its own (distopt's takes
-# the name). Its own venv: torchx-nightly and torchx install the same package, and distopt's
-# `torchx>=0.7.0` would pull torchx back in, so distopt goes in without deps. Not part of `make
-# test` (a second torch + ray install); its Ray head keeps its own state dir.
+# TorchX's launch tests and the Ray tests under torchx-nightly (TORCHX_NIGHTLY), which has no
+# `ray` scheduler of its own: plugins/torchx-ray gives it distopt's, and a missing one fails.
+# .ci/nightly-venv builds a venv holding only torchx-nightly, this checkout's distopt and the
+# plugin, over $(VENV)'s packages; its Ray head keeps its own state dir.
 NIGHTLY_VENV ?= .venv-nightly
-test-torchx-nightly:
-	test -x $(NIGHTLY_VENV)/bin/python || python3 -m venv $(NIGHTLY_VENV)
-	$(NIGHTLY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check $(CONSTRAINT) \
-		torch torchx-nightly 'ray[default]>=2.9' PyYAML rich tqdm numpy torcheval tensorboard \
-		pytest pytest-timeout
-	$(NIGHTLY_VENV)/bin/python -m pip install --quiet --disable-pip-version-check --no-deps -e .
-	DISTOPT_RAY_TEST_STATE_DIR=/tmp/distopt-ray-test-nightly $(NIGHTLY_VENV)/bin/python -m pytest \
-		tests/launch/test_ray_scheduler.py tests/launchers/test_ray_scheduler.py \
-		tests/launchers/test_ray.py $(PYTEST_ARGS)
+TORCHX_NIGHTLY ?= 2026.10.26
+NIGHTLY_STAMP := $(NIGHTLY_VENV)/.torchx-nightly-$(TORCHX_NIGHTLY)
+
+$(NIGHTLY_STAMP): $(STAMP) pyproject.toml plugins/torchx-ray/pyproject.toml plugins/torchx-ray/torchx_plugins/schedulers/distopt_ray.py .ci/nightly-venv
+	.ci/nightly-venv $(VENV) $(NIGHTLY_VENV) $(TORCHX_NIGHTLY)
+	touch $@
+
+test-torchx-nightly: $(NIGHTLY_STAMP)
+	DISTOPT_RAY_TEST_STATE_DIR=/tmp/distopt-ray-test-nightly $(NIGHTLY_VENV)/bin/python -m pytest -n 2 \
+		tests/launch tests/launchers/test_ray.py tests/launchers/test_ray_scheduler.py $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check distopt launchers tests examples

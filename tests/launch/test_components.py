@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -195,17 +196,26 @@ def test_dryrun_on_each_scheduler(config: str) -> None:
         assert _ray_replicas(ray.request) == [("ps", 1, 0), ("trainer", 1, 0), ("trainer", 1, 0)]
 
 
-def test_builtins_lists_ours_and_every_torchx_builtin() -> None:
+def _torchx_builtin_components() -> set[str]:
+    """What TorchX lists when no package registers components (see also tests/test_packaging.py)."""
+    import inspect
+
     from torchx.specs.finder import ModuleComponentsFinder
 
-    # What TorchX lists when no package registers components (see also tests/test_packaging.py).
-    theirs = {c.name for c in ModuleComponentsFinder("torchx.components", "").find()
-              if not c.validation_errors}  # fmt: skip
+    finder = ModuleComponentsFinder("torchx.components", "")
+    # Newer TorchX's find() takes the linter's validators (None: its default ones); 0.7's none.
+    takes_validators = "validators" in inspect.signature(finder.find).parameters
+    found = finder.find(None) if takes_validators else finder.find()  # type: ignore[call-arg]
+    return {c.name for c in found if not c.validation_errors}
+
+
+def test_builtins_lists_ours_and_every_torchx_builtin() -> None:
+    theirs = _torchx_builtin_components()
     out = torchx("builtins")
     assert out.returncode == 0, out.stderr
     listed = {line.split(". ", 1)[1] for line in out.stdout.splitlines() if ". " in line}
     assert listed == theirs | {"distopt.ps_job", "distopt.ddp", "distopt.fsdp"}
-    assert {"metrics.tensorboard", "serve.torchserve", "dist.ddp"} <= listed
+    assert "dist.ddp" in listed  # a builtin in every TorchX (0.7's metrics.*, serve.* are gone)
 
 
 def test_cli_help_comes_from_docstrings() -> None:
@@ -227,7 +237,10 @@ def test_cli_dryrun_prints_both_roles(config: str) -> None:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["distopt.no_such", "--config", "x.yaml"], "Component `distopt.no_such` not found"),
+        # TorchX's own message: 0.7 says "Component `distopt.no_such` not found. ...", newer
+        # TorchX "Function no_such does not exist in distopt".
+        (["distopt.no_such", "--config", "x.yaml"],
+         re.compile(r"Component `distopt\.no_such` not found|Function no_such does not exist in distopt")),
         (["distopt.ps_job", "--config", "missing.yaml"], "--config: config file not found: missing.yaml"),
         (["distopt.ps_job", "--config", "{config}", "--num_trainers", "0"],
          "--num_trainers: expected an integer >= 1, got 0"),
@@ -240,14 +253,16 @@ def test_cli_dryrun_prints_both_roles(config: str) -> None:
          "(expected ',' or ']', but got '<stream end>')"),
     ],
 )  # fmt: skip
-def test_cli_bad_input_is_one_line(config: str, args: list[str], expected: str) -> None:
+def test_cli_bad_input_is_one_line(
+    config: str, args: list[str], expected: str | re.Pattern[str]
+) -> None:
     args = [a.replace("{config}", config) for a in args]
     out = torchx("run", "-s", "local_cwd", "--dryrun", *args)
     assert out.returncode == 1
     assert "Traceback" not in out.stderr
     line = _last_error_line(out.stderr)
     # Our errors are the whole line; TorchX's own say more after theirs.
-    assert line == expected if expected.startswith("--") else expected in line
+    assert expected.search(line) if isinstance(expected, re.Pattern) else line == expected, line
 
 
 def test_cli_list_values_reach_the_job() -> None:
