@@ -190,12 +190,12 @@ def launch(
         raise ConfigError(f"num_ps: expected an integer >= 0, got {num_ps!r}")
     from torchx.runner import config as torchx_config
 
-    from distopt.launch.schedulers import get_runner
+    from distopt.launch.schedulers import apply_torchxconfig, get_runner
 
     runner = get_runner(component_defaults=torchx_config.load_sections("component", [os.getcwd()]))
     options: dict[str, Any] = dict(cfg)
     _check_options(runner, scheduler, options)  # what the caller gave
-    torchx_config.apply(scheduler=scheduler, cfg=options, dirs=[os.getcwd()])
+    apply_torchxconfig(runner, scheduler, options, [os.getcwd()])
 
     run_id = run_id or job.run_id or f"{job.variant}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     job = dataclasses.replace(job, run_id=run_id)

@@ -18,7 +18,12 @@ import pytest
 from torchx.schedulers import get_scheduler_factories
 
 from distopt.launch.ray_scheduler import RayJobScheduler
-from distopt.launch.schedulers import distopt_schedulers, get_runner, scheduler_factories
+from distopt.launch.schedulers import (
+    apply_torchxconfig,
+    distopt_schedulers,
+    get_runner,
+    scheduler_factories,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PLUGIN = REPO / "plugins" / "torchx-ray"
@@ -124,3 +129,23 @@ def _plugin_ray() -> bool:
     """Whether TorchX's `ray` is the distopt-torchx-ray plugin's."""
     factory = get_scheduler_factories().get("ray")
     return getattr(factory, "__module__", "") == "torchx_plugins.schedulers.distopt_ray"
+
+
+def test_torchxconfig_sections_of_distopt_schedulers(tmp_path: Path) -> None:
+    """TorchX's own loader refuses schedulers it has not registered; distopt reads theirs."""
+    (tmp_path / ".torchxconfig").write_text(
+        "[distopt_ray]\ndashboard_address = 127.0.0.1:1\nworking_dir = None\nnot_an_option = x\n"
+        "[local_cwd]\nlog_dir = runs/x\n"
+    )
+    with get_runner() as runner:
+        # distopt's options are strings, so the section's text is their value.
+        assert {opt.opt_type for _, opt in runner.scheduler_run_opts("distopt_ray")} == {str}
+        cfg: dict[str, object] = {"requirements": "r.txt"}
+        apply_torchxconfig(runner, "distopt_ray", cfg, [str(tmp_path)])
+        assert cfg == {"requirements": "r.txt", "dashboard_address": "127.0.0.1:1", "working_dir": None}
+        given: dict[str, object] = {"dashboard_address": "10.0.0.1:2"}
+        apply_torchxconfig(runner, "distopt_ray", given, [str(tmp_path)])
+        assert given["dashboard_address"] == "10.0.0.1:2"  # the caller's value wins
+        local: dict[str, object] = {}
+        apply_torchxconfig(runner, "local_cwd", local, [str(tmp_path)])  # TorchX's own loader
+        assert local == {"log_dir": "runs/x"}
