@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from distopt.metrics.qps_log import load_run
 from launchers._proc import session_members
 from tests.launchers.conftest import (
     JOB_MODULE,
+    REPO,
     assert_criteo_run,
     criteo_job_args,
     free_port_pair,
@@ -96,6 +98,21 @@ def test_real_ps_job_on_ray(ray_cluster, tmp_path: Path, scheduler: str) -> None
     assert "State: SUCCEEDED" in ran.status, ran.status
     assert "run ray: 5 steps" in ran.logs, ran.logs[-2000:]
     print(f"{scheduler} real ps_job: {time.monotonic() - started:.1f}s")
+
+
+def test_distopt_launch_on_distopt_ray(ray_cluster, tmp_path: Path) -> None:
+    """The README's `distopt launch -s distopt_ray`: works on any TorchX, nothing registered."""
+    out = subprocess.run(
+        [sys.executable, "-m", "distopt", "launch", TINY, "-s", "distopt_ray", "--wait",
+         "--cfg", f"dashboard_address={ray_cluster.dashboard_address}", "--run-id", "launched",
+         "--set", f"output_dir={tmp_path / 'runs'}", "--set", "steps=5",
+         "--arg", f"master_port={free_port_pair()}"],
+        cwd=REPO, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert out.stdout.startswith("distopt_ray://"), out.stdout
+    run = load_run(tmp_path / "runs" / "launched")
+    assert run.world_size == 2 and run.merged_steps()[-1].step == 4
 
 
 def test_the_criteo_job_config_runs_on_ray(ray_cluster, tmp_path: Path) -> None:
