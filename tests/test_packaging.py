@@ -65,6 +65,13 @@ def _builtins(venv: Path, cwd: Path, env: dict[str, str]) -> set[str]:
     return {line.split(". ", 1)[1] for line in out.splitlines() if ". " in line}
 
 
+def _schedulers(venv: Path, cwd: Path, env: dict[str, str]) -> list[str]:
+    """TorchX's schedulers in ``venv``, its default (``torchx run`` without ``-s``) first."""
+    probe = ("from torchx.schedulers import get_default_scheduler_name as d, get_scheduler_factories as f; "
+             "print(d(), *f())")
+    return _run(venv / "bin" / "python", "-c", probe, cwd=cwd, env=env, timeout=300).split()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
 def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
@@ -91,12 +98,15 @@ def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
     _run(*pip, "torch", "torchx", cwd=tmp_path, env=env, timeout=900)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    before = _builtins(venv, elsewhere, env)
+    before, schedulers = _builtins(venv, elsewhere, env), _schedulers(venv, elsewhere, env)
     _run(*pip, wheel, cwd=tmp_path, env=env, timeout=900)
     installed = time.monotonic()
     after = _builtins(venv, elsewhere, env)
     assert {"dist.ddp", "metrics.tensorboard", "serve.torchserve", "utils.echo"} <= before
     assert after == before | OURS, (sorted(after - before), sorted(before - after))
+    # Installing distopt leaves TorchX's schedulers and default as they were (README: Ray without
+    # TorchX's Ray scheduler).
+    assert _schedulers(venv, elsewhere, env) == schedulers and schedulers[0] == "local_docker"
 
     out = _run("distopt", "demo", "--steps", "3", "--out", tmp_path / "runs",
                cwd=elsewhere, env=env, timeout=600)  # fmt: skip

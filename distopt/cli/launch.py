@@ -45,10 +45,10 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchx.runner import get_runner
     from torchx.specs import AppState
 
     from distopt.job.launch import LOCAL_SCHEDULERS, launch
+    from distopt.launch.schedulers import get_runner
 
     with get_runner() as probe:
         try:

@@ -14,8 +14,8 @@ What it does, in order, so bad input fails before anything is scheduled:
 2. :func:`check_job`: builds the model and opens its data (missing or malformed files, with the
    line), and on a local scheduler checks ``device: cuda`` against this host's GPUs;
 3. writes the resolved config, run id included, to ``<output_dir>/<run_id>/job.yaml`` and runs
-   the TorchX component for the job's shape (:data:`COMPONENTS`) on it with
-   ``torchx.runner.get_runner()``. Scheduler options come from ``**cfg`` over ``.torchxconfig``
+   the TorchX component for the job's shape (:data:`COMPONENTS`) on it with TorchX's Runner
+   (:func:`distopt.launch.schedulers.get_runner`: TorchX's schedulers and distopt's Ray one). Scheduler options come from ``**cfg`` over ``.torchxconfig``
    (``[<scheduler>]`` sections); component defaults from its ``[component:<name>]`` sections.
 
 The job's processes read ``job.yaml``, so ``output_dir`` must be where they can read it: the
@@ -164,7 +164,8 @@ def launch(
 
     Args:
         config: a job YAML file or a :class:`JobConfig`.
-        scheduler: a TorchX scheduler (``local_cwd``, ``slurm``, ``ray``, ``kubernetes``, ...).
+        scheduler: a TorchX scheduler (``local_cwd``, ``slurm``, ``ray``, ``kubernetes``, ...) or
+            ``distopt_ray`` (:mod:`distopt.launch.schedulers`).
         overrides: ``key.sub=value`` overrides of the config, as ``--set`` takes them.
         num_trainers: trainer processes (``--num_trainers``; per node for DDP/FSDP jobs).
         num_ps: parameter-server processes; ``None``: 1 when the model has ``ps_tables()``,
@@ -188,12 +189,13 @@ def launch(
     if num_ps < 0:
         raise ConfigError(f"num_ps: expected an integer >= 0, got {num_ps!r}")
     from torchx.runner import config as torchx_config
-    from torchx.runner import get_runner
+
+    from distopt.launch.schedulers import apply_torchxconfig, get_runner
 
     runner = get_runner(component_defaults=torchx_config.load_sections("component", [os.getcwd()]))
     options: dict[str, Any] = dict(cfg)
     _check_options(runner, scheduler, options)  # what the caller gave
-    torchx_config.apply(scheduler=scheduler, cfg=options, dirs=[os.getcwd()])
+    apply_torchxconfig(runner, scheduler, options, [os.getcwd()])
 
     run_id = run_id or job.run_id or f"{job.variant}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     job = dataclasses.replace(job, run_id=run_id)

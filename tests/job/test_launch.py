@@ -128,3 +128,15 @@ def _tokens(tmp_path: Path) -> Path:
     from distopt.data.generate import write_tokens
 
     return write_tokens(tmp_path / "tokens.bin", num_tokens=5000, vocab_size=64, seed=0)
+
+
+def test_distopt_ray_on_any_torchx(tmp_path: Path, clicks: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`distopt launch -s distopt_ray` needs no TorchX registration (distopt.launch.schedulers)."""
+    pytest.importorskip("ray")
+    code = cli(["launch", str(DLRM), "-s", "distopt_ray", "--cfg", "dashboard_address=127.0.0.1:1",
+                "--set", f"data.path={clicks}", "--set", f"output_dir={tmp_path / 'runs'}",
+                "--dryrun"])
+    out = capsys.readouterr().out
+    assert code == 0 and '"dashboard_address": "127.0.0.1:1"' in out, out[-2000:]
+    assert [line.split('"')[3] for line in out.splitlines() if '"role":' in line] == [
+        "ps", "trainer", "trainer"]

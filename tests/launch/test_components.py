@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import shlex
 from pathlib import Path
+from typing import Any
 
 import pytest
 from torchx.runner import get_runner
@@ -68,6 +70,15 @@ def test_torchrun_components(component, config: str) -> None:
     assert "--rdzv_endpoint 127.0.0.1:0" in single
 
 
+def _ray_replicas(request: Any) -> list[tuple[str, int, int]]:
+    """(role, CPUs, GPUs) of each replica in a dry run of the `ray` scheduler: TorchX's own
+    (torchx 0.7) or distopt's (TorchX without one, distopt.launch.ray_scheduler)."""
+    if hasattr(request, "actors"):
+        return [(a.name, a.num_cpus, a.num_gpus) for a in request.actors]
+    return [(r.role, int(r.resources["CPU"]), int(r.resources.get("GPU", 0)))
+            for r in request.replicas]  # fmt: skip
+
+
 def test_gpus_go_to_trainers_and_named_resources_replace_them(config: str) -> None:
     ps, trainer = components.ps_job(config, gpu=1, memMB=4096).roles
     assert (ps.resource.gpu, trainer.resource.gpu, trainer.resource.memMB) == (0, 1, 4096)
@@ -81,11 +92,11 @@ def test_gpus_go_to_trainers_and_named_resources_replace_them(config: str) -> No
         ).request.materialize()
         assert script.count("--gpus-per-task=2") == 2 and script.count("--gpus-per-task") == 2
         pytest.importorskip("ray")
-        actors = runner.dryrun_component(
+        replicas = _ray_replicas(runner.dryrun_component(
             "distopt.ps_job", ["--config", config, "--gpu", "1"], "ray",
             cfg={"dashboard_address": "127.0.0.1:1"},
-        ).request.actors
-    assert [(a.name, a.num_gpus) for a in actors] == [("ps", 0), ("trainer", 1), ("trainer", 1)]
+        ).request)  # fmt: skip
+    assert replicas == [("ps", 1, 0), ("trainer", 1, 1), ("trainer", 1, 1)]
 
 
 @pytest.mark.parametrize(
@@ -182,22 +193,29 @@ def test_dryrun_on_each_scheduler(config: str) -> None:
         ray = runner.dryrun_component(
             "distopt.ps_job", ["--config", config], "ray", cfg={"dashboard_address": "127.0.0.1:1"}
         )
-        actors = ray.request.actors
-        assert [a.name for a in actors] == ["ps", "trainer", "trainer"]
-        assert all(a.num_cpus == 1 for a in actors)
+        assert _ray_replicas(ray.request) == [("ps", 1, 0), ("trainer", 1, 0), ("trainer", 1, 0)]
+
+
+def _torchx_builtin_components() -> set[str]:
+    """What TorchX lists when no package registers components (see also tests/test_packaging.py)."""
+    import inspect
+
+    from torchx.specs.finder import ModuleComponentsFinder
+
+    finder = ModuleComponentsFinder("torchx.components", "")
+    # Newer TorchX's find() takes the linter's validators (None: its default ones); 0.7's none.
+    takes_validators = "validators" in inspect.signature(finder.find).parameters
+    found = finder.find(None) if takes_validators else finder.find()  # type: ignore[call-arg]
+    return {c.name for c in found if not c.validation_errors}
 
 
 def test_builtins_lists_ours_and_every_torchx_builtin() -> None:
-    from torchx.specs.finder import ModuleComponentsFinder
-
-    # What TorchX lists when no package registers components (see also tests/test_packaging.py).
-    theirs = {c.name for c in ModuleComponentsFinder("torchx.components", "").find()
-              if not c.validation_errors}  # fmt: skip
+    theirs = _torchx_builtin_components()
     out = torchx("builtins")
     assert out.returncode == 0, out.stderr
     listed = {line.split(". ", 1)[1] for line in out.stdout.splitlines() if ". " in line}
     assert listed == theirs | {"distopt.ps_job", "distopt.ddp", "distopt.fsdp"}
-    assert {"metrics.tensorboard", "serve.torchserve", "dist.ddp"} <= listed
+    assert "dist.ddp" in listed  # a builtin in every TorchX (0.7's metrics.*, serve.* are gone)
 
 
 def test_cli_help_comes_from_docstrings() -> None:
@@ -219,7 +237,10 @@ def test_cli_dryrun_prints_both_roles(config: str) -> None:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["distopt.no_such", "--config", "x.yaml"], "Component `distopt.no_such` not found"),
+        # TorchX's own message: 0.7 says "Component `distopt.no_such` not found. ...", newer
+        # TorchX "Function no_such does not exist in distopt".
+        (["distopt.no_such", "--config", "x.yaml"],
+         re.compile(r"Component `distopt\.no_such` not found|Function no_such does not exist in distopt")),
         (["distopt.ps_job", "--config", "missing.yaml"], "--config: config file not found: missing.yaml"),
         (["distopt.ps_job", "--config", "{config}", "--num_trainers", "0"],
          "--num_trainers: expected an integer >= 1, got 0"),
@@ -232,14 +253,16 @@ def test_cli_dryrun_prints_both_roles(config: str) -> None:
          "(expected ',' or ']', but got '<stream end>')"),
     ],
 )  # fmt: skip
-def test_cli_bad_input_is_one_line(config: str, args: list[str], expected: str) -> None:
+def test_cli_bad_input_is_one_line(
+    config: str, args: list[str], expected: str | re.Pattern[str]
+) -> None:
     args = [a.replace("{config}", config) for a in args]
     out = torchx("run", "-s", "local_cwd", "--dryrun", *args)
     assert out.returncode == 1
     assert "Traceback" not in out.stderr
     line = _last_error_line(out.stderr)
     # Our errors are the whole line; TorchX's own say more after theirs.
-    assert line == expected if expected.startswith("--") else expected in line
+    assert expected.search(line) if isinstance(expected, re.Pattern) else line == expected, line
 
 
 def test_cli_list_values_reach_the_job() -> None:
@@ -256,13 +279,16 @@ def test_cli_unknown_scheduler(config: str) -> None:
 
 
 def test_torchxconfig_defaults_are_valid() -> None:
-    """Every key in .torchxconfig is a known scheduler option or component argument."""
+    """Every key in .torchxconfig is a known scheduler option (of distopt launch's schedulers:
+    TorchX's and distopt_ray) or component argument."""
     import configparser
     import inspect
 
+    from distopt.launch.schedulers import get_runner as distopt_runner
+
     parser = configparser.ConfigParser()
     parser.read(REPO / ".torchxconfig")
-    with get_runner() as runner:
+    with distopt_runner() as runner:
         for section in parser.sections():
             keys = set(parser[section])
             if section.startswith("component:"):

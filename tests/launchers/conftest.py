@@ -142,7 +142,8 @@ def ray_cluster() -> Iterator[Any]:
     require([] if find_spec("ray") else ["ray (pip install -e '.[ray]')"], "the Ray cluster test")
     from launchers.ray import cluster as ray_cluster_mod
 
-    state = Path("/tmp/distopt-ray-test")
+    # Another checkout or venv (e.g. torchx-nightly's) keeps its own head with its own state dir.
+    state = Path(os.environ.get("DISTOPT_RAY_TEST_STATE_DIR", "/tmp/distopt-ray-test"))
     with shared_cluster(
         state,
         start=lambda: ray_cluster_mod.start(state, num_cpus=4),
