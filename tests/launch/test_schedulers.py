@@ -52,8 +52,10 @@ print(json.dumps({
 def _torchx_schedulers(*path: Path) -> dict[str, Any]:
     """TorchX's schedulers in a fresh interpreter with ``path`` first on ``sys.path``."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(map(str, [*path, REPO])))
+    # Not from the checkout: `python -c` puts the working directory first on sys.path, where an
+    # editable install's distopt.egg-info would shadow the metadata under test.
     out = subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True, text=True,
-                         timeout=120, check=False)  # fmt: skip
+                         timeout=120, check=False, cwd=path[0] if path else None)  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.splitlines()[-1])
 
