@@ -29,3 +29,14 @@ def optimized_dlrm(example: tuple[torch.Tensor, ...], seed: int = 0) -> torch.fx
     ps.discard_step()  # verification's fetches are no training step
     assert isinstance(gm, torch.fx.GraphModule)
     return gm
+
+
+def bitwise_equal(a, b) -> bool:
+    """Tensors, and dicts/lists/tuples of them, equal bit for bit (state dicts, tables, losses)."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(bitwise_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distopt.data.generate import write_criteo
+from tests.pipeline.conftest import bitwise_equal
 
 pytestmark = pytest.mark.slow
 
@@ -52,21 +53,11 @@ def _checkpoint(root: Path, run_id: str) -> dict[str, Any]:
             "tables": torch.load(step / "ps0.pt", weights_only=False)}
 
 
-def _equal(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
 def test_exact_mode_ends_bitwise_equal_to_the_job_without_a_pipeline(runs: Path) -> None:
     plain, exact = _checkpoint(runs, "plain"), _checkpoint(runs, "exact")
     # Dense parameters and Adam state of the trainers, rows and row-wise Adagrad state of the server.
-    assert _equal(plain["dense"], exact["dense"])
-    assert _equal(plain["tables"], exact["tables"])
+    assert bitwise_equal(plain["dense"], exact["dense"])
+    assert bitwise_equal(plain["tables"], exact["tables"])
     assert [r["loss"] for r in _records(runs, "plain", "step")] == [r["loss"] for r in _records(runs, "exact", "step")]
     assert {r["staleness_max"] for r in _records(runs, "exact", "step")} == {0}
 

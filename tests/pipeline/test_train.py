@@ -10,7 +10,7 @@ import distopt.ps as ps
 from distopt.errors import ConfigError
 from distopt.models.dlrm import dlrm_loss, make_batch
 from distopt.pipeline import TrainPipeline
-from tests.pipeline.conftest import CONFIG, optimized_dlrm
+from tests.pipeline.conftest import CONFIG, bitwise_equal, optimized_dlrm
 
 STEPS = 8
 LR = 0.5  # large, so a missed update shows in the losses
@@ -58,23 +58,14 @@ def _pipelined(server, staleness: int, deterministic: bool = False) -> tuple[lis
     return losses, gm.state_dict(), opt.state_dict(), pipe
 
 
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
 
 def test_exact_mode_is_bitwise_the_optimized_model_without_a_pipeline(server) -> None:
     losses, params, opt_state = _sequential(server)
     tables = ps.state_dict()
     p_losses, p_params, p_opt_state, pipe = _pipelined(server, staleness=0)
     assert p_losses == losses
-    assert _equal(p_params, params) and _equal(p_opt_state, opt_state)
-    assert _equal(ps.state_dict(), tables)  # rows and the servers' optimizer state
+    assert bitwise_equal(p_params, params) and bitwise_equal(p_opt_state, opt_state)
+    assert bitwise_equal(ps.state_dict(), tables)  # rows and the servers' optimizer state
     assert pipe.stats.batches == STEPS and pipe.stats.staleness_max == 0 and pipe.stats.rows > 0
 
 
@@ -95,8 +86,8 @@ def test_deterministic_stale_runs_repeat_bitwise_and_pushes_are_ordered_again_af
     first_losses, first_params, _, first = _pipelined(server, staleness=1, deterministic=True)
     first_tables = ps.state_dict()
     losses, params, _, pipe = _pipelined(server, staleness=1, deterministic=True)
-    assert losses == first_losses and _equal(params, first_params)
-    assert _equal(ps.state_dict(), first_tables)
+    assert losses == first_losses and bitwise_equal(params, first_params)
+    assert bitwise_equal(ps.state_dict(), first_tables)
     assert pipe.stats.staleness_max == 1 == first.stats.staleness_max
     _pipelined(server, staleness=1)  # relaxed: pushes may overtake each other while it runs
     assert ps.client.set_stale_pushes(False) is False  # and the issue order is back after it

@@ -16,6 +16,7 @@ import distopt
 import distopt.ps as ps
 from distopt.errors import ConfigError
 from distopt.pipeline import TrainPipeline, pipeline_split
+from tests.pipeline.conftest import bitwise_equal
 from tests.remote.corpus.tables import add_rows, lookup_rows
 
 distopt.register_read(lookup_rows)
@@ -85,15 +86,6 @@ def _push():
     ps.push_gradients(lr=0.5)
 
 
-def _equal(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b, strict=True))
-    return a == b
-
 
 @pytest.fixture(scope="module")
 def tables() -> Iterator[dict]:
@@ -150,8 +142,8 @@ def test_exact_mode_trains_the_ranker_bitwise_as_without_a_pipeline(tables, with
     losses, params, opt_state, table_state, _ = _train(tables, with_example, staleness=None)
     p_losses, p_params, p_opt_state, p_tables, pipe = _train(tables, with_example, staleness=0)
     assert p_losses == losses
-    assert _equal(p_params, params) and _equal(p_opt_state, opt_state)
-    assert _equal(p_tables, table_state)  # rows and the Adagrad accumulators on the servers
+    assert bitwise_equal(p_params, params) and bitwise_equal(p_opt_state, opt_state)
+    assert bitwise_equal(p_tables, table_state)  # rows and the Adagrad accumulators on the servers
     assert pipe.stats.batches == STEPS and pipe.stats.rows > 0 and pipe.stats.staleness_max == 0
 
 
