@@ -57,6 +57,11 @@ class PSOverlapConfig:
     num_servers: int = 1
     rounds: int = 3
     """Interleaved rounds; each runs ``steps`` steps of every variant."""
+    min_variant_s: float = 0.0
+    """More rounds (up to ``max_rounds``) until every variant has this many timed seconds: a
+    point with 7 ms steps then gets as many seconds of samples as one with 300 ms steps, instead
+    of a median of ~200 steps whose p10–p90 spans half of it."""
+    max_rounds: int = 64
     steps: int = 12
     warmup: int = 2
     """Steps discarded at the start of each variant's chunk."""
@@ -72,6 +77,11 @@ class PSOverlapConfig:
     (:func:`~distopt.estimate.staleness_to_hide`), as one would size a prefetch depth."""
     max_staleness: int = 4
     target_h: float = 0.95
+    h_consistency: float = 0.9
+    """H is scored only where the hand-written model's step (median per round) beat the
+    baseline's in at least this fraction of rounds and by more than 5% of the baseline step
+    overall. Elsewhere its denominator, the hideable time, is within the noise (at K = 1 the
+    per-round difference swings from -25% to +22%) and only optimized vs hand QPS is scored."""
     target_ratio_vs_hand: float = 0.98
     target_pipelined_vs_no_network: float = 0.9
     target_pipelined_vs_optimized: float = 0.98
@@ -88,6 +98,10 @@ class PSOverlapConfig:
         check(all(k >= 1 for k in self.tables), "tables", "counts >= 1", self.tables)
         check(all(x >= 0 for x in self.latency_ms), "latency_ms", "values >= 0", self.latency_ms)
         check(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
+        check(self.min_variant_s >= 0, "min_variant_s", "a number of seconds >= 0", self.min_variant_s)
+        check(self.max_rounds >= self.rounds, "max_rounds", f"an integer >= rounds ({self.rounds})",
+              self.max_rounds)
+        check(0 <= self.h_consistency <= 1, "h_consistency", "a fraction in [0, 1]", self.h_consistency)
         check(self.steps > self.warmup >= 0, "steps", f"an integer > warmup ({self.warmup})", self.steps)
         unknown = [v for v in self.variants if v not in VARIANTS]
         check(bool(self.variants) and not unknown, "variants", f"names among {', '.join(VARIANTS)}",
@@ -172,8 +186,12 @@ def _point(
         variants = bench.variants
         optimizers = {name: torch.optim.SGD(models[name].parameters(), lr=bench.lr) for name in variants}
         times: dict[str, list[float]] = {name: [] for name in variants}
+        round_medians: dict[str, list[float]] = {name: [] for name in variants}
         memory: dict[str, int] = {"window": max(1, staleness)}
-        for round_index in range(bench.rounds):
+        round_index = 0
+        while round_index < bench.rounds or (
+            round_index < bench.max_rounds and min(sum(t) for t in times.values()) < bench.min_variant_s
+        ):
             shift = round_index % len(variants)
             for name in variants[shift:] + variants[:shift]:
                 if name == "pipelined":
@@ -188,13 +206,18 @@ def _point(
                     if name == "no_network":
                         ps.set_latency_ms(latency)
                 times[name].extend(chunk[bench.warmup:])
+                round_medians[name].append(median(chunk[bench.warmup:]))
+            round_index += 1
     results = {name: VariantResult(times[name], bench.batch_size) for name in variants}
     median_s = {name: r.median_s for name, r in results.items()}
-    h = ratio_vs_hand = None
+    h = ratio_vs_hand = hand_faster = None
     if {"baseline", "optimized", "hand"} <= set(variants):
         t_base, t_opt, t_hand = median_s["baseline"], median_s["optimized"], median_s["hand"]
         hideable = t_base - t_hand
-        h = (t_base - t_opt) / hideable if hideable > 0.05 * t_base else None
+        hand_faster = sum(h_r < b_r for h_r, b_r in zip(round_medians["hand"], round_medians["baseline"],
+                                                         strict=True))
+        consistent = hand_faster >= bench.h_consistency * round_index
+        h = (t_base - t_opt) / hideable if hideable > 0.05 * t_base and consistent else None
         ratio_vs_hand = t_hand / t_opt
     pipe_vs_net = pipe_vs_opt = None
     if "pipelined" in variants:
@@ -205,7 +228,8 @@ def _point(
     forward = prediction.forward
     pipelined_step = prediction.step_s if prediction.pipelined is not None else None
     point = {
-        "tables": k, "latency_ms": latency, "compute": compute,
+        "tables": k, "latency_ms": latency, "compute": compute, "rounds": round_index,
+        "hand_faster_rounds": hand_faster,
         "variants": {n: {"median_step_s": r.median_s, "qps_median": bench.batch_size / r.median_s,
                          "qps_p10": r.qps(0.10), "qps_p90": r.qps(0.90), "steps": len(r.step_times),
                          "step_times_s": r.step_times} for n, r in results.items()},
@@ -278,7 +302,7 @@ def _ms(value: float | None) -> str:
 def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
     table = Table(title="ps_overlap: QPS median [p10–p90] per variant, interleaved; H = hidden-latency "
                         "fraction; pipe/net and pipe/opt: pipelined QPS over no_network and over optimized")
-    columns = ("K", "lat ms", "compute", *bench.variants, "H", "opt/hand", "pipe s", "pipe/net", "pipe/opt",
+    columns = ("K", "lat ms", "compute", "rounds", *bench.variants, "H", "opt/hand", "pipe s", "pipe/net", "pipe/opt",
                "pred. saving ms", "meas. saving ms", "pred. pipe step ms", "meas. pipe step ms")
     for col in columns:
         table.add_column(col, justify="right")
@@ -288,7 +312,7 @@ def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
             v = p["variants"][name]
             cells.append(f"{v['qps_median']:.0f} [{v['qps_p10']:.0f}–{v['qps_p90']:.0f}]")
         table.add_row(
-            str(p["tables"]), f"{p['latency_ms']:g}", p["compute"], *cells,
+            str(p["tables"]), f"{p['latency_ms']:g}", p["compute"], str(p["rounds"]), *cells,
             _ratio_cell(p["hidden_fraction"], bench.target_h),
             _ratio_cell(p["opt_vs_hand_qps"], bench.target_ratio_vs_hand),
             str(p["pipeline_staleness"]) if "pipelined" in bench.variants else "-",
@@ -328,7 +352,9 @@ def run(config: dict, args: argparse.Namespace) -> int:
     sweep = list(itertools.product(bench.tables, bench.latency_ms, bench.compute))
     for index, (k, latency, compute) in enumerate(sweep, 1):
         console.print(f"[{index}/{len(sweep)}] K={k} latency={latency:g} ms compute={compute}: "
-                      f"{bench.rounds} rounds × {bench.steps} steps × {len(bench.variants)} variants…")
+                      f"{bench.rounds} rounds × {bench.steps} steps × {len(bench.variants)} variants"
+                      + (f" (more, up to {bench.max_rounds}, until each variant has {bench.min_variant_s:g} s)"
+                         if bench.min_variant_s else "") + "…")
         point, prediction = _point(bench, k, latency, compute, console)
         _write_logs(bench, point, prediction, run_stamp)
         points.append(point)

@@ -52,6 +52,35 @@ def test_ps_overlap_runs_and_logs(tmp_path) -> None:
 
 
 @pytest.mark.slow
+def test_ps_overlap_adds_rounds_until_each_variant_has_its_seconds(tmp_path) -> None:
+    config = tmp_path / "ps.yaml"
+    config.write_text(  # 30 s per variant is out of reach: the rounds stop at max_rounds
+        "kind: ps_overlap\ntables: [1]\nlatency_ms: [1.0]\ncompute: [light]\nrounds: 1\nsteps: 3\n"
+        "warmup: 1\nmin_variant_s: 30\nmax_rounds: 3\nvariants: [baseline, optimized, hand]\n"
+        f"batching_fetches: 0\noutput_dir: {tmp_path / 'runs'}\n"
+    )
+    out = tmp_path / "out.json"
+    main(["bench", str(config), "--json", str(out)])
+    point = json.loads(out.read_text())["points"][0]
+    assert point["rounds"] == 3
+    assert all(v["steps"] == 3 * 2 for v in point["variants"].values())
+    assert 0 <= point["hand_faster_rounds"] <= 3
+    if point["hidden_fraction"] is not None:  # scored only where hand beat baseline in >= 90% of rounds
+        assert point["hand_faster_rounds"] == 3
+
+
+def test_ps_overlap_config_errors_name_the_key() -> None:
+    from distopt.bench.ps_overlap import PSOverlapConfig
+    from distopt.config import from_dict
+    from distopt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_rounds.*rounds \(8\)"):
+        from_dict(PSOverlapConfig, {"rounds": 8, "max_rounds": 4})
+    with pytest.raises(ConfigError, match=r"h_consistency"):
+        from_dict(PSOverlapConfig, {"h_consistency": 1.5})
+
+
+@pytest.mark.slow
 def test_fsdp_partition_runs_every_variant(tmp_path) -> None:
     config = tmp_path / "fsdp.yaml"
     config.write_text(
