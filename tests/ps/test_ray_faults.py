@@ -182,7 +182,7 @@ def test_a_save_that_fails_halfway_never_becomes_the_checkpoint_to_reload(ray_cl
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
-    with ps.local_job(TABLES, _options(max_restarts=1)):
+    with ps.local_job(TABLES, _options(max_restarts=2)):
         trainer = Trainer()
         trainer.step(0)
         ps.save_servers(str(first))
@@ -195,3 +195,12 @@ def test_a_save_that_fails_halfway_never_becomes_the_checkpoint_to_reload(ray_cl
         assert (second / "ps0.pt").exists() and not (second / "ps1.pt").exists()
         assert ps.recover().checkpoint == str(first)
         assert bitwise_equal(ps.state_dict(), at_first)
+
+        trainer.step(1)  # and a failed save over the recorded checkpoint itself: ps0.pt is new,
+        ps.flush()  # ps1.pt old, so no server may reload that directory any more
+        os.kill(ps.server_stats("ps1")["pid"], signal.SIGKILL)
+        with pytest.raises(RemoteCallError, match=r"^checkpoint save on ps1 failed: "):
+            ps.save_servers(str(first))
+        assert ps.recover().checkpoint is None
+        with torch.no_grad():
+            assert all(torch.equal(ps.fetch(spec.name), initial_rows(spec, 7)) for spec in TABLES)
