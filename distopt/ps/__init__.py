@@ -5,7 +5,8 @@ trainers call :func:`fetch`/:func:`push` (blocking, as users write them) or thei
 forms; :func:`push_gradients` pushes the gradients of every row fetched in the step. Jobs are
 started with :func:`running_servers` (or :func:`start_servers`/:func:`stop_servers`) +
 :func:`init_trainer` and left with :func:`shutdown` (or :func:`abort`), or :func:`local_job` in one
-process; see ``distopt.ps.launch`` for who hosts the job's stores and how servers shut down.
+process; see ``distopt.ps.launch`` for who hosts the job's stores and how servers shut down, and
+:func:`recover` (``distopt.ps.ray_recovery``) for going on after Ray restarted a server actor.
 See ``distopt.ps.client`` for ordering and error semantics.
 """
 
@@ -38,6 +39,7 @@ from distopt.ps.launch import (
     start_servers,
     stop_servers,
 )
+from distopt.ps.ray_recovery import Recovery, recover, servers_ready
 from distopt.ps.registration import fetch_batched
 from distopt.ps.servers import (
     load_servers,
@@ -53,6 +55,7 @@ __all__ = [
     "FetchFuture",
     "FetchRecord",
     "PSJob",
+    "Recovery",
     "RemoteEmbedding",
     "Route",
     "ServerOptions",
@@ -71,11 +74,13 @@ __all__ = [
     "push",
     "push_async",
     "push_gradients",
+    "recover",
     "routes",
     "running_servers",
     "save_servers",
     "server_name",
     "server_stats",
+    "servers_ready",
     "set_latency_ms",
     "set_device",
     "shutdown",

@@ -8,8 +8,16 @@ checkpoints, stats and latency injection are one code path on both backends, and
 written on one backend loads on the other.
 
 Actors are created by the launcher (:func:`distopt.ps.start_servers`), owned by it (they die with
-it: never an orphan), and killed by :func:`distopt.ps.stop_servers`. Ray restarts a dead actor
-``max_restarts`` times; a restarted actor starts from the seeded initial tables.
+it: never an orphan), and killed by :func:`distopt.ps.stop_servers`.
+
+Faults. Calls in flight on an actor whose process dies fail at the trainer's wait with a one-line
+:class:`~distopt.errors.RemoteCallError` naming the table and the actor, within
+``ps.rpc_timeout_s``. Ray restarts a dead actor ``ps.max_restarts`` times (0: never; later calls
+keep failing). A restarted actor's constructor reloads its shards from the job's last checkpoint,
+named by a record file whose path is a constructor argument (the seeded tables if the job saved
+none; a log line says which), then refuses fetches, pushes and saves with ``ServerRestarted`` until
+:func:`distopt.ps.recover` reloads every server from that checkpoint: the recipe, and why a record
+file, are in :mod:`distopt.ps.ray_recovery`.
 
 Ordering. An actor runs ``max_concurrency = num_worker_threads`` calls at once (fetches of a slow
 server overlap, like the RPC thread pool), and a threaded Ray actor does **not** execute calls in
@@ -28,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import sys
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -35,8 +44,8 @@ from typing import Any
 import torch
 
 from distopt import rendezvous
-from distopt.errors import RemoteCallError
-from distopt.ps import client, launch
+from distopt.errors import ConfigError, RemoteCallError
+from distopt.ps import client, launch, ray_recovery
 from distopt.ps.launch import LAUNCHER, PSJob
 from distopt.ps.ray_transport import RayTransport, ray_message
 from distopt.ps.server import _ServerState, ps_server_tables
@@ -44,26 +53,63 @@ from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.rendezvous import StorePlan
 
 
+class ServerRestarted(RuntimeError):
+    """A restarted server actor refuses fetches, pushes and saves until :func:`distopt.ps.recover`."""
+
+
 class PSServerActor:
     """One parameter server: its shards and sparse optimizer state (wrapped by ``ray.remote``).
 
     Methods mirror the RPC handlers ``distopt.ps.server.ps_server_*`` and delegate to the same
-    :class:`~distopt.ps.server._ServerState` methods.
+    :class:`~distopt.ps.server._ServerState` methods. ``record`` is the job's checkpoint record
+    (:mod:`distopt.ps.ray_recovery`): a restarted actor reloads the checkpoint it names.
     """
 
-    def __init__(self, index: int, tables: tuple[TableSpec, ...], options: ServerOptions) -> None:
+    def __init__(self, index: int, tables: tuple[TableSpec, ...], options: ServerOptions,
+                 record: str | None = None) -> None:  # fmt: skip
+        import ray
+
         # Handlers are small index_select/index_add calls: one intra-op thread each avoids
         # oversubscribing the cores that trainers and other servers share (as the RPC server).
         torch.set_num_threads(1)
+        self.spec = (index, tables, options)
         self.state = _ServerState(index, tables, options)
+        self.note = ""
+        """Set when Ray restarted this actor: what it reloaded (it refuses data calls meanwhile)."""
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self.note = self._reload_after_restart(record)
+            print(f"distopt.ps.ray_server: {self.note}", file=sys.stderr, flush=True)
+
+    def _reload_after_restart(self, record: str | None) -> str:
+        head = f"{self.state.name} was restarted by Ray (pid {os.getpid()})"
+        seeded = "it starts from the seeded initial tables"
+        try:
+            directory = ray_recovery.read_record(record) if record else None
+        except ConfigError as err:
+            return f"{head}; {err}: {seeded}"
+        if directory is None:
+            return f"{head}; no checkpoint saved by this job yet: {seeded}"
+        try:
+            self.state.load(directory)
+        except Exception as err:  # any failure: a constructor that raises would end the actor for good
+            self.state = _ServerState(*self.spec)  # never a half-loaded shard
+            return f"{head}; cannot reload {directory} ({type(err).__name__}: {err}): {seeded}"
+        return f"{head} and reloaded its shards from {directory}"
+
+    def _usable(self) -> None:
+        if self.note:
+            raise ServerRestarted(f"{self.note}; call distopt.ps.recover() to reload every server")
 
     def fetch(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+        self._usable()
         return self.state.fetch(table, ids)
 
     def fetch_many(self, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+        self._usable()
         return self.state.fetch_many(requests)
 
     def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        self._usable()
         self.state.push(table, ids, grads, lr)
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
@@ -71,12 +117,30 @@ class PSServerActor:
 
     def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
         self.state.load_state_dict(state)
+        self.note = ""
 
     def save(self, directory: str) -> tuple[str, int]:
+        self._usable()  # a restarted shard next to later ones is no checkpoint
         return self.state.save(directory)
 
     def load(self, directory: str) -> None:
         self.state.load(directory)
+        self.note = ""
+
+    def restore(self, directory: str | None) -> str:
+        """Reload the shards from checkpoint ``directory`` (``None``: the seeded initial tables)
+        and answer calls again (:func:`distopt.ps.recover`); what was done, in words."""
+        fresh = _ServerState(*self.spec)  # loaded aside: a failed load leaves nothing half-done
+        fresh.latency_s, fresh.counts = self.state.latency_s, self.state.counts
+        if directory is not None:
+            fresh.load(directory)
+        self.state, self.note = fresh, ""
+        return directory or "seeded"
+
+    def incarnation(self) -> dict[str, Any]:
+        """This actor's process and, after a restart, what it reloaded (``fenced``: it refuses
+        data calls until :meth:`restore`)."""
+        return {"pid": os.getpid(), "fenced": bool(self.note), "note": self.note}
 
     def tables(self) -> list[dict[str, Any]]:
         return self.state.tables()
@@ -128,12 +192,14 @@ def start_actors(tables: Sequence[TableSpec], options: ServerOptions) -> tuple[s
 
     started = ensure_ray(options.ray_address, options)
     namespace = f"{options.ray_namespace}-{uuid.uuid4().hex[:8]}"
+    record = ray_recovery.record_path(options, namespace)
+    record.parent.mkdir(parents=True, exist_ok=True)
     actor_cls = ray.remote(PSServerActor)
     handles = [
         actor_cls.options(  # type: ignore[attr-defined]
             name=server_name(index), namespace=namespace, num_cpus=0,
             max_concurrency=options.num_worker_threads, max_restarts=options.max_restarts,
-        ).remote(index, tuple(tables), options)
+        ).remote(index, tuple(tables), options, str(record))
         for index in range(options.num_servers)
     ]  # fmt: skip
     _STARTED[namespace] = _Started(handles, started)
@@ -233,5 +299,6 @@ def stop_job(job: PSJob) -> None:
     for handle in started.handles:
         with contextlib.suppress(ray.exceptions.RayActorError):  # already gone
             ray.kill(handle, no_restart=True)
+    ray_recovery.record_path(job.options, job.ray_namespace).unlink(missing_ok=True)
     if started.started_ray:
         ray.shutdown()

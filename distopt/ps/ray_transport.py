@@ -58,8 +58,10 @@ def ray_message(err: BaseException) -> str:
         text = cause.args[0] if len(cause.args) == 1 and isinstance(cause.args[0], str) else str(cause)
         first = text.strip().splitlines()[0] if text.strip() else ""
         return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+    if isinstance(err, ray.exceptions.ActorUnavailableError):
+        return "the actor is unreachable or restarting; the call may or may not have run (Ray: ActorUnavailableError)"
     if isinstance(err, ray.exceptions.RayActorError):
-        return "the actor process exited or was killed (Ray: ActorDiedError)"
+        return f"the actor process exited or was killed (Ray: {type(err).__name__})"
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
@@ -74,6 +76,8 @@ class RayTransport:
         self._deadlines: list[tuple[float, int]] = []
         self._pending: dict[int, tuple[Future, str, float]] = {}
         """Call id → (its future, the error prefix naming the operation and actor, its timeout)."""
+        self._unanswered: set[int] = set()
+        """Calls Ray has not answered yet, including those already failed by their deadline."""
         self._ids = itertools.count()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="distopt-ps-ray-reactor", daemon=True)
@@ -100,6 +104,7 @@ class RayTransport:
         with self._cond:
             key = next(self._ids)
             self._pending[key] = (out, prefix, timeout_s)
+            self._unanswered.add(key)
             heapq.heappush(self._deadlines, (time.monotonic() + timeout_s, key))
             self._cond.notify()
         answer.add_done_callback(lambda fut: self._queue(key, fut))
@@ -112,11 +117,21 @@ class RayTransport:
             self._cond.notify()
         self._thread.join()
 
+    def quiesce(self, timeout_s: float) -> int:
+        """Wait up to ``timeout_s`` until Ray has answered every call sent so far, also those
+        already failed by their deadline (so none reaches an actor later); how many have not."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._unanswered and (left := deadline - time.monotonic()) > 0:
+                self._cond.wait(left)
+            return len(self._unanswered)
+
     def _queue(self, key: int, answer: concurrent.futures.Future[Any]) -> None:
         """Ray's callback thread: hand the answer to the reactor, nothing else."""
         with self._cond:
             self._answers.append((key, answer))
-            self._cond.notify()
+            self._unanswered.discard(key)
+            self._cond.notify_all()
 
     def _run(self) -> None:
         while True:

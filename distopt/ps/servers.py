@@ -10,6 +10,7 @@ from typing import Any
 
 from distopt.errors import ConfigError
 from distopt.ps.client import _client, flush
+from distopt.ps.ray_recovery import recording
 from distopt.ps.server import (
     ps_server_load,
     ps_server_load_state_dict,
@@ -49,14 +50,18 @@ def save_servers(directory: str) -> dict[str, int]:
 
     Flushes this trainer's pending pushes first; pushes of other trainers are the caller's to
     drain (the job's checkpoint barrier). Returns ``{file name: size}``. ``directory`` must be on a
-    filesystem the servers share with the trainers.
+    filesystem the servers share with the trainers. On the Ray backend the directory becomes the job's last checkpoint once every server has
+    written its file: a restarted actor reloads it (:mod:`distopt.ps.ray_recovery`).
     """
-    return dict(_on_every_server(ps_server_save, "checkpoint save", lambda _: (str(directory),)).values())
+    with recording(str(directory)):
+        return dict(_on_every_server(ps_server_save, "checkpoint save", lambda _: (str(directory),)).values())
 
 
 def load_servers(directory: str) -> None:
-    """Each server restores its shards from ``<directory>/ps<i>.pt`` (see :func:`save_servers`)."""
-    _on_every_server(ps_server_load, "checkpoint load", lambda _: (str(directory),))
+    """Each server restores its shards from ``<directory>/ps<i>.pt`` (see :func:`save_servers`);
+    on the Ray backend the directory becomes the job's last checkpoint."""
+    with recording(str(directory)):
+        _on_every_server(ps_server_load, "checkpoint load", lambda _: (str(directory),))
 
 
 def server_stats(server: str) -> dict[str, int]:

@@ -116,8 +116,16 @@ class ServerOptions:
     ray_namespace: str = "distopt-ps"
     """``ray`` backend: Ray namespace of the named server actors ``ps0 ..``."""
     max_restarts: int = 0
-    """``ray`` backend: how often Ray restarts a dead server actor. A restarted server starts from
-    the seeded initial tables (load a checkpoint to resume), so 0 (fail the calls) by default."""
+    """``ray`` backend: how often Ray restarts a dead server actor (-1: always). A restarted actor
+    reloads its shards from the job's last checkpoint (the last :func:`distopt.ps.save_servers` or
+    :func:`~distopt.ps.load_servers`; the seeded tables when there was none, said in a log line) and
+    refuses fetches and pushes until a trainer calls :func:`distopt.ps.recover`, which reloads every
+    server from that checkpoint. 0 (default): calls to a dead actor keep failing."""
+    ray_state_dir: str | None = None
+    """``ray`` backend: directory where the job records which checkpoint it saved or loaded last
+    (``<ray namespace>.last-checkpoint.json``), read by a restarted actor. It must be on a filesystem
+    every actor's node shares with the trainers, as the checkpoints themselves. ``None``: the
+    system's temporary directory, which only the launcher's host sees (a single-node Ray)."""
     transports: tuple[str, ...] = ("uv",)
     """TensorPipe transports, in preference order. ``uv`` (TCP, event-driven) by default: ``shm``
     dedicates a busy-polling reactor thread per process, which steals a whole core from the
@@ -149,6 +157,8 @@ class ServerOptions:
         check(bool(self.ray_address), "ps.ray_address", "a Ray address or 'local'", self.ray_address)
         check(bool(self.ray_namespace), "ps.ray_namespace", "a non-empty string", self.ray_namespace)
         check(self.max_restarts >= -1, "ps.max_restarts", "an integer >= -1 (-1: forever)", self.max_restarts)
+        check(self.ray_state_dir is None or bool(self.ray_state_dir), "ps.ray_state_dir", "a directory",
+              self.ray_state_dir)
 
 
 def check_tables(tables: tuple[TableSpec, ...] | list[TableSpec], num_servers: int) -> None:

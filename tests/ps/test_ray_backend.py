@@ -7,7 +7,6 @@ import os
 import signal
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,17 +41,6 @@ def _options(backend: str, **kwargs) -> ServerOptions:
     return ServerOptions(backend=backend, **{**defaults, **kwargs})
 
 
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[None]:
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a loopback-only head, no dashboard
-    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
-             log_to_driver=False)  # fmt: skip
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def _train(steps: int = 3) -> dict[str, torch.Tensor]:
     """Pushes and fetches of every table from fixed seeds; the tables afterwards."""
     gen = torch.Generator().manual_seed(11)
@@ -73,7 +61,7 @@ def test_bad_backend_is_a_one_line_error_naming_the_key() -> None:
         from_dict(ServerOptions, {"backend": "grpc"}, prefix="ps")
 
 
-def test_numerics_and_checkpoints_agree_across_backends(cluster, tmp_path: Path) -> None:
+def test_numerics_and_checkpoints_agree_across_backends(ray_cluster, tmp_path: Path) -> None:
     """Same seeds → bitwise-equal tables; a checkpoint of either backend resumes on the other."""
     (tmp_path / "rpc").mkdir()
     (tmp_path / "ray").mkdir()
@@ -102,7 +90,7 @@ def test_numerics_and_checkpoints_agree_across_backends(cluster, tmp_path: Path)
                 assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
 
 
-def test_interleaved_pushes_and_fetches_equal_the_sequential_reference(cluster) -> None:
+def test_interleaved_pushes_and_fetches_equal_the_sequential_reference(ray_cluster) -> None:
     """Nothing waited in between, slow threaded actors: every fetch sees exactly the pushes
     issued before it (the client orders conflicting calls; Ray's execution order does not matter)."""
     spec = TABLES[1]
@@ -126,7 +114,7 @@ def test_interleaved_pushes_and_fetches_equal_the_sequential_reference(cluster) 
     assert torch.equal(final, reference.weight)
 
 
-def test_batched_fetch_is_one_call_per_actor(cluster) -> None:
+def test_batched_fetch_is_one_call_per_actor(ray_cluster) -> None:
     with ps.local_job(TABLES, _options("ray")), torch.no_grad():
         before = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
         rows = ps.wait(ps.fetch_many_async([("sgd", [0, 1, 2]), ("ada", [3, 4]), ("row", [8])]))
@@ -137,7 +125,7 @@ def test_batched_fetch_is_one_call_per_actor(cluster) -> None:
             assert after["fetch_many"] - before[server].get("fetch_many", 0) == 1
 
 
-def test_errors_name_the_actor_and_a_killed_actor_fails_within_the_timeout(cluster) -> None:
+def test_errors_name_the_actor_and_a_killed_actor_fails_within_the_timeout(ray_cluster) -> None:
     options = _options("ray", latency_ms=500, rpc_timeout_s=5.0)
     with ps.local_job(TABLES, options), torch.no_grad():
         with pytest.raises(ConfigError, match=r"unknown table 'nope'"):
@@ -156,7 +144,7 @@ def test_errors_name_the_actor_and_a_killed_actor_fails_within_the_timeout(clust
         ps.shutdown(graceful=False)  # the job is broken: leave without draining
 
 
-def test_optimize_hoists_and_batches_fetches_on_the_ray_backend(cluster) -> None:
+def test_optimize_hoists_and_batches_fetches_on_the_ray_backend(ray_cluster) -> None:
     config = DLRMConfig(num_tables=3, num_rows=50, embedding_dim=8, batch_size=6, bag_size=3)
     options = ServerOptions(num_servers=1, backend="ray", latency_ms=2, start_timeout_s=30)
     batch = make_batch(config, 0)
