@@ -235,11 +235,19 @@ def pipeline_window_s(forward: Prediction, measured_step_s: float | None, stalen
     return max(0.0, staleness * step - max(forward.after_s, forward.rpc_latency_s))
 
 
+LATENCY_COVER = 2.0
+"""How many request latencies a prefetch window must cover. One is the ideal, but the window
+model times requests on an idle host and places the previous push at the step's start: with a
+window of one latency, reads came back late on their jitter (ps_overlap, K = 1, light: staleness
+1 ran at 0.87x no_network at 1 ms and staleness 2 at 0.91x at 5 ms; one step more gave 1.00x and
+0.96x)."""
+
+
 def staleness_to_hide(forward: Prediction, measured_step_s: float | None, *, limit: int) -> int:
-    """The smallest staleness s >= 1 whose :func:`pipeline_window_s` covers one request's latency
-    (so prefetched reads are back before the step needs them), at most ``limit``."""
+    """The smallest staleness s >= 1 whose :func:`pipeline_window_s` covers ``LATENCY_COVER``
+    request latencies (so prefetched reads are back before the step needs them), at most ``limit``."""
     for staleness in range(1, limit + 1):
-        if pipeline_window_s(forward, measured_step_s, staleness) >= forward.rpc_latency_s:
+        if pipeline_window_s(forward, measured_step_s, staleness) >= LATENCY_COVER * forward.rpc_latency_s:
             return staleness
     return limit
 

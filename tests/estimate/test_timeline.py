@@ -73,18 +73,21 @@ def test_the_pipelined_prediction_hides_what_the_window_covers() -> None:
 
 
 def test_the_staleness_to_hide_is_the_least_whose_window_covers_the_latency() -> None:
-    from distopt.estimate.predict import Prediction, pipeline_window_s, staleness_to_hide
+    from distopt.estimate.predict import LATENCY_COVER, Prediction, pipeline_window_s, staleness_to_hide
 
     _, before, after, _ = graphs()
     costs = _synthetic_costs(after, 0.001)
     forward = Prediction(before=simulate(before, costs, 0.050), after=simulate(after, costs, 0.050),
                          rpc_latency_s=0.050, after_costs=costs)
-    # 30 ms of backward does not cover 50 ms; one more step of forward and backward does.
+    # The window must cover LATENCY_COVER latencies (2 x 50 ms), not one: reads came back late on
+    # their jitter with a window of exactly one latency.
+    cover = LATENCY_COVER * 0.050
     step = forward.before_s + 0.030
     chosen = staleness_to_hide(forward, step, limit=8)
-    assert chosen == 2
-    assert pipeline_window_s(forward, step, chosen - 1) < 0.050 <= pipeline_window_s(forward, step, chosen)
-    assert staleness_to_hide(forward, forward.before_s + 0.060, limit=8) == 1
+    assert pipeline_window_s(forward, step, chosen - 1) < cover <= pipeline_window_s(forward, step, chosen)
+    long_backward = forward.before_s + 0.200
+    assert pipeline_window_s(forward, long_backward, 1) >= cover
+    assert staleness_to_hide(forward, long_backward, limit=8) == 1
     assert staleness_to_hide(forward, step, limit=1) == 1  # capped: the caller's bound wins
 
 
@@ -92,7 +95,7 @@ def test_a_read_waits_for_the_previous_push_so_a_long_latency_shrinks_the_window
     """A table's prefetch leaves once the previous step's push is done (distopt.ps.ordering)."""
     import dataclasses
 
-    from distopt.estimate.predict import Prediction, pipeline_window_s, staleness_to_hide
+    from distopt.estimate.predict import LATENCY_COVER, Prediction, pipeline_window_s, staleness_to_hide
 
     _, before, after, _ = graphs()
     costs = _synthetic_costs(after, 0.001)
@@ -104,5 +107,5 @@ def test_a_read_waits_for_the_previous_push_so_a_long_latency_shrinks_the_window
     assert pipeline_window_s(slow, measured, 1) == pytest.approx(max(0.0, step - slow.rpc_latency_s))
     assert pipeline_window_s(slow, measured, 3) == pytest.approx(3 * step - slow.rpc_latency_s)
     chosen = staleness_to_hide(slow, measured, limit=8)
-    assert pipeline_window_s(slow, measured, chosen - 1) < slow.rpc_latency_s
-    assert pipeline_window_s(slow, measured, chosen) >= slow.rpc_latency_s
+    assert pipeline_window_s(slow, measured, chosen - 1) < LATENCY_COVER * slow.rpc_latency_s
+    assert pipeline_window_s(slow, measured, chosen) >= LATENCY_COVER * slow.rpc_latency_s
