@@ -36,7 +36,7 @@ import torch
 
 from distopt import rendezvous
 from distopt.errors import RemoteCallError
-from distopt.ps import client, launch
+from distopt.ps import client, launch, ray_cluster
 from distopt.ps.launch import LAUNCHER, PSJob
 from distopt.ps.ray_transport import RayTransport, ray_message
 from distopt.ps.server import _ServerState, ps_server_tables
@@ -102,7 +102,7 @@ def ensure_ray(address: str, options: ServerOptions) -> bool:
         ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False,
                  _node_ip_address=options.host, log_to_driver=False)  # fmt: skip
     else:
-        ray.init(address=address, log_to_driver=False)
+        ray_cluster.connect(address, timeout_s=options.start_timeout_s)
     return True
 
 
@@ -113,6 +113,8 @@ class _Started:
     handles: list[Any]
     started_ray: bool
     """Whether this process started Ray for them (and stops it with them)."""
+    group: Any
+    """Their placement group (:func:`distopt.ps.ray_cluster.reserve`)."""
 
 
 _STARTED: dict[str, _Started] = {}
@@ -128,15 +130,16 @@ def start_actors(tables: Sequence[TableSpec], options: ServerOptions) -> tuple[s
 
     started = ensure_ray(options.ray_address, options)
     namespace = f"{options.ray_namespace}-{uuid.uuid4().hex[:8]}"
+    group = ray_cluster.reserve(options)
     actor_cls = ray.remote(PSServerActor)
     handles = [
         actor_cls.options(  # type: ignore[attr-defined]
-            name=server_name(index), namespace=namespace, num_cpus=0,
-            max_concurrency=options.num_worker_threads, max_restarts=options.max_restarts,
+            name=server_name(index), namespace=namespace, max_concurrency=options.num_worker_threads,
+            max_restarts=options.max_restarts, **ray_cluster.placed(options, group, index),
         ).remote(index, tuple(tables), options)
         for index in range(options.num_servers)
     ]  # fmt: skip
-    _STARTED[namespace] = _Started(handles, started)
+    _STARTED[namespace] = _Started(handles, started, group)
     return ray.get_runtime_context().gcs_address, namespace
 
 
@@ -233,5 +236,6 @@ def stop_job(job: PSJob) -> None:
     for handle in started.handles:
         with contextlib.suppress(ray.exceptions.RayActorError):  # already gone
             ray.kill(handle, no_restart=True)
+    ray_cluster.release(started.group)
     if started.started_ray:
         ray.shutdown()
