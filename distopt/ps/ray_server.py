@@ -7,8 +7,9 @@ plus a per-job suffix, so consecutive jobs never meet a dying actor's name). Eac
 checkpoints, stats and latency injection are one code path on both backends, and a checkpoint
 written on one backend loads on the other.
 
-Actors are created by the launcher (:func:`distopt.ps.start_servers`), owned by it (they die with
-it: never an orphan), and killed by :func:`distopt.ps.stop_servers`. Ray restarts a dead actor
+Actors are created by the launcher (:func:`distopt.ps.start_servers`; in a ``distopt.train`` job,
+trainer 0: :mod:`distopt.job.ray_roles`) in one placement group (:mod:`distopt.ps.ray_cluster`),
+owned by it (they die with it: never an orphan), and killed by :func:`distopt.ps.stop_servers`. Ray restarts a dead actor
 ``max_restarts`` times; a restarted actor starts from the seeded initial tables.
 
 Ordering. An actor runs ``max_concurrency = num_worker_threads`` calls at once (fetches of a slow

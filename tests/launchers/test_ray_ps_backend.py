@@ -122,7 +122,7 @@ def test_ray_backed_job_has_trainers_only_and_equals_the_rpc_job(
     # The actors ran in a placement group on 1 CPU each (ps.ray_num_cpus), and are gone.
     (actor,) = _assert_all_dead(ray_cluster, "rj-full-")
     assert actor.name == "ps0" and actor.placement_group_id
-    assert actor.required_resources.get("CPU") == 1.0, actor.required_resources
+    assert actor.required_resources[f"CPU_group_{actor.placement_group_id}"] == 1.0, actor.required_resources
     print(f"ray-backed criteo job: {time.monotonic() - started:.1f}s")
 
 
