@@ -11,6 +11,8 @@ job                                   ``hosted_by``    stores
 ``distopt.train`` with servers        ``ps0``          RPC group at ``DISTOPT_PS_ADDR``, trainers'
 (TorchX ``ps_job``, supervise)                         gloo group at ``DISTOPT_DDP_PORT``
 ``distopt.train``, trainers only      ``trainer0``     gloo group at ``MASTER_ADDR:MASTER_PORT``
+``distopt.train`` with Ray actor      ``trainer0``     the same; the server actors are found by
+servers (``ps.backend: ray``)                          name through Ray (``distopt.job.ray_roles``)
 :func:`spawned_gloo` (benchmarks,     ``launcher``     gloo group on a free port of 127.0.0.1
 ``mp.spawn`` workers)
 ====================================  ===============  ==========================================
@@ -156,7 +158,7 @@ def meet(plan: StorePlan, *, me: str, others: Sequence[str], timeout_s: float) -
         store.wait([READY_PREFIX + o for o in others], datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as err:
         missing = [o for o in others if not store.check([READY_PREFIX + o])]
-        names = ", ".join(missing) or _first_line(err)
+        names = ", ".join(missing) or first_line(err)
         raise RemoteCallError(
             f"{me}: {names} did not join the job at {plan.host}:{plan.port('rpc')} within {timeout_s:g} s"
         ) from None
@@ -199,7 +201,7 @@ def init_rpc(
     except Exception as err:
         raise RemoteCallError(
             f"{name}: RPC group of {world_size} did not form within {timeout_s:g} s through the "
-            f"{plan.describe('rpc')}: {_first_line(err)}"
+            f"{plan.describe('rpc')}: {first_line(err)}"
         ) from None
 
 
@@ -220,7 +222,7 @@ def init_gloo(plan: StorePlan, *, me: str, rank: int, world_size: int, timeout_s
     except (RuntimeError, dist.DistError) as err:
         raise RemoteCallError(
             f"{me}: gloo group of {world_size} trainers did not form within {timeout_s:g} s through "
-            f"the {plan.describe('gloo')}: {_first_line(err)}"
+            f"the {plan.describe('gloo')}: {first_line(err)}"
         ) from None
 
 
@@ -296,20 +298,29 @@ def _host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     )  # fmt: skip
 
 
-def _connect(plan: StorePlan, store: Store, *, me: str, timeout_s: float) -> dist.TCPStore:
-    """A client of ``plan``'s ``store``, connected within ``timeout_s`` or a one-line error."""
-    host, port = plan.host, plan.port(store)
+def probe(host: str, port: int, *, timeout_s: float) -> OSError | None:
+    """Try a TCP connection to ``host:port`` until one succeeds or ``timeout_s`` passes (a peer may
+    still be starting); ``None`` once it answers, else the last error."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             with socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic())):
-                break
+                return None
         except OSError as err:
             if time.monotonic() + _PROBE_INTERVAL_S >= deadline:
-                raise RemoteCallError(
-                    f"{me}: {plan.describe(store)} unreachable after {timeout_s:g} s: {_first_line(err)}"
-                ) from None
+                return err
             time.sleep(_PROBE_INTERVAL_S)
+
+
+def _connect(plan: StorePlan, store: Store, *, me: str, timeout_s: float) -> dist.TCPStore:
+    """A client of ``plan``'s ``store``, connected within ``timeout_s`` or a one-line error."""
+    host, port = plan.host, plan.port(store)
+    deadline = time.monotonic() + timeout_s
+    refused = probe(host, port, timeout_s=timeout_s)
+    if refused is not None:
+        raise RemoteCallError(
+            f"{me}: {plan.describe(store)} unreachable after {timeout_s:g} s: {first_line(refused)}"
+        )
     try:
         # The store answered: give the handshake time even when the probe used up the deadline.
         remaining = max(deadline - time.monotonic(), _MIN_HANDSHAKE_S)
@@ -318,11 +329,11 @@ def _connect(plan: StorePlan, store: Store, *, me: str, timeout_s: float) -> dis
         )
     except (RuntimeError, dist.DistNetworkError) as err:
         raise RemoteCallError(
-            f"{me}: {plan.describe(store)} unreachable after {timeout_s:g} s: {_first_line(err)}"
+            f"{me}: {plan.describe(store)} unreachable after {timeout_s:g} s: {first_line(err)}"
         ) from None
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
 

@@ -11,6 +11,10 @@ every trainer has said it is done, server 0 keeps the stores until every trainer
 trainer that fails aborts the servers (exit status 1), so the job fails at once instead of
 waiting for ``ps.trainer_timeout_s``.
 
+With ``ps.backend: ray`` there are no ``ps`` processes: trainer 0 creates the servers as Ray
+actors and the trainers form no RPC group (:mod:`distopt.job.ray_roles`). The training loop, its
+pushes and its checkpoints are the same on both backends (:func:`train_with_servers`).
+
 The tables come from the model: the model built from the job config must have a
 ``ps_tables() -> Sequence[TableSpec]`` method. Servers build the model only to ask it (models whose
 embeddings live on the servers hold no large parameters, and building one makes no RPC).
@@ -18,9 +22,12 @@ embeddings live on the servers hold no large parameters, and building one makes 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -32,13 +39,13 @@ from distopt.job.state import barrier
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables, server_name
 from distopt.rendezvous import StorePlan
 
+if TYPE_CHECKING:
+    from distopt.job.trainer import TrainResult
+
 
 def server_options(config: JobConfig, env: JobEnv) -> ServerOptions:
     """The config's ``ps`` options with the launcher's server count, host and interface."""
     assert env.ps_addr is not None
-    if config.ps.backend != "rpc":  # the launcher starts ps processes that serve over RPC
-        raise ConfigError(f"ps.backend: expected rpc for distopt.train jobs (Ray actor servers are "
-                          f"started by distopt.ps.start_servers only), got {config.ps.backend!r}")  # fmt: skip
     host = env.ps_addr[0]
     interface = os.environ.get("TP_SOCKET_IFNAME") or config.ps.interface
     return dataclasses.replace(
@@ -75,6 +82,10 @@ def serve(config: JobConfig, env: JobEnv) -> int:
     from distopt.ps import server
 
     options = server_options(config, env)
+    if options.backend != "rpc":
+        raise ConfigError(f"ps.backend: {options.backend!r} jobs have no ps processes (trainer 0 "
+                          f"creates the server actors), yet this is ps {env.rank}: launch the job "
+                          "with distopt.ps_job or distopt launch")  # fmt: skip
     tables = job_tables(config)
     check_tables(tables, options.num_servers)
     plan = store_plan(env, options)
@@ -98,57 +109,78 @@ def serve(config: JobConfig, env: JobEnv) -> int:
 
 
 def train_with_servers(config: JobConfig, env: JobEnv) -> int:
-    """Trainer ``env.rank``: join the RPC group (and the gloo group), train, push after backward."""
-    import distopt.ps as ps
-    from distopt.job.trainer import Hooks, train
-
+    """Trainer ``env.rank``: join the servers (and the gloo group), train, push after backward."""
     options = server_options(config, env)
     needs_gloo = env.num_trainers > 1 or config.parallel != "none"
-    if needs_gloo and env.ddp_port is None:
+    if options.backend == "ray":
+        from distopt.job.ray_roles import actor_servers
+
+        servers = actor_servers(config, env, options, gloo=needs_gloo)
+    else:
+        servers = _rpc_servers(env, options, gloo=needs_gloo)
+    with servers:
+        result = _train(config, env, options)
+    if env.rank == 0:
+        print(f"run {result.run_id}: {result.steps} steps, QPS log {result.log_path}", flush=True)
+    return 0
+
+
+@contextlib.contextmanager
+def _rpc_servers(env: JobEnv, options: ServerOptions, *, gloo: bool) -> Iterator[None]:
+    """Join the RPC group of the ``ps`` processes (and the gloo group) for the ``with`` block;
+    leave it at the end, or abort the servers when the block fails."""
+    import distopt.ps as ps
+
+    if gloo and env.ddp_port is None:
         raise ConfigError(
             f"environment DISTOPT_DDP_PORT: required for {env.num_trainers} trainers or DDP "
             "in a job with parameter servers"
         )
     job = ps.PSJob(plan=store_plan(env, options), num_trainers=env.num_trainers, options=options)
-    ps.init_trainer(job, rank=env.rank, ddp=needs_gloo)
+    ps.init_trainer(job, rank=env.rank, ddp=gloo)
     try:
-
-        def push(_model: torch.nn.Module) -> None:
-            if not config.deterministic:
-                # Async: the pushes overlap the optimizer step and the next step's start; a
-                # table's next fetch is ordered after its push by the client.
-                ps.push_gradients(lr=config.lr)
-                return
-            # One trainer at a time, in rank order, each push applied before the next trainer's:
-            # the servers sum the same updates in the same order on every run.
-            for turn in range(env.num_trainers):
-                if turn == env.rank:
-                    ps.push_gradients(lr=config.lr, blocking=True)
-                barrier()
-
-        def save_remote(path: Path) -> None:
-            ps.save_servers(str(path))  # every trainer's pushes drained: see distopt.job.state
-
-        def load_remote(path: Path) -> None:
-            ps.load_servers(str(path))
-
-        hooks = Hooks(
-            # distopt.optimize's verification fetched rows (and may have backpropagated into
-            # them); they belong to no training step and must not be pushed.
-            before_loop=ps.discard_step,
-            after_backward=push,
-            before_checkpoint=ps.flush,
-            save_remote=save_remote,
-            load_remote=load_remote,
-        )
-        result = train(config, env, hooks=hooks, header_extra={"ps_latency_ms": options.latency_ms})
+        yield
     except BaseException as err:
         ps.abort(f"trainer {env.rank} failed: {type(err).__name__}: {err}")
         raise
     ps.shutdown()
-    if env.rank == 0:
-        print(f"run {result.run_id}: {result.steps} steps, QPS log {result.log_path}", flush=True)
-    return 0
+
+
+def _train(config: JobConfig, env: JobEnv, options: ServerOptions) -> TrainResult:
+    """The training loop of a trainer joined to its servers, whatever their backend."""
+    import distopt.ps as ps
+    from distopt.job.trainer import Hooks, train
+
+    def push(_model: torch.nn.Module) -> None:
+        if not config.deterministic:
+            # Async: the pushes overlap the optimizer step and the next step's start; a
+            # table's next fetch is ordered after its push by the client.
+            ps.push_gradients(lr=config.lr)
+            return
+        # One trainer at a time, in rank order, each push applied before the next trainer's:
+        # the servers sum the same updates in the same order on every run.
+        for turn in range(env.num_trainers):
+            if turn == env.rank:
+                ps.push_gradients(lr=config.lr, blocking=True)
+            barrier()
+
+    def save_remote(path: Path) -> None:
+        # Absolute: a Ray actor's working directory is not the trainer's.
+        ps.save_servers(str(path.resolve()))  # every trainer's pushes drained: see distopt.job.state
+
+    def load_remote(path: Path) -> None:
+        ps.load_servers(str(path.resolve()))
+
+    hooks = Hooks(
+        # distopt.optimize's verification fetched rows (and may have backpropagated into
+        # them); they belong to no training step and must not be pushed.
+        before_loop=ps.discard_step,
+        after_backward=push,
+        before_checkpoint=ps.flush,
+        save_remote=save_remote,
+        load_remote=load_remote,
+    )
+    return train(config, env, hooks=hooks, header_extra={"ps_latency_ms": options.latency_ms})
 
 
 def run_ps_role(config: JobConfig, env: JobEnv) -> int:

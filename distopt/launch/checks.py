@@ -13,7 +13,7 @@ from torchx.specs.finder import ComponentValidationException
 from distopt.config import apply_override, from_dict, load_yaml
 from distopt.errors import ConfigError
 
-__all__ = ["ComponentArgError", "check_port", "check_positive", "checked_overrides", "join_set_items"]
+__all__ = ["ComponentArgError", "check_port", "check_positive", "checked_config", "join_set_items"]
 
 
 class ComponentArgError(ConfigError, ComponentValidationException):
@@ -24,14 +24,15 @@ class ComponentArgError(ConfigError, ComponentValidationException):
     """
 
 
-def checked_overrides(
+def checked_config(
     config: str,
     items: Sequence[str] | None,
     output_dir: str | None,
     *,
     schema: type[Any] | None,
-) -> list[str]:
-    """Check the config file and the ``--set`` overrides; returns the overrides to pass on.
+) -> tuple[list[str], Any]:
+    """Check the config file and the ``--set`` overrides; returns the overrides to pass on and the
+    merged config (``None`` without a ``schema``).
 
     With a ``schema`` (a config dataclass) the merged config is built with
     :func:`distopt.config.from_dict`, so unknown keys and ill-typed values are refused here
@@ -51,12 +52,13 @@ def checked_overrides(
             apply_override(data, item)
         except ConfigError as err:
             raise ComponentArgError(f"{flag}: {err}") from None
+    built = None
     if schema is not None:
         try:
-            from_dict(schema, data)
+            built = from_dict(schema, data)
         except ConfigError as err:
             raise ComponentArgError(f"{_flag_of(str(err), flags, config)}: {err}") from None
-    return [item for _, item in flags]
+    return [item for _, item in flags], built
 
 
 def _flag_of(message: str, flags: list[tuple[str, str]], config: str) -> str:

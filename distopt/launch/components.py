@@ -11,9 +11,11 @@ the process where it stands through the environment (the contract with ``distopt
 ``DISTOPT_NUM_TRAINERS``    trainer replicas (``ddp``/``fsdp``: torchrun's ``WORLD_SIZE`` instead)
 ``RANK``, ``WORLD_SIZE``    RPC rank and world size: servers first (``RANK = REPLICA_ID``), then
                             trainers (``RANK = DISTOPT_NUM_PS + REPLICA_ID``); torchrun's for
-                            ``ddp``/``fsdp``
-``MASTER_ADDR``             host of the first replica of the first role (``ps`` 0), from the
-                            scheduler's rank-0 variable; ``127.0.0.1`` when it has none
+                            ``ddp``/``fsdp``; with ``ps.backend: ray`` the trainers alone
+``MASTER_ADDR``             host of the first replica of the first role (``ps`` 0; trainer 0 with
+                            ``ps.backend: ray``, where it hosts the trainers' gloo store at
+                            ``MASTER_PORT``), from the scheduler's rank-0 variable;
+                            ``127.0.0.1`` when it has none
 ``MASTER_PORT``             RPC rendezvous port on ``MASTER_ADDR`` (the TCPStore of RPC rank 0)
 ``DISTOPT_PS_ADDR``         ``MASTER_ADDR:MASTER_PORT``
 ``DISTOPT_DDP_PORT``        ``MASTER_PORT + 1``: rendezvous of the trainers' gloo group
@@ -41,7 +43,7 @@ from typing import Any, Dict, List, Optional
 import torchx.specs as specs
 
 from distopt.job.config import JobConfig
-from distopt.launch.checks import ComponentArgError, check_port, check_positive, checked_overrides
+from distopt.launch.checks import ComponentArgError, check_port, check_positive, checked_config
 
 TRAIN_MODULE = "distopt.train"
 
@@ -69,11 +71,13 @@ def ps_job(
     """Parameter-server training job: a ``ps`` role and a ``trainer`` role (DDP among trainers).
 
     Servers hold the parameters and answer the trainers' RPCs; trainers also join one gloo
-    process group so dense parameters can be averaged with DDP.
+    process group so dense parameters can be averaged with DDP. With ``ps.backend: ray`` in the
+    config the app has the trainer role only: trainer 0 creates num_ps server actors on the Ray
+    cluster at ``ps.ray_address``, and MASTER_ADDR is trainer 0's host.
 
     Args:
         config: path of the job's YAML config, relative to the workspace (e.g. configs/jobs/ps.yaml)
-        num_ps: number of parameter-server replicas
+        num_ps: number of parameter-server replicas (Ray actors with ps.backend: ray)
         num_trainers: number of trainer replicas
         set: config overrides as key=value pairs, comma-separated (e.g. steps=5,variant=optimized; lists keep their commas: passes=[a,b])
         output_dir: directory for QPS logs and checkpoints (same as --set output_dir=DIR)
@@ -96,11 +100,13 @@ def ps_job(
     """
     check_positive("--num_ps", num_ps)
     check_positive("--num_trainers", num_trainers)
-    overrides = _overrides(config, set, output_dir, module)
+    overrides, job = _checked(config, set, output_dir, module)
     server_resource = _resource(cpu, 0, memMB, None)
     trainer_resource = _resource(cpu, gpu, memMB, h)
     check_port("--master_port", master_port)
-    world_size = num_ps + num_trainers
+    # ps.backend: ray: trainer 0 creates num_ps server actors itself (distopt.job.ray_roles).
+    on_ray = job is not None and job.ps.backend == "ray"
+    world_size = num_trainers if on_ray else num_ps + num_trainers
     common = {
         "DISTOPT_LAUNCH": "ps",
         "DISTOPT_NUM_PS": str(num_ps),
@@ -113,11 +119,10 @@ def ps_job(
         **({"DISTOPT_RUN_ID": run_id} if run_id else {}),
         **(env or {}),
     }
+    members = [("trainer", num_trainers, 0, trainer_resource)] if on_ray else [
+        ("ps", num_ps, 0, server_resource), ("trainer", num_trainers, num_ps, trainer_resource)]
     roles = []
-    for role, replicas, rank_offset, resource in (
-        ("ps", num_ps, 0, server_resource),
-        ("trainer", num_trainers, num_ps, trainer_resource),
-    ):
+    for role, replicas, rank_offset, resource in members:
         roles.append(
             specs.Role(
                 name=role,
@@ -253,7 +258,7 @@ def _torchrun_role(
     check_positive("--nnodes", nnodes)
     check_positive("--nproc_per_node", nproc_per_node)
     check_port("--rdzv_port", rdzv_port)
-    overrides = _overrides(config, set_, output_dir, module)
+    overrides = _checked(config, set_, output_dir, module)[0]
     # One node: port 0 lets torchrun pick a free port. Several: the first node hosts the store.
     if nnodes == 1:
         endpoint = "127.0.0.1:0"
@@ -310,12 +315,13 @@ def _set_args(overrides: List[str]) -> List[str]:
     return [arg for item in overrides for arg in ("--set", item)]
 
 
-def _overrides(
+def _checked(
     config: str, items: Optional[List[str]], output_dir: Optional[str], module: str
-) -> List[str]:
+) -> tuple[List[str], Optional[JobConfig]]:
+    """The overrides to pass on and the merged job config (``None`` for another ``--module``)."""
     # The config's schema is distopt.train's; another --module reads its own kind of config.
     schema: Optional[type[Any]] = JobConfig if module == TRAIN_MODULE else None
-    return checked_overrides(config, items, output_dir, schema=schema)
+    return checked_config(config, items, output_dir, schema=schema)
 
 
 def _resource(cpu: int, gpu: int, memMB: int, h: Optional[str]) -> specs.Resource:

@@ -7,8 +7,9 @@ plus a per-job suffix, so consecutive jobs never meet a dying actor's name). Eac
 checkpoints, stats and latency injection are one code path on both backends, and a checkpoint
 written on one backend loads on the other.
 
-Actors are created by the launcher (:func:`distopt.ps.start_servers`), owned by it (they die with
-it: never an orphan), and killed by :func:`distopt.ps.stop_servers`.
+Actors are created by the launcher (:func:`distopt.ps.start_servers`; in a ``distopt.train`` job,
+trainer 0: :mod:`distopt.job.ray_roles`) in one placement group (:mod:`distopt.ps.ray_cluster`),
+owned by it (they die with it: never an orphan), and killed by :func:`distopt.ps.stop_servers`.
 
 Faults. Calls in flight on an actor whose process dies fail at the trainer's wait with a one-line
 :class:`~distopt.errors.RemoteCallError` naming the table and the actor, within
@@ -45,7 +46,7 @@ import torch
 
 from distopt import rendezvous
 from distopt.errors import ConfigError, RemoteCallError
-from distopt.ps import client, launch, ray_recovery
+from distopt.ps import client, launch, ray_cluster, ray_recovery
 from distopt.ps.launch import LAUNCHER, PSJob
 from distopt.ps.ray_transport import RayTransport, ray_message
 from distopt.ps.server import _ServerState, ps_server_tables
@@ -166,7 +167,7 @@ def ensure_ray(address: str, options: ServerOptions) -> bool:
         ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False,
                  _node_ip_address=options.host, log_to_driver=False)  # fmt: skip
     else:
-        ray.init(address=address, log_to_driver=False)
+        ray_cluster.connect(address, timeout_s=options.start_timeout_s)
     return True
 
 
@@ -177,6 +178,8 @@ class _Started:
     handles: list[Any]
     started_ray: bool
     """Whether this process started Ray for them (and stops it with them)."""
+    group: Any
+    """Their placement group (:func:`distopt.ps.ray_cluster.reserve`)."""
 
 
 _STARTED: dict[str, _Started] = {}
@@ -194,15 +197,16 @@ def start_actors(tables: Sequence[TableSpec], options: ServerOptions) -> tuple[s
     namespace = f"{options.ray_namespace}-{uuid.uuid4().hex[:8]}"
     record = ray_recovery.record_path(options, namespace)
     record.parent.mkdir(parents=True, exist_ok=True)
+    group = ray_cluster.reserve(options)
     actor_cls = ray.remote(PSServerActor)
     handles = [
         actor_cls.options(  # type: ignore[attr-defined]
-            name=server_name(index), namespace=namespace, num_cpus=0,
-            max_concurrency=options.num_worker_threads, max_restarts=options.max_restarts,
+            name=server_name(index), namespace=namespace, max_concurrency=options.num_worker_threads,
+            max_restarts=options.max_restarts, **ray_cluster.placed(options, group, index),
         ).remote(index, tuple(tables), options, str(record))
         for index in range(options.num_servers)
     ]  # fmt: skip
-    _STARTED[namespace] = _Started(handles, started)
+    _STARTED[namespace] = _Started(handles, started, group)
     return ray.get_runtime_context().gcs_address, namespace
 
 
@@ -300,5 +304,6 @@ def stop_job(job: PSJob) -> None:
         with contextlib.suppress(ray.exceptions.RayActorError):  # already gone
             ray.kill(handle, no_restart=True)
     ray_recovery.record_path(job.options, job.ray_namespace).unlink(missing_ok=True)
+    ray_cluster.release(started.group)
     if started.started_ray:
         ray.shutdown()

@@ -16,6 +16,8 @@ from distopt.config import check
 Optimizer = Literal["sgd", "adagrad", "rowwise_adagrad"]
 OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 BACKENDS: tuple[str, ...] = ("rpc", "ray")
+PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
+PLACEMENTS: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 
 
 def server_name(index: int) -> str:
@@ -112,7 +114,11 @@ class ServerOptions:
     concurrent requests beyond this queue."""
     ray_address: str = "local"
     """``ray`` backend: the Ray cluster to start actors on when this process has not called
-    ``ray.init`` yet (``local``: a private instance on ``host``, shut down with the servers)."""
+    ``ray.init`` yet, as ``ray.init(address=...)`` takes it: ``HOST:PORT`` of its GCS, ``auto``
+    (``$RAY_ADDRESS``, else the cluster started on this machine), or ``local``: a private instance
+    on ``host``, shut down with the servers (in a ``distopt.train`` job trainer 0 starts it and the
+    other trainers join it, so all trainers must share that host). A cluster that does not answer
+    within ``start_timeout_s`` is a one-line error naming this key."""
     ray_namespace: str = "distopt-ps"
     """``ray`` backend: Ray namespace of the named server actors ``ps0 ..``."""
     max_restarts: int = 0
@@ -126,6 +132,15 @@ class ServerOptions:
     (``<ray namespace>.last-checkpoint.json``), read by a restarted actor. It must be on a filesystem
     every actor's node shares with the trainers, as the checkpoints themselves. ``None``: the
     system's temporary directory, which only the launcher's host sees (a single-node Ray)."""
+    ray_num_cpus: float = 1.0
+    """``ray`` backend: logical CPUs each server actor reserves (its ``num_cpus`` and its bundle in
+    the job's placement group; fractions allowed). 1, Ray's own default for scheduling an actor."""
+    ray_memory_mb: int = 0
+    """``ray`` backend: memory each server actor reserves in MB (Ray's ``memory``); 0: none."""
+    ray_placement: PlacementStrategy = "PACK"
+    """``ray`` backend: strategy of the job's placement group, one bundle per server actor
+    (``PACK``: as few nodes as possible; ``SPREAD``: one node each where possible; ``STRICT_*``:
+    exactly so, or the job does not start)."""
     transports: tuple[str, ...] = ("uv",)
     """TensorPipe transports, in preference order. ``uv`` (TCP, event-driven) by default: ``shm``
     dedicates a busy-polling reactor thread per process, which steals a whole core from the
@@ -154,11 +169,26 @@ class ServerOptions:
         check(self.start_timeout_s > 0, "ps.start_timeout_s", "a number > 0", self.start_timeout_s)
         check(self.join_timeout_s > 0, "ps.join_timeout_s", "a number > 0", self.join_timeout_s)
         check(self.trainer_timeout_s > 0, "ps.trainer_timeout_s", "a number > 0", self.trainer_timeout_s)
-        check(bool(self.ray_address), "ps.ray_address", "a Ray address or 'local'", self.ray_address)
+        ray_endpoint(self.ray_address)
         check(bool(self.ray_namespace), "ps.ray_namespace", "a non-empty string", self.ray_namespace)
+        check(self.ray_num_cpus > 0, "ps.ray_num_cpus", "a number > 0", self.ray_num_cpus)
+        check(self.ray_memory_mb >= 0, "ps.ray_memory_mb", "an integer >= 0", self.ray_memory_mb)
+        check(self.ray_placement in PLACEMENTS, "ps.ray_placement", "one of " + ", ".join(PLACEMENTS),
+              self.ray_placement)
         check(self.max_restarts >= -1, "ps.max_restarts", "an integer >= -1 (-1: forever)", self.max_restarts)
         check(self.ray_state_dir is None or bool(self.ray_state_dir), "ps.ray_state_dir", "a directory",
               self.ray_state_dir)
+
+
+def ray_endpoint(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` of a ``ps.ray_address`` (``HOST:PORT`` or a Ray Client ``ray://HOST:PORT``),
+    ``None`` for ``auto`` and ``local`` (Ray resolves those)."""
+    if address in ("auto", "local"):
+        return None
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    check(bool(sep and host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536, "ps.ray_address",
+          "HOST:PORT, ray://HOST:PORT, 'auto' or 'local'", address)
+    return host.strip("[]"), int(port)
 
 
 def check_tables(tables: tuple[TableSpec, ...] | list[TableSpec], num_servers: int) -> None:

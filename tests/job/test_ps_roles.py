@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from distopt.errors import ConfigError
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
-from distopt.job.ps_roles import server_options, store_plan
+from distopt.job.ps_roles import serve, server_options, store_plan
+from distopt.ps.spec import ServerOptions
 
 _ENV = {
     "DISTOPT_NUM_PS": "2", "DISTOPT_NUM_TRAINERS": "2", "DISTOPT_PS_ADDR": "localhost:4000",
@@ -24,3 +26,14 @@ def test_server_zero_hosts_both_stores_on_the_ps_address(role: str) -> None:
 def test_without_a_ddp_port_the_plan_has_no_gloo_store() -> None:
     env = JobEnv.from_environ({**_ENV, "DISTOPT_DDP_PORT": "", "DISTOPT_ROLE": "ps"})
     assert store_plan(env, server_options(JobConfig(model="mlp"), env)).gloo_port is None
+
+
+def test_a_ps_process_of_a_ray_job_is_refused() -> None:
+    env = JobEnv.from_environ({**_ENV, "DISTOPT_ROLE": "ps"})
+    config = JobConfig(model="mlp", ps=ServerOptions(backend="ray"))
+    with pytest.raises(ConfigError) as err:
+        serve(config, env)
+    assert str(err.value) == (
+        "ps.backend: 'ray' jobs have no ps processes (trainer 0 creates the server actors), yet this "
+        "is ps 1: launch the job with distopt.ps_job or distopt launch"
+    )

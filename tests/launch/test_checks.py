@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distopt.errors import ConfigError
-from distopt.launch.checks import checked_overrides, join_set_items
+from distopt.launch.checks import checked_config, join_set_items
 
 
 @pytest.mark.parametrize(
@@ -42,8 +42,9 @@ def config(tmp_path: Path) -> str:
 
 
 def test_overrides_pass_on_after_the_merged_config_builds(config: str) -> None:
-    items = checked_overrides(config, ["sizes=[8", "4]", " steps=2 ", ""], "out", schema=Job)
+    items, built = checked_config(config, ["sizes=[8", "4]", " steps=2 ", ""], "out", schema=Job)
     assert items == ["sizes=[8,4]", "steps=2", "output_dir=out"]
+    assert built == Job(name="x", steps=2, sizes=[8, 4], output_dir="out")
 
 
 @pytest.mark.parametrize(
@@ -60,7 +61,7 @@ def test_overrides_pass_on_after_the_merged_config_builds(config: str) -> None:
 )  # fmt: skip
 def test_errors_name_the_flag_and_the_key(config: str, items: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
-        checked_overrides(config, items, None, schema=Job)
+        checked_config(config, items, None, schema=Job)
     assert str(err.value) == message
 
 
@@ -68,16 +69,16 @@ def test_errors_of_the_file_name_the_file(tmp_path: Path) -> None:
     path = tmp_path / "job.yaml"
     path.write_text("steps: 2\n")
     with pytest.raises(ConfigError) as err:
-        checked_overrides(str(path), ["sizes=[1]"], None, schema=Job)
+        checked_config(str(path), ["sizes=[1]"], None, schema=Job)
     assert str(err.value) == f"--config: {path}: name: missing (a required key of Job)"
     with pytest.raises(ConfigError) as err:
-        checked_overrides(str(path), None, "/out", schema=Job)
+        checked_config(str(path), None, "/out", schema=Job)
     assert str(err.value).startswith(f"--config: {path}: name: ")
 
 
 def test_without_a_schema_only_the_syntax_is_checked(config: str) -> None:
-    assert checked_overrides(config, ["anything=1"], None, schema=None) == ["anything=1"]
+    assert checked_config(config, ["anything=1"], None, schema=None) == (["anything=1"], None)
     with pytest.raises(ConfigError, match=r"^--set: anything: cannot parse"):
-        checked_overrides(config, ["anything=[1"], None, schema=None)
+        checked_config(config, ["anything=[1"], None, schema=None)
     with pytest.raises(ConfigError, match=r"^--config: a config file path is required$"):
-        checked_overrides("", None, None, schema=None)
+        checked_config("", None, None, schema=None)

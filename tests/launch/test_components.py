@@ -50,6 +50,22 @@ def test_ps_job_has_server_and_trainer_roles(config: str) -> None:
                         "--set", "steps=5", "--set", "output_dir=/tmp/o"]  # fmt: skip
 
 
+@pytest.mark.parametrize("where", ["config", "--set"])
+def test_ps_job_on_ray_actors_has_the_trainer_role_only(tmp_path: Path, where: str) -> None:
+    """ps.backend: ray: trainer 0 creates the server actors, so nothing schedules ps processes."""
+    values: dict[str, Any] = {"model": "mlp", "steps": 3}
+    overrides = ["ps.backend=ray"]
+    if where == "config":
+        values["ps"], overrides = {"backend": "ray"}, []
+    config = str(job_config(tmp_path, **values))
+    app = components.ps_job(config, num_ps=2, num_trainers=3, set=overrides)
+    (trainer,) = app.roles
+    assert (trainer.name, trainer.num_replicas) == ("trainer", 3)
+    assert trainer.env["DISTOPT_NUM_PS"] == "2" and trainer.env["DISTOPT_NUM_TRAINERS"] == "3"
+    assert trainer.env["WORLD_SIZE"] == "3" and trainer.env["DISTOPT_ROLE"] == "trainer"
+    assert "RANK=$((0 + ${replica_id}))" in _script(app)  # trainer 0 is the first replica: MASTER_ADDR
+
+
 def test_ps_job_master_address_comes_from_scheduler_rank0_variable(config: str) -> None:
     script = _script(components.ps_job(config))
     assert 'MASTER_ADDR="${MASTER_ADDR:-${${rank0_env}:-127.0.0.1}}"' in script

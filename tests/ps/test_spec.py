@@ -51,3 +51,29 @@ def test_transports_are_checked() -> None:
     assert from_dict(ServerOptions, {"transports": ["shm", "uv"]}).transports == ("shm", "uv")
     with pytest.raises(ConfigError, match=r"ps.transports: expected a non-empty list of 'uv', 'shm', 'ibv'"):
         ServerOptions(transports=("tcp",))
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("ray_num_cpus", 0, "ps.ray_num_cpus: expected a number > 0, got 0.0"),
+        ("ray_memory_mb", -1, "ps.ray_memory_mb: expected an integer >= 0, got -1"),
+        ("ray_placement", "TIGHT", "ps.ray_placement: expected one of 'PACK', 'SPREAD', 'STRICT_PACK', "
+                                   "'STRICT_SPREAD', got 'TIGHT'"),
+        ("ray_address", "head", "ps.ray_address: expected HOST:PORT, ray://HOST:PORT, 'auto' or 'local', "
+                                "got 'head'"),
+        ("ray_address", "10.0.0.1:99999", "ps.ray_address: expected HOST:PORT, ray://HOST:PORT, 'auto' or "
+                                          "'local', got '10.0.0.1:99999'"),
+    ],
+)  # fmt: skip
+def test_ray_actor_options_are_checked(key: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_dict(ServerOptions, {key: value}, prefix="ps")
+    assert str(err.value) == message
+
+
+def test_ray_actor_options_from_yaml_dict() -> None:
+    opts = from_dict(ServerOptions, {"backend": "ray", "ray_num_cpus": 0.5, "ray_memory_mb": 256,
+                                     "ray_placement": "SPREAD", "ray_address": "ray://10.0.0.1:10001"})  # fmt: skip
+    assert (opts.ray_num_cpus, opts.ray_memory_mb, opts.ray_placement) == (0.5, 256, "SPREAD")
+    assert ServerOptions().ray_num_cpus == 1.0 and ServerOptions().ray_placement == "PACK"

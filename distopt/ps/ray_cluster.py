@@ -1,0 +1,110 @@
+"""Where the server actors of a ``ps.backend: ray`` job run: the Ray cluster and their placement.
+
+:func:`connect` joins the cluster named by ``ps.ray_address`` with ``ray.init(address=...)``
+semantics, but first probes its address under ``ps.start_timeout_s``: ``ray.init`` itself keeps
+retrying an address where nothing listens for a minute or more, and a job must fail in one line
+naming the key and the address instead.
+
+:func:`reserve` takes one placement group for all of a job's server actors, one bundle per actor
+(``ps.ray_num_cpus`` CPUs, ``ps.ray_memory_mb`` MB, strategy ``ps.ray_placement``), so the servers
+start whole or not at all; :func:`placed` puts actor ``i`` in bundle ``i``. The group is not
+detached: Ray removes it, and kills the actors in it, when the process that created it exits, so a
+job that fails never leaves servers behind; :func:`release` removes it at the end of a job.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from distopt import rendezvous
+from distopt.errors import ConfigError
+from distopt.ps.spec import ServerOptions, ray_endpoint
+
+
+def gcs_endpoint(address: str) -> tuple[str, int] | None:
+    """``(host, port)`` that ``address`` names, ``None`` for ``auto`` without ``$RAY_ADDRESS`` and for
+    ``local`` (Ray resolves them): ``auto`` is ``$RAY_ADDRESS`` when set, as in ``ray.init``."""
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS") or "auto"
+    return ray_endpoint(address)
+
+
+def connect(address: str, *, timeout_s: float) -> None:
+    """``ray.init(address=address)``, or a one-line :class:`ConfigError` naming ``ps.ray_address``
+    within ``timeout_s`` when no cluster answers there."""
+    import ray
+
+    endpoint = gcs_endpoint(address)
+    if endpoint is not None:
+        refused = rendezvous.probe(*endpoint, timeout_s=timeout_s)
+        if refused is not None:
+            where = f"{endpoint[0]}:{endpoint[1]}"
+            raise ConfigError(f"ps.ray_address: no Ray cluster reachable at {where} within "
+                              f"{timeout_s:g} s (ps.start_timeout_s): {rendezvous.first_line(refused)}")  # fmt: skip
+        if rendezvous.is_loopback(endpoint[0]):
+            _single_host()
+    try:
+        ray.init(address=address, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as err:  # e.g. auto with no cluster
+        raise ConfigError(f"ps.ray_address: cannot connect to Ray at {address!r}: {rendezvous.first_line(err)}") from None
+
+
+def _single_host() -> None:
+    """Keep a connection to a loopback address on loopback.
+
+    ``ray.init`` swaps a loopback address for this host's external one, where a head bound to
+    loopback (``launchers.ray.cluster``) does not listen, unless the cluster is declared to be this
+    host alone: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which Ray reads once, when it is imported
+    (here it already is), into the constant set below.
+    """
+    from ray._private import ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def reserve(options: ServerOptions) -> Any:
+    """A ready placement group of ``options.num_servers`` bundles, or a one-line error naming
+    ``ps.ray_num_cpus`` (with what the cluster has) when it cannot be placed within
+    ``options.start_timeout_s``."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle: dict[str, float] = {"CPU": options.ray_num_cpus}
+    if options.ray_memory_mb:
+        bundle["memory"] = options.ray_memory_mb * 2**20
+    group = placement_group([dict(bundle) for _ in range(options.num_servers)], strategy=options.ray_placement)
+    ready, _ = ray.wait([group.ready()], timeout=options.start_timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "memory")}
+        raise ConfigError(
+            f"ps.ray_num_cpus: the Ray cluster could not place {options.num_servers} server actors of "
+            f"{_bundle_text(options)} ({options.ray_placement}) within {options.start_timeout_s:g} s "
+            f"(ps.start_timeout_s); available now: {available}"
+        )
+    return group
+
+
+def placed(options: ServerOptions, group: Any, index: int) -> dict[str, Any]:
+    """``ActorClass.options(...)`` arguments putting server ``index`` in its bundle of ``group``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    resources: dict[str, Any] = {"num_cpus": options.ray_num_cpus}
+    if options.ray_memory_mb:
+        resources["memory"] = options.ray_memory_mb * 2**20
+    strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+    return {**resources, "scheduling_strategy": strategy}
+
+
+def release(group: Any) -> None:
+    """Remove the placement group (killing whatever still runs in it)."""
+    from ray.util.placement_group import remove_placement_group
+
+    remove_placement_group(group)
+
+
+def _bundle_text(options: ServerOptions) -> str:
+    memory = f" and {options.ray_memory_mb} MB" if options.ray_memory_mb else ""
+    return f"{options.ray_num_cpus:g} CPU{memory} each"
