@@ -73,7 +73,12 @@ def test_the_pipelined_prediction_hides_what_the_window_covers() -> None:
 
 
 def test_the_staleness_to_hide_is_the_least_whose_window_covers_the_latency() -> None:
-    from distopt.estimate.predict import LATENCY_COVER, Prediction, pipeline_window_s, staleness_to_hide
+    from distopt.estimate.predict import (
+        LATENCY_COVER,
+        Prediction,
+        pipeline_window_s,
+        staleness_to_hide,
+    )
 
     _, before, after, _ = graphs()
     costs = _synthetic_costs(after, 0.001)
@@ -95,7 +100,12 @@ def test_a_read_waits_for_the_previous_push_so_a_long_latency_shrinks_the_window
     """A table's prefetch leaves once the previous step's push is done (distopt.ps.ordering)."""
     import dataclasses
 
-    from distopt.estimate.predict import LATENCY_COVER, Prediction, pipeline_window_s, staleness_to_hide
+    from distopt.estimate.predict import (
+        LATENCY_COVER,
+        Prediction,
+        pipeline_window_s,
+        staleness_to_hide,
+    )
 
     _, before, after, _ = graphs()
     costs = _synthetic_costs(after, 0.001)
