@@ -43,14 +43,14 @@ def connect(address: str, *, timeout_s: float) -> None:
             raise ConfigError(f"ps.ray_address: no Ray cluster reachable at {where} within "
                               f"{timeout_s:g} s (ps.start_timeout_s): {rendezvous.first_line(refused)}")  # fmt: skip
         if rendezvous.is_loopback(endpoint[0]):
-            _single_host()
+            single_host()
     try:
         ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as err:  # e.g. auto with no cluster
         raise ConfigError(f"ps.ray_address: cannot connect to Ray at {address!r}: {rendezvous.first_line(err)}") from None
 
 
-def _single_host() -> None:
+def single_host() -> None:
     """Keep a connection to a loopback address on loopback.
 
     ``ray.init`` swaps a loopback address for this host's external one, where a head bound to

@@ -164,8 +164,13 @@ def ensure_ray(address: str, options: ServerOptions) -> bool:
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only head, nothing to guard
     if address == "local":
+        if rendezvous.is_loopback(options.host):
+            ray_cluster.single_host()  # else Ray puts its node on this host's external address
+        # Ray lowers its workers' priority (niceness 15), where the RPC backend's servers run at the
+        # trainer's: on a busy host the trainer would then wait on starved server actors.
         ray.init(address="local", num_cpus=max(1, os.cpu_count() or 1), include_dashboard=False,
-                 _node_ip_address=options.host, log_to_driver=False)  # fmt: skip
+                 _node_ip_address=options.host, log_to_driver=False,
+                 _system_config={"worker_niceness": 0})  # fmt: skip
     else:
         ray_cluster.connect(address, timeout_s=options.start_timeout_s)
     return True

@@ -165,3 +165,36 @@ def test_optimize_hoists_and_batches_fetches_on_the_ray_backend(ray_cluster) -> 
         assert issues[0] < min(towers) and waits and max(waits) > min(towers), gm.code
         with torch.no_grad():
             torch.testing.assert_close(gm(batch.dense, batch.sparse), model(batch.dense, batch.sparse), rtol=0, atol=0)
+
+
+def test_a_private_instance_stays_on_loopback_and_runs_actors_at_the_trainers_priority() -> None:
+    """``ps.ray_address: local`` with ``ps.host`` 127.0.0.1: the instance's node is 127.0.0.1, not
+    the external address Ray would otherwise swap in, and its actors are not reniced below the
+    process that started them (Ray's default niceness 15 starves servers on a busy host). A fresh
+    process: Ray is one per process."""
+    import subprocess
+    import sys
+
+    script = (
+        "import ray\n"
+        "from distopt.ps.ray_server import ensure_ray\n"
+        "from distopt.ps.spec import ServerOptions\n"
+        "ensure_ray('local', ServerOptions(backend='ray'))\n"
+        "@ray.remote\n"
+        "class Probe:\n"
+        "    def niceness(self):\n"
+        "        import os\n"
+        "        return os.nice(0)\n"
+        "try:\n"
+        "    import os\n"
+        "    print(ray.get(Probe.remote().niceness.remote()) - os.nice(0))\n"
+        "    print(sorted({n['NodeManagerAddress'] for n in ray.nodes()}))\n"
+        "finally:\n"
+        "    ray.shutdown()\n"
+    )
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    *_, niceness, nodes = done.stdout.strip().splitlines()
+    assert nodes == "['127.0.0.1']"
+    assert niceness == "0"

@@ -144,6 +144,9 @@ class SameActorModel(ActorModel):
 @pytest.fixture(scope="module")
 def servers():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a loopback-only head, no dashboard
+    from distopt.ps.ray_cluster import single_host
+
+    single_host()  # else Ray swaps 127.0.0.1 for this host's external address
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
     try:
         yield EmbeddingServer.remote(0), EmbeddingServer.remote(1)
