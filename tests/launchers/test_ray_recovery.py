@@ -57,12 +57,12 @@ def _logged_steps(path: Path) -> list[int]:
     return [r["step"] for r in records if r.get("type") == "step"]
 
 
-def _alive_actor(cluster: Any, prefix: str, name: str) -> Any | None:
+def _alive_actor(cluster: Any, prefix: str, name: str, killed: set[int]) -> Any | None:
     from ray.util.state import list_actors
 
     actors = list_actors(address=f"http://{cluster.dashboard_address}", limit=1000, detail=True)
     alive = [a for a in actors if (a.ray_namespace or "").startswith(prefix) and a.name == name
-             and a.state == "ALIVE" and a.pid]  # fmt: skip
+             and a.state == "ALIVE" and a.pid and a.pid not in killed]  # fmt: skip
     return alive[0] if alive else None
 
 
@@ -75,20 +75,23 @@ def _wait_for(what: str, found: Any) -> Any:
 
 
 def _launch(out: Path, run_id: str, overrides: list[str], *,
-            kill: tuple[Any, str, int] | None = None) -> tuple[Any, str]:  # fmt: skip
-    """Run the job; with ``kill=(cluster, namespace, step)``, SIGKILL its actor ps0 (by PID) once
-    trainer 0 has logged ``step``. The final state and the trainers' stderr."""
+            kill: tuple[Any, str, tuple[int, ...]] | None = None) -> tuple[Any, str]:  # fmt: skip
+    """Run the job; with ``kill=(cluster, namespace, steps)``, SIGKILL its actor ps0 (by PID) once
+    trainer 0 has logged each of ``steps`` (an actor restarted in between: once it is up). The
+    final state and the trainers' stderr."""
     job = distopt.launch(CRITEO, "local_cwd", overrides=overrides, num_trainers=2, run_id=run_id,
                          component_args={"master_port": free_port_pair()},
                          log_dir=str(out / "logs" / run_id))  # fmt: skip
     with job:
         if kill is not None:
-            cluster, namespace, step = kill
-            actor = _wait_for("a live actor ps0", lambda: _alive_actor(cluster, f"{namespace}-", "ps0"))
-            log = out / "runs" / run_id / "qps-rank0.jsonl"
-            _wait_for(f"step {step}", lambda: step in _logged_steps(log))
-            os.kill(actor.pid, signal.SIGKILL)
-            assert max(_logged_steps(log)) < STEPS - 1, "the kill came too late to land mid-run"
+            cluster, namespace, steps = kill
+            log, killed = out / "runs" / run_id / "qps-rank0.jsonl", set()
+            for step in steps:
+                actor = _wait_for("a live actor ps0", lambda: _alive_actor(cluster, f"{namespace}-", "ps0", killed))
+                _wait_for(f"step {step}", lambda at=step: at in _logged_steps(log))
+                os.kill(actor.pid, signal.SIGKILL)
+                killed.add(actor.pid)
+                assert max(_logged_steps(log)) < STEPS - 1, "the kill came too late to land mid-run"
         status = job.wait(interval_s=0.5)
     logs = "".join(p.read_text(errors="replace") for p in sorted((out / "logs" / run_id).rglob("stderr.log")))
     return status.state, logs
@@ -119,7 +122,7 @@ def test_a_killed_server_actor_rolls_every_trainer_back_and_the_job_ends_as_an_u
     started = time.monotonic()
     namespace = f"rr-kill{kill_after}"
     overrides = _overrides(tmp_path, clicks, ray_cluster, namespace, 1)
-    state, logs = _launch(tmp_path, "killed", overrides, kill=(ray_cluster, namespace, kill_after))
+    state, logs = _launch(tmp_path, "killed", overrides, kill=(ray_cluster, namespace, (kill_after,)))
     assert state == AppState.SUCCEEDED, logs[-4000:]
     lines = [ln for ln in logs.splitlines() if "distopt.job.recovery: recovery 1 of 1: ps0 lost at step" in ln]
     assert len(lines) == 2, logs[-4000:]  # one line on each trainer
@@ -153,11 +156,21 @@ def test_without_restarts_a_killed_server_actor_fails_the_job_in_one_line(
     ray_cluster: Any, clicks: Path, tmp_path: Path
 ) -> None:
     overrides = _overrides(tmp_path, clicks, ray_cluster, "rr-norestart", 0)
-    state, logs = _launch(tmp_path, "dies", overrides, kill=(ray_cluster, "rr-norestart", 5))
+    state, logs = _launch(tmp_path, "dies", overrides, kill=(ray_cluster, "rr-norestart", (5,)))
     assert state == AppState.FAILED, logs[-3000:]
     errors = [ln for ln in logs.splitlines() if ln.startswith("distopt.train: error: ")]
     assert any(" on ps0 failed: the actor process exited or was killed (Ray: " in ln for ln in errors), logs[-3000:]
     assert "recovery 1 of" not in logs
+
+
+def test_recoveries_are_bounded_by_max_restarts(ray_cluster: Any, clicks: Path, tmp_path: Path) -> None:
+    """Killed twice with ``ps.max_restarts: 1``: one recovery, then the one-line error."""
+    overrides = _overrides(tmp_path, clicks, ray_cluster, "rr-twice", 1)
+    state, logs = _launch(tmp_path, "twice", overrides, kill=(ray_cluster, "rr-twice", (5, 12)))
+    assert state == AppState.FAILED, logs[-3000:]
+    assert logs.count("recovery 1 of 1: ps0 lost at step") == 2, logs[-3000:]
+    errors = [ln for ln in logs.splitlines() if ln.startswith("distopt.train: error: ps0 lost at step ")]
+    assert errors and all(ln.endswith(": no recovery left (1 done, ps.max_restarts=1)") for ln in errors), errors
 
 
 @pytest.fixture(autouse=True)
