@@ -5,7 +5,8 @@ The Criteo DLRM job of tests/launchers/test_ray_ps_backend.py (2 trainers, ``det
 on the loopback Ray head of the ``ray_cluster`` fixture, launched with ``distopt.launch`` on
 TorchX's ``local_cwd``. With ``ps.max_restarts: 1`` every trainer goes back to the last checkpoint
 and the job ends bit for bit where the same job without a kill ends; with ``ps.max_restarts: 0`` it
-fails with the one-line error naming the actor.
+fails with the one-line error naming the actor, and killed twice with ``ps.max_restarts: 1`` it
+recovers once, then fails in one line.
 """
 
 from __future__ import annotations
