@@ -35,7 +35,6 @@ from distopt import models
 from distopt.errors import ConfigError
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
-from distopt.job.state import barrier
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables, server_name
 from distopt.rendezvous import StorePlan
 
@@ -149,7 +148,11 @@ def _rpc_servers(env: JobEnv, options: ServerOptions, *, gloo: bool) -> Iterator
 def _train(config: JobConfig, env: JobEnv, options: ServerOptions) -> TrainResult:
     """The training loop of a trainer joined to its servers, whatever their backend."""
     import distopt.ps as ps
+    from distopt.job import recovery
     from distopt.job.trainer import Hooks, train
+
+    # Ray actors restarted by Ray: every trainer rolls back to the last checkpoint together.
+    agreement = recovery.Agreement.for_job(options)
 
     def push(_model: torch.nn.Module) -> None:
         if not config.deterministic:
@@ -159,10 +162,12 @@ def _train(config: JobConfig, env: JobEnv, options: ServerOptions) -> TrainResul
             return
         # One trainer at a time, in rank order, each push applied before the next trainer's:
         # the servers sum the same updates in the same order on every run.
+        # The barriers are the job's agreement points when it can recover (distopt.job.recovery).
         for turn in range(env.num_trainers):
             if turn == env.rank:
-                ps.push_gradients(lr=config.lr, blocking=True)
-            barrier()
+                with agreement.deferred():
+                    ps.push_gradients(lr=config.lr, blocking=True)
+            agreement.barrier()
 
     def save_remote(path: Path) -> None:
         # Absolute: a Ray actor's working directory is not the trainer's.
@@ -179,8 +184,11 @@ def _train(config: JobConfig, env: JobEnv, options: ServerOptions) -> TrainResul
         before_checkpoint=ps.flush,
         save_remote=save_remote,
         load_remote=load_remote,
+        recover=lambda found: recovery.recover_servers(agreement, found),
     )
-    return train(config, env, hooks=hooks, header_extra={"ps_latency_ms": options.latency_ms})
+    header = {"ps_latency_ms": options.latency_ms}
+    return recovery.retrying(lambda: train(config, env, hooks=hooks, header_extra=header, agreement=agreement),
+                             agreement)  # fmt: skip
 
 
 def run_ps_role(config: JobConfig, env: JobEnv) -> int:

@@ -27,6 +27,8 @@ Start, every trainer:
 End: every trainer drains its calls and meets the others at a barrier; then trainer 0 kills the
 actors and removes their placement group (and stops the Ray instance it started, if any). A trainer
 that fails leaves the gloo group, so the others fail at their next collective, trainer 0 included.
+An actor that dies fails the job the same way, unless ``ps.max_restarts`` lets Ray restart it: then
+every trainer rolls back to the last checkpoint and goes on (:mod:`distopt.job.recovery`).
 """
 
 from __future__ import annotations

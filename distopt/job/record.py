@@ -10,11 +10,14 @@ evaluation, all at the global step (completed steps). Events go to
 
 from __future__ import annotations
 
+import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from distopt.atomic import atomic_write_text
 from distopt.errors import ConfigError
 from distopt.job.evaluate import EvalResult
 from distopt.job.progress import Progress
@@ -35,6 +38,34 @@ def tensorboard_writer(log_dir: Path) -> Any:
             "tensorboard package or set tensorboard: false"
         ) from None
     return SummaryWriter(log_dir=str(log_dir))
+
+
+def kept_before(record: Mapping[str, Any], step: int) -> bool:
+    """Whether a QPS log keeps ``record`` when the run goes back to ``step`` completed steps: the
+    header, the steps before it, the evaluations up to it; not the footer."""
+    kind = record.get("type")
+    if kind == "step":
+        return int(record["step"]) < step
+    if kind == "eval":
+        return int(record["step"]) <= step
+    return kind == "header"
+
+
+def reopen_log(path: Path, *, before_step: int) -> QpsLogWriter:
+    """The QPS log at ``path``, its records from step ``before_step`` on dropped (they are run
+    again), open to append. Used after an in-process recovery: unlike a resumed process, which
+    starts a new log, the run's log goes on, and its footer says what was recovered."""
+    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    kept = [r for r in records if kept_before(r, before_step)]
+    if not kept or kept[0].get("type") != "header":
+        raise ConfigError(f"QPS log {path}: no header to continue after a recovery")
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+    head = kept[0]
+    log = QpsLogWriter(path, path.open("a", encoding="utf-8"), run_id=head["run_id"],
+                       variant=head["variant"], rank=head["rank"], world_size=head["world_size"],
+                       global_batch_size=head["global_batch_size"])  # fmt: skip
+    log.steps_logged = sum(1 for r in kept if r["type"] == "step")
+    return log
 
 
 class Recorder:
@@ -95,4 +126,4 @@ class Recorder:
         self.close(error=exc)
 
 
-__all__ = ["Recorder", "tensorboard_writer"]
+__all__ = ["Recorder", "kept_before", "reopen_log", "tensorboard_writer"]

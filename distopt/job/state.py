@@ -124,13 +124,15 @@ def cut(
     extra: Mapping[str, Any] | None = None,
     before: Callable[[], None] | None = None,
     save_remote: Callable[[Path], None] | None = None,
+    check: Callable[[], None] | None = None,
 ) -> Checkpoint | None:
     """Write the checkpoint after ``step`` steps; every trainer calls this at the same step.
 
     ``extra`` goes into this trainer's rank file next to ``step`` and ``rng`` (plain data and
     tensors: it is loaded with ``weights_only``). ``before`` runs on every trainer first (drain
     pushes), ``save_remote(path)`` on trainer 0 while the others wait (the servers write their
-    shards). Returns the checkpoint on trainer 0.
+    shards), ``check`` on every trainer after that (raising there, together, abandons the
+    checkpoint before it can be complete). Returns the checkpoint on trainer 0.
     """
     begin = time.perf_counter()
     if before is not None:
@@ -141,6 +143,8 @@ def cut(
     barrier()  # the directory exists and every trainer's pushes have landed
     if state.rank == 0 and save_remote is not None:
         save_remote(path)
+    if check is not None:
+        check()
     with _single_process(state):
         dcp.save(_dense(state), checkpoint_id=path / state.dense_dir, no_dist=not state.collective)
     rank_file = {**(extra or {}), "step": step, "rng": rng_state()}

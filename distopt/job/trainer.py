@@ -38,8 +38,10 @@ from distopt.job.evaluate import EvalResult, evaluate
 from distopt.job.loss import task_loss
 from distopt.job.optim import Stepper
 from distopt.job.progress import Progress
-from distopt.job.record import Recorder, tensorboard_writer
+from distopt.job.record import Recorder, reopen_log, tensorboard_writer
+from distopt.job.recovery import Agreement
 from distopt.metrics.qps_log import QpsLogWriter
+from distopt.metrics.records import log_path
 from distopt.pipeline import Prefetcher, check_pipelined, provided
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,10 @@ class Hooks:
     (e.g. each parameter server writes its shards)."""
     load_remote: Callable[[Path], None] | None = None
     """On trainer 0 on resume, before any trainer starts: restore remote state from a checkpoint."""
+    recover: Callable[[checkpoint.Checkpoint | None], None] | None = None
+    """On every trainer re-entering :func:`train` after a rollback, before anything else calls the
+    remote side: bring it back to a checkpoint (``None``: its initial state) (see
+    :mod:`distopt.job.recovery`)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -155,16 +161,21 @@ def _job_shape(config: JobConfig, env: JobEnv, run_id: str, name: str) -> dict[s
 
 
 def _recorder(config: JobConfig, env: JobEnv, run_id: str, header: dict[str, Any],
-              start: int) -> Recorder:
+              start: int, recoveries: list[dict[str, Any]]) -> Recorder:
+    """A new QPS log; after a recovery (``recoveries``), the run's log back to step ``start``."""
     global_batch = config.batch_size * config.optim.accumulate_steps * env.num_trainers
     board = None
     if config.tensorboard and env.rank == 0:
         board = tensorboard_writer(Path(config.output_dir) / run_id / "tensorboard")
-    log = QpsLogWriter.create(
-        config.output_dir, run_id=run_id, variant=config.variant, rank=env.rank,
-        world_size=env.num_trainers, global_batch_size=global_batch,
-        config={**to_dict(config), "run_id": run_id}, extra={"num_ps": env.num_ps, **header},
-    )
+    if recoveries:
+        log = reopen_log(log_path(config.output_dir, run_id, env.rank), before_step=start)
+        log.footer["recoveries"] = list(recoveries)
+    else:
+        log = QpsLogWriter.create(
+            config.output_dir, run_id=run_id, variant=config.variant, rank=env.rank,
+            world_size=env.num_trainers, global_batch_size=global_batch,
+            config={**to_dict(config), "run_id": run_id}, extra={"num_ps": env.num_ps, **header},
+        )  # fmt: skip
     progress = Progress(total=config.steps, rank=env.rank, log_every=config.log_every, start=start)
     return Recorder(log, progress, board)
 
@@ -176,10 +187,12 @@ def train(
     hooks: Hooks | None = None,
     header_extra: dict[str, Any] | None = None,
     source: DataSource | None = None,
+    agreement: Agreement | None = None,
 ) -> TrainResult:
     """Train ``config.steps`` steps as trainer ``env.rank``; the trainers' gloo group (if any) must
     already be initialized. Writes this rank's QPS log and, on rank 0, checkpoints and TensorBoard
-    events. ``source`` replaces the config's data (benchmarks)."""
+    events. ``source`` replaces the config's data (benchmarks). ``agreement``: where the trainers
+    agree to roll back, and the rollback this call recovers from (:mod:`distopt.job.recovery`)."""
     run_id = resolve_run_id(config, env)
     device = job_device.resolve_device(config.device, local_rank=env.local_rank)
     name = config.model_name
@@ -197,8 +210,12 @@ def train(
     hooks = hooks or Hooks()
     job = _job_shape(config, env, run_id, name)
     found = None
-    if config.resume or env.restarts > 0:  # a restarted job always continues its run
+    agree = agreement or Agreement(enabled=False)
+    recovering = agree.rollback is not None
+    if config.resume or env.restarts > 0 or recovering:  # a restarted job always continues its run
         found = job_state.find(checkpoint_dir, rank=env.rank, job=job)
+    if recovering and hooks.recover is not None:
+        hooks.recover(found)  # before optimize's verification fetches
     if found is not None and found.step > config.steps:
         raise ConfigError(
             f"resume: checkpoint {found.path} is at step {found.step}, steps is {config.steps}"
@@ -239,7 +256,7 @@ def train(
     )  # fmt: skip
     rng: dict[str, Any] | None = None
     if found is not None:
-        saved = job_state.restore(found, saver, load_remote=hooks.load_remote)
+        saved = job_state.restore(found, saver, load_remote=None if recovering else hooks.load_remote)
         stepper.scheduler.load_state_dict(saved["scheduler"])
         rng = saved["rng"]
 
@@ -257,7 +274,7 @@ def train(
     saved_paths: list[Path] = []
     loss_value = float("nan")
     evaluation: EvalResult | None = None
-    recorder = _recorder(config, env, run_id, header, start)
+    recorder = _recorder(config, env, run_id, header, start, agree.history)
     if prefetcher is not None:
         prefetcher.fill()  # the first batches' reads, before the first step's clock starts
     try:
@@ -266,15 +283,17 @@ def train(
             for step in range(start, config.steps):
                 losses = []
                 lr = stepper.lr  # the rate this step's update uses
+                agree.step = step
                 for micro in range(accumulate):
-                    issued = None
-                    if prefetcher is not None:
-                        batch, issued = prefetcher.take()
-                    else:
-                        batch = job_device.to_device(next(batches), device, keep=keep)
                     with _gradient_sync(trained, micro == accumulate - 1):
-                        with job_device.autocast(device, config.precision), provided(issued):
-                            loss = task_loss(source.task, trained(*batch.inputs), batch, model_loss)
+                        with agree.agreed():  # before backward: no trainer enters DDP's all-reduce alone
+                            issued = None
+                            if prefetcher is not None:
+                                batch, issued = prefetcher.take()
+                            else:
+                                batch = job_device.to_device(next(batches), device, keep=keep)
+                            with job_device.autocast(device, config.precision), provided(issued):
+                                loss = task_loss(source.task, trained(*batch.inputs), batch, model_loss)
                         if prefetcher is not None:
                             prefetcher.before_backward()
                         stepper.scale(loss).backward()
@@ -293,7 +312,7 @@ def train(
                 done = step + 1
                 if eval_loader is not None and config.eval.due(done, config.steps):
                     began = time.perf_counter()
-                    with job_device.autocast(device, config.precision):
+                    with job_device.autocast(device, config.precision), agree.agreed():
                         evaluation = evaluate(
                             eval_model, eval_loader, task=source.task, loss_fn=model_loss,
                             max_batches=config.eval.max_batches, device=device, host_inputs=keep,
@@ -307,7 +326,8 @@ def train(
                         checkpoint_dir, saver, step=done,
                         extra={"scheduler": stepper.scheduler.state_dict(),
                                "data": {"micro_batches": done * accumulate}},
-                        before=hooks.before_checkpoint, save_remote=hooks.save_remote,
+                        before=hooks.before_checkpoint, check=agree.settle,
+                        save_remote=hooks.save_remote and agree.deferring(hooks.save_remote),
                     )  # fmt: skip
                     if cut is not None:
                         saved_paths.append(cut.path)

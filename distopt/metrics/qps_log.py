@@ -116,6 +116,8 @@ class QpsLogWriter:
         self.world_size = world_size
         self.global_batch_size = global_batch_size
         self.steps_logged = 0
+        self.footer: dict[str, Any] = {}
+        """More keys for the footer (e.g. a recovered run's ``recoveries``)."""
 
     @classmethod
     def create(
@@ -221,6 +223,7 @@ class QpsLogWriter:
             "steps": self.steps_logged,
             "end_time": time.time(),
             "status": status,
+            **self.footer,
         }
         if error is not None:
             footer["error"] = error

@@ -44,6 +44,11 @@ METHODS: dict[Callable[..., Any], str] = {
 }
 """RPC handler → the :class:`distopt.ps.ray_server.PSServerActor` method doing the same."""
 
+ACTOR_EXITED = "the actor process exited or was killed"
+ACTOR_UNAVAILABLE = "the actor is unreachable or restarting"
+"""How :func:`ray_message` says an actor died or is being restarted (a job that can recover looks
+for them: :func:`distopt.job.recovery.lost_server`)."""
+
 
 def ray_message(err: BaseException) -> str:
     """The server-side exception as one line (``KeyError: ps0 holds no table 'x' ...``).
@@ -59,9 +64,9 @@ def ray_message(err: BaseException) -> str:
         first = text.strip().splitlines()[0] if text.strip() else ""
         return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
     if isinstance(err, ray.exceptions.ActorUnavailableError):
-        return "the actor is unreachable or restarting; the call may or may not have run (Ray: ActorUnavailableError)"
+        return f"{ACTOR_UNAVAILABLE}; the call may or may not have run (Ray: ActorUnavailableError)"
     if isinstance(err, ray.exceptions.RayActorError):
-        return f"the actor process exited or was killed (Ray: {type(err).__name__})"
+        return f"{ACTOR_EXITED} (Ray: {type(err).__name__})"
     lines = [ln.strip() for ln in str(err).splitlines() if ln.strip()]
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 

@@ -126,7 +126,9 @@ class ServerOptions:
     reloads its shards from the job's last checkpoint (the last :func:`distopt.ps.save_servers` or
     :func:`~distopt.ps.load_servers`; the seeded tables when there was none, said in a log line) and
     refuses fetches and pushes until a trainer calls :func:`distopt.ps.recover`, which reloads every
-    server from that checkpoint. 0 (default): calls to a dead actor keep failing."""
+    server from that checkpoint (a ``distopt.train`` job does so itself, every trainer rolling back
+    with it, at most ``max_restarts`` times: :mod:`distopt.job.recovery`). 0 (default): calls to a
+    dead actor keep failing."""
     ray_state_dir: str | None = None
     """``ray`` backend: directory where the job records which checkpoint it saved or loaded last
     (``<ray namespace>.last-checkpoint.json``), read by a restarted actor. It must be on a filesystem
