@@ -49,6 +49,7 @@ from distopt.errors import ConfigError, RemoteCallError
 from distopt.ps import client, launch, ray_cluster, ray_recovery
 from distopt.ps.launch import LAUNCHER, PSJob
 from distopt.ps.ray_transport import RayTransport, ray_message
+from distopt.ps.ray_wire import from_wire, to_wire
 from distopt.ps.server import _ServerState, ps_server_tables
 from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.rendezvous import StorePlan
@@ -101,23 +102,24 @@ class PSServerActor:
         if self.note:
             raise ServerRestarted(f"{self.note}; call distopt.ps.recover() to reload every server")
 
-    def fetch(self, table: str, ids: torch.Tensor) -> torch.Tensor:
+    # Tensors cross as NumPy arrays both ways (distopt.ps.ray_wire).
+    def fetch(self, table: str, ids: Any) -> Any:
         self._usable()
-        return self.state.fetch(table, ids)
+        return to_wire(self.state.fetch(table, from_wire(ids)))
 
-    def fetch_many(self, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
+    def fetch_many(self, requests: list[tuple[str, Any]]) -> list[Any]:
         self._usable()
-        return self.state.fetch_many(requests)
+        return to_wire(self.state.fetch_many(from_wire(requests)))
 
-    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+    def push(self, table: str, ids: Any, grads: Any, lr: float) -> None:
         self._usable()
-        self.state.push(table, ids, grads, lr)
+        self.state.push(table, from_wire(ids), from_wire(grads), lr)
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
-        return self.state.state_dict()
+        return to_wire(self.state.state_dict())
 
     def load_state_dict(self, state: dict[str, dict[str, Any]]) -> None:
-        self.state.load_state_dict(state)
+        self.state.load_state_dict(from_wire(state))
         self.note = ""
 
     def save(self, directory: str) -> tuple[str, int]:

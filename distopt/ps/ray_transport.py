@@ -29,6 +29,7 @@ from torch.futures import Future
 
 from distopt.errors import RemoteCallError
 from distopt.ps import server as handlers
+from distopt.ps.ray_wire import from_wire, to_wire
 
 METHODS: dict[Callable[..., Any], str] = {
     handlers.ps_server_fetch: "fetch",
@@ -101,7 +102,7 @@ class RayTransport:
             handle = self.handles.get(server)
             if handle is None:
                 raise RemoteCallError(f"{prefix}: no server actor named {server!r}")
-            ref = getattr(handle, method).remote(*args)
+            ref = getattr(handle, method).remote(*to_wire(args))  # arrays: see distopt.ps.ray_wire
             answer = ref.future()
         except Exception as err:  # reported at the wait, like every other failure
             out.set_exception(err if isinstance(err, RemoteCallError) else RemoteCallError(f"{prefix}: {ray_message(err)}"))
@@ -182,4 +183,4 @@ def _complete(out: Future, prefix: str, timeout_s: float, answer: concurrent.fut
     except Exception as err:
         out.set_exception(RemoteCallError(f"{prefix}: {ray_message(err)}"))
         return
-    out.set_result(value)
+    out.set_result(from_wire(value))
