@@ -137,6 +137,9 @@ def _start_once(state_dir: Path, dashboard_port: int | None, num_cpus: int) -> R
     # earlier ray.init() writes one), and the dashboard then answers 401 to TorchX's unauthenticated
     # job client. This head listens on 127.0.0.1 only; an explicit RAY_AUTH_MODE still wins.
     env.setdefault("RAY_AUTH_MODE", "disabled")
+    # Workers (the parameter-server actors among them) at the head's priority, not Ray's default
+    # niceness 15: trainers run at 0 and would wait on starved servers on a busy host.
+    env.setdefault("RAY_worker_niceness", "0")
     # Job entrypoints ("python ...") resolve through the head's PATH: put this venv first.
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     log = state_dir / "ray-start.log"

@@ -10,6 +10,7 @@ every role becomes one Ray actor running the role's command, and the job fails w
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -127,3 +128,38 @@ def test_failing_trainer_fails_the_ray_job(ray_cluster, tmp_path: Path, schedule
     ran = _run_on_ray(ray_cluster, "--config", str(config), "--module", JOB_MODULE,
                       scheduler=scheduler)  # fmt: skip
     assert not ran.ok and "State: FAILED" in ran.status, ran.status + ran.logs[-3000:]
+
+
+def test_the_head_runs_actors_at_its_own_priority() -> None:
+    """Server actors on the loopback head are not reniced to Ray's default 15 (trainers run at 0:
+    they would wait on starved servers on a busy host). A head of its own, probed from a fresh
+    process (Ray is one connection per process)."""
+    import tempfile
+
+    pytest.importorskip("ray")
+    from launchers.ray import cluster as ray_cluster_mod
+
+    # Short: Ray's socket paths under the state dir must fit AF_UNIX's 107 bytes.
+    state = Path(tempfile.mkdtemp(prefix="dr-", dir="/tmp"))
+    head = ray_cluster_mod.start(state, num_cpus=1)
+    try:
+        script = (
+            "import os, ray\n"
+            "from distopt.ps.ray_cluster import single_host\n"
+            "single_host()\n"
+            f"ray.init(address={head.gcs_address!r}, log_to_driver=False)\n"
+            "@ray.remote\n"
+            "class Probe:\n"
+            "    def niceness(self):\n"
+            "        return os.nice(0)\n"
+            "print(ray.get(Probe.remote().niceness.remote()) - os.nice(0))\n"
+            "ray.shutdown()\n"
+        )
+        env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                              env={**env, "RAY_AUTH_MODE": "disabled"})  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == "0"
+    finally:
+        ray_cluster_mod.stop(state)
+        shutil.rmtree(state, ignore_errors=True)
