@@ -21,7 +21,7 @@ from distopt.atomic import atomic_write_text
 from distopt.errors import ConfigError
 from distopt.job.evaluate import EvalResult
 from distopt.job.progress import Progress
-from distopt.metrics.qps_log import QpsLogWriter
+from distopt.metrics.qps_log import QpsLogWriter, iter_records
 from distopt.pipeline.prefetch import PipelineStats
 
 logger = logging.getLogger(__name__)
@@ -55,8 +55,7 @@ def reopen_log(path: Path, *, before_step: int) -> QpsLogWriter:
     """The QPS log at ``path``, its records from step ``before_step`` on dropped (they are run
     again), open to append. Used after an in-process recovery: unlike a resumed process, which
     starts a new log, the run's log goes on, and its footer says what was recovered."""
-    records = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    kept = [r for r in records if kept_before(r, before_step)]
+    kept = [r for _, r in iter_records(path) if kept_before(r, before_step)]
     if not kept or kept[0].get("type") != "header":
         raise ConfigError(f"QPS log {path}: no header to continue after a recovery")
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))

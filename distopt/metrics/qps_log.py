@@ -282,7 +282,8 @@ def _check_fields(
             raise QpsLogError(f"{where}: {record['type']} field {name!r} has bad value {value!r}")
 
 
-def _records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+def iter_records(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line number, record)`` of every record of the log at ``path``, checked for its type."""
     with path.open(encoding="utf-8") as stream:
         for lineno, line in enumerate(stream, start=1):
             if not line.strip():
@@ -308,7 +309,7 @@ def read_log(path: str | Path) -> RankLog:
     footer: dict[str, Any] | None = None
     steps: list[StepRecord] = []
     evals: list[EvalRecord] = []
-    for lineno, record in _records(path):
+    for lineno, record in iter_records(path):
         where = f"{path}:{lineno}"
         kind = record["type"]
         if header is None and kind != "header":

@@ -4,6 +4,7 @@ actor, the trainers' agreement to roll back, and a QPS log continued after a rol
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -104,18 +105,23 @@ def _agreeing_rank(rank: int, plan: StorePlan, out: str) -> None:
             dist.all_reduce(torch.ones(1))  # DDP's gradient all-reduce: only if nobody failed
             seen.append((step, None, None))
         dist.barrier()  # both ranks still in step: the collectives matched
-        Path(out, f"rank{rank}.json").write_text(json.dumps(seen))
+        Path(out, f"rank{rank}.out").write_text(json.dumps(seen))
     finally:
         dist.destroy_process_group()
 
 
+def _two_trainers(rank_fn: Callable[[int, StorePlan, str], None], out: Path) -> list[str]:
+    """What each of two gloo ranks running ``rank_fn`` wrote to ``out/rank<r>.out``."""
+    with spawned_gloo() as plan:
+        mp.spawn(rank_fn, args=(plan, str(out)), nprocs=2, join=True)
+    return [(out / f"rank{rank}.out").read_text() for rank in (0, 1)]
+
+
 @pytest.mark.slow
 def test_two_trainers_roll_back_together_when_one_loses_a_server(tmp_path: Path) -> None:
-    with spawned_gloo() as plan:
-        mp.spawn(_agreeing_rank, args=(plan, str(tmp_path)), nprocs=2, join=True)
     expected = [[0, None, None], [1, None, None], [2, "ps1", [None, DIED]]]
-    for rank in (0, 1):
-        assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == expected
+    for written in _two_trainers(_agreeing_rank, tmp_path):
+        assert json.loads(written) == expected
 
 
 def _cutting_rank(rank: int, plan: StorePlan, out: str) -> None:
@@ -135,7 +141,7 @@ def _cutting_rank(rank: int, plan: StorePlan, out: str) -> None:
             job_state.cut(Path(out) / "ckpt", saver, step=4, save_remote=agreement.deferring(save_remote),
                           check=agreement.settle)  # fmt: skip
         except Rollback as rollback:
-            Path(out, f"rank{rank}.txt").write_text(str(rollback))
+            Path(out, f"rank{rank}.out").write_text(str(rollback))
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -143,10 +149,8 @@ def _cutting_rank(rank: int, plan: StorePlan, out: str) -> None:
 
 @pytest.mark.slow
 def test_a_failed_save_of_the_servers_rolls_back_before_the_checkpoint_is_complete(tmp_path: Path) -> None:
-    with spawned_gloo() as plan:
-        mp.spawn(_cutting_rank, args=(plan, str(tmp_path)), nprocs=2, join=True)
-    for rank in (0, 1):
-        assert (tmp_path / f"rank{rank}.txt").read_text() == (
+    for written in _two_trainers(_cutting_rank, tmp_path):
+        assert written == (
             "ps0 lost at step 3 (trainer 0: checkpoint save on ps0 failed: ServerRestarted: ps0 was restarted by Ray)")
     assert latest_complete(tmp_path / "ckpt") is None
 

@@ -6,7 +6,6 @@ reads are declared once, as a user would, outside the models.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import warnings
@@ -143,11 +142,10 @@ class SameActorModel(ActorModel):
 
 @pytest.fixture(scope="module")
 def servers():
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a loopback-only head, no dashboard
-    from distopt.ps.ray_cluster import single_host
+    from distopt.ps.ray_server import ensure_ray
+    from distopt.ps.spec import ServerOptions
 
-    single_host()  # else Ray swaps 127.0.0.1 for this host's external address
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    ensure_ray("local", ServerOptions(backend="ray"))  # as a job's private instance: on 127.0.0.1
     try:
         yield EmbeddingServer.remote(0), EmbeddingServer.remote(1)
     finally:
