@@ -65,15 +65,20 @@ class TableOrder:
             self.reads[table] = [*_live(self.reads, table), out]
         return list(pending.values())
 
-    def push(self, table: str, out: Future) -> tuple[list[Future], list[Future]]:
-        """Record push ``out`` of ``table``; returns the (pushes, fetches) it must wait for."""
-        earlier = self._writes(table)
-        self.writes[table] = [*earlier, out]
-        live = _live(self.reads, table)
-        exact = [r for r in live if not getattr(r, "stale", False)]
-        self.reads[table] = [r for r in live if getattr(r, "stale", False)]  # still flushed
-        # A stale push skips only the waiting: a failed earlier push still fails it.
-        return ([w for w in earlier if w.done()] if self.stale_pushes else earlier), exact
+    def push(self, tables: Sequence[str], out: Future) -> tuple[list[Future], list[Future]]:
+        """Record push ``out`` of ``tables`` (one request may carry several); returns the
+        (pushes, fetches) it must wait for."""
+        writes: dict[int, Future] = {}
+        reads: dict[int, Future] = {}
+        for table in dict.fromkeys(tables):  # a table named twice must not wait on ``out`` itself
+            earlier = self._writes(table)
+            self.writes[table] = [*earlier, out]
+            live = _live(self.reads, table)
+            reads.update((id(r), r) for r in live if not getattr(r, "stale", False))
+            self.reads[table] = [r for r in live if getattr(r, "stale", False)]  # still flushed
+            # A stale push skips only the waiting: a failed earlier push still fails it.
+            writes.update((id(w), w) for w in earlier if w.done() or not self.stale_pushes)
+        return list(writes.values()), list(reads.values())
 
     def _writes(self, table: str) -> list[Future]:
         """The table's pushes not yet done, and its last push even when done: a failed push

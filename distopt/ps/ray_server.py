@@ -115,6 +115,10 @@ class PSServerActor:
         self._usable()
         self.state.push(table, from_wire(ids), from_wire(grads), lr)
 
+    def push_many(self, pushes: list[tuple[str, Any, Any]], lr: float) -> None:
+        self._usable()
+        self.state.push_many(from_wire(pushes), lr)
+
     def state_dict(self) -> dict[str, dict[str, Any]]:
         return to_wire(self.state.state_dict())
 

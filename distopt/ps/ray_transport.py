@@ -35,6 +35,7 @@ METHODS: dict[Callable[..., Any], str] = {
     handlers.ps_server_fetch: "fetch",
     handlers.ps_server_fetch_many: "fetch_many",
     handlers.ps_server_push: "push",
+    handlers.ps_server_push_many: "push_many",
     handlers.ps_server_state_dict: "state_dict",
     handlers.ps_server_load_state_dict: "load_state_dict",
     handlers.ps_server_save: "save",

@@ -93,6 +93,12 @@ class _ServerState:
         self.begin("push")
         self.table(table).push(ids, grads, float(lr))
 
+    def push_many(self, pushes: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
+        """Several pushes in one request (one latency), applied in request order."""
+        self.begin("push_many")
+        for table, ids, grads in pushes:
+            self.table(table).push(ids, grads, float(lr))
+
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """This server's shards: ``{table: shard_state}`` (see :meth:`ShardTable.state_dict`)."""
         return {name: shard.state_dict() for name, shard in self.shards.items()}
@@ -176,6 +182,11 @@ def ps_server_fetch_many(requests: list[tuple[str, torch.Tensor]]) -> list[torch
 def ps_server_push(table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
     """Apply the table's sparse optimizer step to rows ``ids``."""
     _state().push(table, ids, grads, lr)
+
+
+def ps_server_push_many(pushes: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
+    """Several pushes in one request: one latency, one round trip, applied in request order."""
+    _state().push_many(pushes, lr)
 
 
 @register_read

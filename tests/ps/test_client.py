@@ -30,6 +30,9 @@ TABLES = (
     TableSpec(name="dense", num_rows=3, dim=5, kind="dense"),
     TableSpec(name="stale", num_rows=8, dim=2),
     TableSpec(name="poisoned", num_rows=8, dim=2),
+    TableSpec(name="many_sgd", num_rows=10, dim=4),
+    TableSpec(name="many_ada", num_rows=12, dim=3, optimizer="adagrad"),
+    TableSpec(name="many_bad", num_rows=8, dim=2),
 )
 
 
@@ -142,6 +145,47 @@ def test_a_failed_push_fails_every_later_operation_of_its_table(job: ps.PSJob, s
         ps.client.set_stale_pushes(previous)
 
 
+def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(job: ps.PSJob) -> None:
+    """Three pushes (one table twice) over two servers: one request each, and the rows are what
+    the same pushes made one by one give, seen by a fetch issued while the push is in flight."""
+    pushes = [
+        ("many_sgd", torch.tensor([0, 1, 1, 6]), torch.randn(4, 4)),
+        ("many_ada", torch.tensor([[2, 3], [3, 11]]), torch.randn(2, 2, 3)),
+        ("many_sgd", torch.tensor([1, 7]), torch.randn(2, 4)),
+    ]
+    expected = {name: ShardTable(_spec(name), shard=0, num_shards=1, seed=SEED) for name in ("many_sgd", "many_ada")}
+    for name, ids, grads in pushes:
+        expected[name].push(ids.reshape(-1), grads.reshape(ids.numel(), -1), lr=0.5)
+    before = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
+    fut = ps.push_many_async(pushes, lr=0.5)
+    assert not fut.done()  # 20 ms on each server
+    with torch.no_grad():
+        rows = ps.wait(ps.fetch_many_async([("many_sgd", None), ("many_ada", None)]))
+    assert fut.done()
+    for server in ("ps0", "ps1"):
+        after = ps.server_stats(server)
+        assert after["push_many"] - before[server].get("push_many", 0) == 1
+        assert after.get("push", 0) == before[server].get("push", 0)
+    torch.testing.assert_close(rows[0], expected["many_sgd"].weight)
+    torch.testing.assert_close(rows[1], expected["many_ada"].weight)
+
+
+def test_a_failed_batched_push_fails_later_operations_of_each_of_its_tables(job: ps.PSJob) -> None:
+    bad = ps.push_many_async([("many_bad", torch.tensor([64]), torch.ones(1, 2)),  # no row 64
+                              ("many_sgd", torch.tensor([0]), torch.ones(1, 4))], lr=1.0)
+    with pytest.raises(RemoteCallError, match="many_bad"):
+        ps.wait(bad)
+    for table in ("many_bad", "many_sgd"):  # the state of both is unknown
+        with torch.no_grad(), pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
+            ps.fetch(table, torch.tensor([0]))
+
+
+def test_batched_push_names_the_table_whose_grads_do_not_fit(job: ps.PSJob) -> None:
+    with pytest.raises(ConfigError, match=r"push to 'many_ada': grads of shape \(2, 4\) do not match 2 ids of dim 3"):
+        ps.push_many_async([("many_sgd", torch.tensor([0]), torch.ones(1, 4)),
+                            ("many_ada", torch.tensor([0, 1]), torch.ones(2, 4))], lr=1.0)
+
+
 def test_batched_fetch_is_one_request_per_server(job: ps.PSJob) -> None:
     before = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
     ids = [torch.tensor([0, 1, 2]), torch.tensor([4, 5]), torch.tensor([9])]
@@ -187,6 +231,7 @@ def test_push_gradients_of_remote_embedding(job: ps.PSJob) -> None:
     expected.push(ids.reshape(-1), (upstream / 3).repeat_interleave(3, dim=0), lr=0.2)
     futures = ps.push_gradients(lr=0.2)
     assert len(futures) == 1 and not ps.context.current()
+    assert ps.push_gradients(lr=0.2) == []  # nothing fetched since
     with torch.no_grad():
         torch.testing.assert_close(ps.fetch("bag"), expected.weight)
 
