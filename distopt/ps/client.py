@@ -319,7 +319,9 @@ def push_async(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> Future:
 def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) -> Future:
     """Several ``(table, ids, grads)`` pushes at once: one RPC per server (one latency, and one
     request's serialization on this thread instead of one per table), each table ordered as
-    :func:`push_async` orders it. Resolve with :func:`wait`."""
+    :func:`push_async` orders it. Resolve with :func:`wait`. A server checks every table and row
+    of its part before applying any; if the request still fails, later operations of each of its
+    tables fail (their state is unknown)."""
     client = _client()
     tables: list[str] = []
     per_server: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}

@@ -94,8 +94,11 @@ class _ServerState:
         self.table(table).push(ids, grads, float(lr))
 
     def push_many(self, pushes: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
-        """Several pushes in one request (one latency), applied in request order."""
+        """Several pushes in one request (one latency), applied in request order. Every table and
+        row is checked before any is updated: a bad request changes nothing."""
         self.begin("push_many")
+        for table, ids, _ in pushes:
+            self.table(table).local_ids(ids)
         for table, ids, grads in pushes:
             self.table(table).push(ids, grads, float(lr))
 

@@ -175,7 +175,7 @@ def test_a_failed_batched_push_fails_later_operations_of_each_of_its_tables(job:
                               ("many_sgd", torch.tensor([0]), torch.ones(1, 4))], lr=1.0)
     with pytest.raises(RemoteCallError, match="many_bad"):
         ps.wait(bad)
-    for table in ("many_bad", "many_sgd"):  # the state of both is unknown
+    for table in ("many_bad", "many_sgd"):  # failed as one request: later operations of each fail
         with torch.no_grad(), pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
             ps.fetch(table, torch.tensor([0]))
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distopt.errors import ConfigError
 from distopt.ps import server
 from distopt.ps.spec import ServerOptions, TableSpec
 
@@ -33,3 +34,16 @@ def test_rowwise_adagrad_state_survives_the_server_checkpoint(fresh_state, tmp_p
     assert torch.equal(after.table("emb").weight, before.table("emb").weight)
     assert torch.equal(after.table("emb").accum, before.table("emb").accum)
     assert after.table("emb").accum.shape == (8,)
+
+
+def test_a_batched_push_with_a_bad_row_changes_no_table(fresh_state) -> None:
+    state = fresh_state()
+    before = state.table("emb").weight.clone()
+    with pytest.raises(ConfigError, match=r"row id 8 outside 0\.\.7"):
+        server.ps_server_push_many([("emb", torch.tensor([1]), torch.ones(1, 3)),
+                                    ("emb", torch.tensor([8]), torch.ones(1, 3))], 0.5)
+    assert torch.equal(state.table("emb").weight, before)
+    server.ps_server_push_many([("emb", torch.tensor([1]), torch.ones(1, 3)),
+                                ("emb", torch.tensor([1, 2]), torch.ones(2, 3))], 0.5)
+    assert not torch.equal(state.table("emb").weight[1:3], before[1:3])
+    assert torch.equal(state.table("emb").weight[3:], before[3:])
