@@ -59,6 +59,9 @@ class PipelineStats:
         return self.staleness_sum / self.rows if self.rows else 0.0
 
 
+_KEY_SHIFT = 40
+
+
 class PushJournal:
     """This trainer's pushes, numbered per table, kept while an in-flight fetch may have missed them.
 
@@ -102,9 +105,6 @@ class PushJournal:
             floor = oldest.get(table, self.clock[table])
             while entries and entries[0][0] <= floor:
                 entries.popleft()
-
-
-_KEY_SHIFT = 40
 
 
 @dataclasses.dataclass(slots=True)

@@ -210,6 +210,17 @@ def _as_ids(route: Route, ids: Ids) -> torch.Tensor:
     return ids.to("cpu", torch.int64)  # requests are sent from host memory
 
 
+def _per_server(client: _Client, plan: Sequence[tuple[str, Sequence[tuple[Any, ...]]]], one: Callable[..., Any],
+                many: Callable[..., Any], extra: tuple[Any, ...], verb: str) -> Future:
+    """One request per server of ``plan`` (``[(server, [(table, ...), ...])]``): ``one(*item, *extra)``
+    for a single item, else ``many(items, *extra)``; the future of all their answers, in plan order."""
+    return gather([
+        client.call(server, *((one, (*items[0], *extra)) if len(items) == 1 else (many, (list(items), *extra))),
+                    what=f"{verb} {', '.join(repr(it[0]) for it in items)}", timeout_s=client.timeout_s)
+        for server, items in plan
+    ])
+
+
 def _split(ids: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor | None, torch.Tensor]]:
     """``[(shard, positions_in_flat_ids or None for all, shard_ids)]`` for non-empty shards."""
     flat = ids.reshape(-1)
@@ -257,18 +268,8 @@ def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
     plan = list(per_server.items())
 
     def start() -> Future:
-        calls = []
-        for server, items in plan:
-            if len(items) == 1:
-                _, _, table, shard_ids = items[0]
-                call = client.call(server, ps_server_fetch, (table, shard_ids), what=f"fetch of {table!r}",
-                                   timeout_s=client.timeout_s)
-            else:
-                what = "fetch of " + ", ".join(repr(it[2]) for it in items)
-                call = client.call(server, ps_server_fetch_many, ([(it[2], it[3]) for it in items],),
-                                   what=what, timeout_s=client.timeout_s)
-            calls.append(call)
-        return gather(calls)
+        requests = [(server, [(it[2], it[3]) for it in items]) for server, items in plan]
+        return _per_server(client, requests, ps_server_fetch, ps_server_fetch_many, (), "fetch of")
 
     def finish(answers: list[Any]) -> Any:
         results = [torch.empty(ids.numel(), route.spec.dim) for _, ids, route in resolved]
@@ -309,23 +310,19 @@ def _to_device(rows: list[torch.Tensor], client: _Client, out: FetchFuture) -> l
 
 
 def push_async(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> Future:
-    """Issue a sparse optimizer step on rows ``ids`` with gradient rows ``grads`` (``[*ids.shape, dim]``).
-
-    Duplicate ids accumulate on the server before the update. Resolve with :func:`wait`.
-    """
+    """Issue a sparse optimizer step on rows ``ids`` with gradient rows ``grads`` (``[*ids.shape, dim]``);
+    duplicate ids accumulate on the server before the update. Resolve with :func:`wait`."""
     return push_many_async([(table, ids, grads)], lr)
 
 
 def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) -> Future:
-    """Several ``(table, ids, grads)`` pushes at once: one RPC per server (one latency, and one
-    request's serialization on this thread instead of one per table), each table ordered as
-    :func:`push_async` orders it. Resolve with :func:`wait`. A server checks every table and row
-    of its part before applying any; if the request still fails, later operations of each of its
-    tables fail (their state is unknown)."""
+    """Several ``(table, ids, grads)`` pushes as one request per server (one latency and one
+    serialization instead of one per table), each table ordered as by :func:`push_async`. A server
+    checks every table and row before applying any; if the request still fails, later operations
+    of each of its tables fail (their state is unknown). Resolve with :func:`wait`."""
     client = _client()
-    tables: list[str] = []
+    named: list[tuple[str, torch.Tensor]] = []  # (table, flat ids), for the push listeners
     per_server: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
-    flats = []
     for table, ids, grads in pushes:
         route = client.route(table)
         flat = _as_ids(route, ids).reshape(-1)
@@ -340,29 +337,17 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
         for shard, pos, shard_ids in _split(flat, len(route.servers)):
             shard_rows = rows if pos is None else rows.index_select(0, pos)
             per_server.setdefault(route.servers[shard], []).append((table, shard_ids, shard_rows))
-        tables.append(table)
-        flats.append(flat)
-    label = f"ps.push:{'+'.join(tables)}"
+        named.append((table, flat))
+    tables = [table for table, _ in named]
     out: Future = Future()
-    out.label = label  # type: ignore[attr-defined]
+    out.label = label = f"ps.push:{'+'.join(tables)}"  # type: ignore[attr-defined]
     plan = list(per_server.items())
 
     def start() -> Future:
-        calls = []
-        for server, items in plan:
-            if len(items) == 1:
-                table, shard_ids, shard_rows = items[0]
-                call = client.call(server, ps_server_push, (table, shard_ids, shard_rows, float(lr)),
-                                   what=f"push to {table!r}", timeout_s=client.timeout_s)
-            else:
-                what = "push to " + ", ".join(repr(it[0]) for it in items)
-                call = client.call(server, ps_server_push_many, (items, float(lr)), what=what,
-                                   timeout_s=client.timeout_s)
-            calls.append(call)
-        return gather(calls)
+        return _per_server(client, plan, ps_server_push, ps_server_push_many, (float(lr),), "push to")
 
     for listener in list(client.push_listeners):
-        for table, flat in zip(tables, flats, strict=True):
+        for table, flat in named:
             listener(table, flat)
     with client.lock:
         writes, reads = client.order.push(tables, out)

@@ -42,14 +42,20 @@ def _options(backend: str, **kwargs) -> ServerOptions:
 
 
 def _train(steps: int = 3) -> dict[str, torch.Tensor]:
-    """Pushes and fetches of every table from fixed seeds; the tables afterwards."""
+    """Pushes and fetches of every table from fixed seeds; the tables afterwards. Odd steps push
+    every table in one batched request per server, even steps one request per table."""
     gen = torch.Generator().manual_seed(11)
-    for _ in range(steps):
+    for step in range(steps):
+        pushes = []
         for spec in TABLES:
             ids = torch.randint(0, spec.num_rows, (7,), generator=gen)
             with torch.no_grad():
                 ps.fetch(spec.name, ids)
-            ps.push_async(spec.name, ids, torch.randn(7, spec.dim, generator=gen), lr=0.3)
+            pushes.append((spec.name, ids, torch.randn(7, spec.dim, generator=gen)))
+            if step % 2 == 0:
+                ps.push_async(*pushes[-1], lr=0.3)
+        if step % 2:
+            ps.push_many_async(pushes, lr=0.3)
     with torch.no_grad():
         return {spec.name: ps.fetch(spec.name) for spec in TABLES}
 
@@ -114,15 +120,19 @@ def test_interleaved_pushes_and_fetches_equal_the_sequential_reference(ray_clust
     assert torch.equal(final, reference.weight)
 
 
-def test_batched_fetch_is_one_call_per_actor(ray_cluster) -> None:
+def test_batched_fetch_and_push_are_one_call_per_actor(ray_cluster) -> None:
     with ps.local_job(TABLES, _options("ray")), torch.no_grad():
         before = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
         rows = ps.wait(ps.fetch_many_async([("sgd", [0, 1, 2]), ("ada", [3, 4]), ("row", [8])]))
         assert torch.equal(rows[1], initial_rows(TABLES[1], SEED)[[3, 4]])
+        ps.wait(ps.push_many_async([("sgd", torch.tensor([0, 1]), torch.ones(2, 4)),
+                                    ("ada", torch.tensor([2, 3]), torch.ones(2, 3))], lr=1.0))
         for server in ("ps0", "ps1"):
             after = ps.server_stats(server)
-            assert after["requests"] - before[server].get("requests", 0) == 1
+            assert after["requests"] - before[server].get("requests", 0) == 2
             assert after["fetch_many"] - before[server].get("fetch_many", 0) == 1
+            assert after["push_many"] - before[server].get("push_many", 0) == 1
+        torch.testing.assert_close(ps.fetch("sgd", [0, 1]), initial_rows(TABLES[0], SEED)[[0, 1]] - 1)
 
 
 def test_errors_name_the_actor_and_a_killed_actor_fails_within_the_timeout(ray_cluster) -> None:
