@@ -97,8 +97,8 @@ class _ServerState:
         """Several pushes in one request (one latency), applied in request order. Every table and
         row is checked before any is updated: a bad request changes nothing."""
         self.begin("push_many")
-        for table, ids, _ in pushes:
-            self.table(table).local_ids(ids)
+        for table, ids, grads in pushes:
+            self.table(table).checked(ids, grads)
         for table, ids, grads in pushes:
             self.table(table).push(ids, grads, float(lr))
 

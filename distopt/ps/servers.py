@@ -65,7 +65,7 @@ def load_servers(directory: str) -> None:
 
 
 def server_stats(server: str) -> dict[str, int]:
-    """Request counts of ``server`` by operation (``fetch``, ``fetch_many``, ``push``, ``requests``)."""
+    """Request counts of ``server`` by operation (``fetch``, ``fetch_many``, ``push``, ``push_many``, ``requests``)."""
     client = _client()
     return client.call(server, ps_server_stats, (), what="stats", timeout_s=client.timeout_s).wait()
 

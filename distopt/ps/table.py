@@ -84,16 +84,19 @@ class ShardTable:
         with self.lock:
             return self.weight.index_select(0, local)
 
-    def push(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
-        """Apply the table's sparse optimizer to rows ``ids`` with gradient rows ``grads``."""
+    def checked(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local rows of ``ids`` and ``grads`` as ``[len(ids), dim]``, or an error naming the table."""
         local = self.local_ids(ids)
         if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
             raise ConfigError(f"table {self.spec.name!r}: grads must be a float tensor, got {grads!r}")
-        grads = grads.reshape(-1, self.spec.dim) if grads.numel() else grads.reshape(0, self.spec.dim)
-        if grads.shape[0] != local.numel():
-            raise ConfigError(
-                f"table {self.spec.name!r}: {grads.shape[0]} gradient rows for {local.numel()} ids"
-            )
+        if grads.numel() % self.spec.dim or grads.numel() // self.spec.dim != local.numel():
+            raise ConfigError(f"table {self.spec.name!r}: grads of shape {tuple(grads.shape)} for "
+                              f"{local.numel()} ids of dim {self.spec.dim}")
+        return local, grads.reshape(local.numel(), self.spec.dim)
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """Apply the table's sparse optimizer to rows ``ids`` with gradient rows ``grads``."""
+        local, grads = self.checked(ids, grads)
         if local.numel() == 0:
             return
         rows, summed = accumulate(local, grads.to(self.weight.dtype))

@@ -36,12 +36,15 @@ def test_rowwise_adagrad_state_survives_the_server_checkpoint(fresh_state, tmp_p
     assert after.table("emb").accum.shape == (8,)
 
 
-def test_a_batched_push_with_a_bad_row_changes_no_table(fresh_state) -> None:
+def test_a_batched_push_with_a_bad_row_or_gradient_changes_no_table(fresh_state) -> None:
     state = fresh_state()
     before = state.table("emb").weight.clone()
     with pytest.raises(ConfigError, match=r"row id 8 outside 0\.\.7"):
         server.ps_server_push_many([("emb", torch.tensor([1]), torch.ones(1, 3)),
                                     ("emb", torch.tensor([8]), torch.ones(1, 3))], 0.5)
+    with pytest.raises(ConfigError, match=r"grads of shape \(2, 3\) for 1 ids of dim 3"):
+        server.ps_server_push_many([("emb", torch.tensor([1]), torch.ones(1, 3)),
+                                    ("emb", torch.tensor([2]), torch.ones(2, 3))], 0.5)
     assert torch.equal(state.table("emb").weight, before)
     server.ps_server_push_many([("emb", torch.tensor([1]), torch.ones(1, 3)),
                                 ("emb", torch.tensor([1, 2]), torch.ones(2, 3))], 0.5)

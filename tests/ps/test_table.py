@@ -105,10 +105,13 @@ def test_bad_ids_name_the_table_and_id(ids: torch.Tensor, message: str) -> None:
         table.fetch(ids)
 
 
-def test_push_rejects_mismatched_grads() -> None:
+@pytest.mark.parametrize("grads", [torch.ones(3, 2), torch.ones(5), torch.ones(2, 2, dtype=torch.int64)])
+def test_push_rejects_mismatched_grads_before_touching_the_rows(grads: torch.Tensor) -> None:
     table = ShardTable(TableSpec(name="t", num_rows=4, dim=2), shard=0, num_shards=1)
-    with pytest.raises(ConfigError, match="3 gradient rows for 2 ids"):
-        table.push(torch.tensor([0, 1]), torch.ones(3, 2), lr=1.0)
+    before = table.weight.clone()
+    with pytest.raises(ConfigError, match=r"^table 't': grads (of shape|must be a float tensor)"):
+        table.push(torch.tensor([0, 1]), grads, lr=1.0)
+    assert torch.equal(table.weight, before)
 
 
 def _rowwise_adagrad_reference(
