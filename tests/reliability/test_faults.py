@@ -50,7 +50,9 @@ def test_slow_server_fails_the_call_within_rpc_timeout_naming_it() -> None:
         "fetch of 't' on ps0 failed: no answer within 0.5 s (ps.rpc_timeout_s): the server is "
         "slow, stuck or gone"
     )
-    assert 0.5 <= waited < 0.5 + 2.0
+    # TensorPipe's timer may fire a fraction of a millisecond before Python's clock says 0.5 s
+    # (seen once: 0.49991 s); the bound checks the call waited for the timeout, not for an answer.
+    assert 0.5 - 0.01 <= waited < 0.5 + 2.0
 
 
 def test_supervisor_rejects_bad_arguments_in_one_line(tmp_path: Path) -> None:
