@@ -94,13 +94,12 @@ class _ServerState:
         self.table(table).push(ids, grads, float(lr))
 
     def push_many(self, pushes: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
-        """Several pushes in one request (one latency), applied in request order. Every table and
-        row is checked before any is updated: a bad request changes nothing."""
+        """Several pushes in one request (one latency), applied in request order. Every table, row and
+        gradient shape is checked before any is updated: a bad request changes nothing."""
         self.begin("push_many")
-        for table, ids, grads in pushes:
-            self.table(table).checked(ids, grads)
-        for table, ids, grads in pushes:
-            self.table(table).push(ids, grads, float(lr))
+        checked = [(self.table(table), *self.table(table).checked(ids, grads)) for table, ids, grads in pushes]
+        for shard, local, rows in checked:
+            shard.apply(local, rows, float(lr))
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """This server's shards: ``{table: shard_state}`` (see :meth:`ShardTable.state_dict`)."""

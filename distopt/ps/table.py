@@ -96,7 +96,10 @@ class ShardTable:
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         """Apply the table's sparse optimizer to rows ``ids`` with gradient rows ``grads``."""
-        local, grads = self.checked(ids, grads)
+        self.apply(*self.checked(ids, grads), lr)
+
+    def apply(self, local: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """:meth:`push` of rows and gradients :meth:`checked` already returned."""
         if local.numel() == 0:
             return
         rows, summed = accumulate(local, grads.to(self.weight.dtype))
