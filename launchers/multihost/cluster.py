@@ -360,9 +360,9 @@ def _act(args: Any) -> int:
         stopped = down(state_dir)
         print(f"multihost down: {', '.join(stopped)}" if stopped else "no multihost cluster")
     elif args.action == "status":
-        cluster = running(state_dir)
-        print(cluster.to_json() if cluster else "not running")
-        return 0 if cluster else 1
+        found = running(state_dir)
+        print(found.to_json() if found else "not running")
+        return 0 if found else 1
     elif args.action == "env":
         print(f"export SLURM_CONF={_slurm_layout(state_dir).slurm_conf}")
     elif args.action == "exec":

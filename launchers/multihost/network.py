@@ -60,7 +60,7 @@ NETNS_ETC = Path("/etc/netns")
 CGROUP_ROOT = "/sys/fs/cgroup"
 INNER_IFNAME = "eth0"
 GATEWAY_NAME = "login"
-SUBNETS = ipaddress.ip_network("10.27.0.0/16")
+SUBNETS = ipaddress.IPv4Network("10.27.0.0/16")
 """Where host subnets are taken from: the first free /24 after one derived from the prefix."""
 _IFNAME_MAX = 15  # IFNAMSIZ - 1
 
@@ -235,13 +235,13 @@ def plan(prefix: str, names: Sequence[str], *, subnet: str | None = None) -> Net
 
 def _free_subnet(prefix: str) -> ipaddress.IPv4Network:
     """A /24 of :data:`SUBNETS` that no route of the root namespace overlaps."""
-    used = []
+    used: list[ipaddress.IPv4Network] = []
     for line in _ip("-4", "route", "show", "table", "all").splitlines():
         word = line.split()[0] if line.split() else ""
         if word in ("local", "broadcast", "unreachable", "blackhole", "prohibit"):
             word = line.split()[1]
         try:
-            used.append(ipaddress.ip_network(word, strict=False))
+            used.append(ipaddress.IPv4Network(word, strict=False))
         except ValueError:
             continue  # "default", multicast keywords
     subnets = list(SUBNETS.subnets(new_prefix=24))
