@@ -111,7 +111,7 @@ class Network:
         started process is the command's own and can be recorded and signalled.
         """
         host = self.host(name)
-        enter = ["ip", "netns", "exec", host.netns, "unshare", "--uts", "--"]
+        enter = [_tool("ip"), "netns", "exec", host.netns, _tool("unshare"), "--uts", "--"]
         setup = " ".join(f"{m} 2>/dev/null;" for m in _cgroup_mounts())
         return [*enter, "sh", "-c", f'{setup} hostname "$0" && exec "$@"', host.name]
 
