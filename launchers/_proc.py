@@ -14,9 +14,15 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from distopt.rendezvous import free_port
-
 __all__ = ["alive", "free_port", "port_open", "read_pid", "session_members", "stop_pids", "tail"]
+
+
+def free_port(host: str = "127.0.0.1", *, consecutive: int = 1) -> int:
+    """:func:`distopt.rendezvous.free_port`, imported when first called: the cluster scripts
+    start in a fraction of a second instead of loading torch."""
+    from distopt.rendezvous import free_port as rendezvous_free_port
+
+    return rendezvous_free_port(host, consecutive=consecutive)
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

@@ -13,11 +13,15 @@ also stop any other Ray cluster on the machine.
 
 ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` together with ``--node-ip-address=127.0.0.1`` keeps every
 listener on loopback; without the variable Ray switches to the host's external address.
+
+:func:`start` also starts a head on another address and :func:`join` a worker node that joins it,
+each behind an argv prefix that runs it on another host (``launchers.multihost``: a namespace).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import subprocess
@@ -25,6 +29,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,9 +50,9 @@ class RayCluster:
     pid: int
     """PID of the blocking ``ray start`` process (the session leader)."""
     dashboard_address: str
-    """``127.0.0.1:PORT`` of the dashboard / job submission API (TorchX ``dashboard_address``)."""
+    """``HOST:PORT`` of the dashboard / job submission API (TorchX ``dashboard_address``)."""
     gcs_address: str
-    """``127.0.0.1:PORT`` of the GCS (``ray.init(address=...)``)."""
+    """``HOST:PORT`` of the GCS (``ray.init(address=...)``)."""
     state_dir: str
     """Directory holding the PID file, the cluster record and Ray's temp dir."""
 
@@ -88,12 +93,16 @@ def start(
     dashboard_port: int | None = None,
     num_cpus: int = 4,
     attempts: int = 2,
+    node_ip: str = "127.0.0.1",
+    run: Sequence[str] = (),
+    object_store_mb: int | None = None,
 ) -> RayCluster:
-    """Start a loopback Ray head (or return the one already running in ``state_dir``).
+    """Start a Ray head on ``node_ip`` (or return the one already running in ``state_dir``).
 
     ``num_cpus`` is Ray's logical CPU count: each replica reserves at least one logical CPU, so a
     parameter-server job with 1 PS and 2 trainers needs 3 even on a 2-core machine. On a loaded
     machine ``ray start`` may give up waiting for its raylet (a fixed 30 s), so it is retried.
+    ``run`` is the argv prefix that puts the head on the host owning ``node_ip``.
     """
     state_dir = Path(state_dir)
     existing = running(state_dir)
@@ -101,18 +110,24 @@ def start(
         return existing
     for attempt in range(1, attempts + 1):
         try:
-            return _start_once(state_dir, dashboard_port, num_cpus)
+            return _start_once(
+                state_dir, dashboard_port, num_cpus, node_ip, tuple(run), object_store_mb
+            )
         except RayClusterError:
             if attempt == attempts:
                 raise
     raise AssertionError("unreachable")
 
 
-def _start_once(state_dir: Path, dashboard_port: int | None, num_cpus: int) -> RayCluster:
+def _start_once(
+    state_dir: Path,
+    dashboard_port: int | None,
+    num_cpus: int,
+    node_ip: str,
+    run: tuple[str, ...],
+    object_store_mb: int | None,
+) -> RayCluster:
     stop(state_dir)  # clear leftovers of a head that died
-    state_dir.mkdir(parents=True, exist_ok=True)
-    # Ray's unix socket paths must stay under ~107 bytes, so its temp dir is kept short.
-    temp_dir = state_dir / "r"
     dash_port = dashboard_port or free_port()
     gcs_port = free_port()
     ports = {
@@ -126,32 +141,12 @@ def _start_once(state_dir: Path, dashboard_port: int | None, num_cpus: int) -> R
         "--node-manager-port": free_port(),
         "--object-manager-port": free_port(),
     }
-    cmd = [
-        _ray_bin(), "start", "--head", "--block", "--disable-usage-stats",
-        f"--num-cpus={num_cpus}", "--node-ip-address=127.0.0.1", "--dashboard-host=127.0.0.1",
-        f"--temp-dir={temp_dir}", "--include-dashboard=true",
-        *(f"{flag}={port}" for flag, port in ports.items()),
-    ]  # fmt: skip
-    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
-    # Ray >= 2.5x turns token auth on for a new cluster whenever ~/.ray/auth_token exists (any
-    # earlier ray.init() writes one), and the dashboard then answers 401 to TorchX's unauthenticated
-    # job client. This head listens on 127.0.0.1 only; an explicit RAY_AUTH_MODE still wins.
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    # Workers (the parameter-server actors among them) at the head's priority, not Ray's default
-    # niceness 15: trainers run at 0 and would wait on starved servers on a busy host.
-    env.setdefault("RAY_worker_niceness", "0")
-    # Job entrypoints ("python ...") resolve through the head's PATH: put this venv first.
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    log = state_dir / "ray-start.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    (state_dir / "ray.pid").write_text(str(proc.pid))
+    args = ["--head", f"--dashboard-host={node_ip}", "--include-dashboard=true"]
+    proc, log = _launch(state_dir, args, ports, num_cpus, node_ip, run, object_store_mb)
     cluster = RayCluster(
         pid=proc.pid,
-        dashboard_address=f"127.0.0.1:{dash_port}",
-        gcs_address=f"127.0.0.1:{gcs_port}",
+        dashboard_address=f"{node_ip}:{dash_port}",
+        gcs_address=f"{node_ip}:{gcs_port}",
         state_dir=str(state_dir),
     )
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -164,6 +159,89 @@ def _start_once(state_dir: Path, dashboard_port: int | None, num_cpus: int) -> R
     _wait_for_job_agent(cluster, deadline)
     _record_path(state_dir).write_text(json.dumps(asdict(cluster)))
     return cluster
+
+
+def join(
+    state_dir: Path,
+    *,
+    gcs_address: str,
+    node_ip: str,
+    num_cpus: int = 2,
+    run: Sequence[str] = (),
+    object_store_mb: int | None = None,
+) -> int:
+    """Start a worker node on ``node_ip`` that joins the head at ``gcs_address``.
+
+    Returns the PID of its ``ray start --block`` (the session leader, stopped by :func:`stop`
+    with ``state_dir``); an already running one in ``state_dir`` is kept.
+    """
+    state_dir = Path(state_dir)
+    pid = read_pid(state_dir / "ray.pid")
+    if pid is not None:
+        return pid
+    stop(state_dir)
+    ports = {
+        "--node-manager-port": free_port(),
+        "--object-manager-port": free_port(),
+        "--dashboard-agent-listen-port": free_port(),
+        "--dashboard-agent-grpc-port": free_port(),
+        "--runtime-env-agent-port": free_port(),
+        "--metrics-export-port": free_port(),
+    }
+    args = [f"--address={gcs_address}"]
+    proc, log = _launch(state_dir, args, ports, num_cpus, node_ip, tuple(run), object_store_mb)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not _started(log):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            stop(state_dir)
+            why = "exited" if proc.returncode is not None else f"not up after {START_TIMEOUT_S}s"
+            raise RayClusterError(
+                f"ray worker node {node_ip} {why}; last lines of {log}:\n{tail(log)}"
+            )
+        time.sleep(0.5)
+    return proc.pid
+
+
+def _launch(
+    state_dir: Path,
+    args: list[str],
+    ports: dict[str, int],
+    num_cpus: int,
+    node_ip: str,
+    run: tuple[str, ...],
+    object_store_mb: int | None,
+) -> tuple[subprocess.Popen[bytes], Path]:
+    """Run ``ray start --block ARGS`` in a session of its own; returns it and its log."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    # Ray's unix socket paths must stay under ~107 bytes, so its temp dir is kept short.
+    temp_dir = state_dir / "r"
+    cmd = [*run, _ray_bin(), "start", "--block", "--disable-usage-stats", *args]
+    cmd += [f"--num-cpus={num_cpus}", f"--node-ip-address={node_ip}", f"--temp-dir={temp_dir}"]
+    cmd += [f"{flag}={port}" for flag, port in ports.items()]
+    if object_store_mb is not None:
+        cmd.append(f"--object-store-memory={object_store_mb * 1024 * 1024}")
+    env = dict(os.environ)
+    if ipaddress.ip_address(node_ip).is_loopback:
+        # Declares the cluster single-node (Ray's switch for Windows and macOS), which keeps a
+        # loopback node there; Ray then refuses worker nodes, so only a loopback head sets it.
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # Ray >= 2.5x turns token auth on for a new cluster whenever ~/.ray/auth_token exists (any
+    # earlier ray.init() writes one), and the dashboard then answers 401 to TorchX's unauthenticated
+    # job client. These nodes listen on 127.0.0.1 or on a namespace bridge of this machine only;
+    # an explicit RAY_AUTH_MODE still wins.
+    env.setdefault("RAY_AUTH_MODE", "disabled")
+    # Workers (the parameter-server actors among them) at the head's priority, not Ray's default
+    # niceness 15: trainers run at 0 and would wait on starved servers on a busy host.
+    env.setdefault("RAY_worker_niceness", "0")
+    # Job entrypoints ("python ...") resolve through the head's PATH: put this venv first.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    log = state_dir / "ray-start.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    (state_dir / "ray.pid").write_text(str(proc.pid))
+    return proc, log
 
 
 def _started(log: Path) -> bool:

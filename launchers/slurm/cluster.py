@@ -17,12 +17,14 @@ Daemons, each started into ``DIR`` with its PID recorded there and stopped by th
   needs as many nodes as the largest job has replicas. The node names are added to /etc/hosts
   for 127.0.0.1 so a job can use ``$SLURM_JOB_NODELIST_HET_GROUP_0`` as its master address.
 
-``up`` is idempotent: daemons already running from ``DIR`` are kept.
+``up`` is idempotent: daemons already running from ``DIR`` are kept. :func:`start` and :func:`stop`
+are the same cluster on any hosts (``launchers.multihost`` runs each daemon in a namespace).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -30,16 +32,18 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from launchers._proc import read_pid, stop_pids, tail
+from launchers._proc import port_open, read_pid, stop_pids, tail
 from launchers.slurm.config import (
     CLUSTER_NAME,
+    Host,
     Layout,
     add_hosts,
     daemon_ports,
+    local_hosts,
     remove_hosts,
     write_configs,
 )
@@ -62,7 +66,7 @@ class SlurmCluster:
     slurm_conf: str
     """Path of slurm.conf: export it as ``SLURM_CONF`` for sbatch, sacct, sinfo and torchx."""
     nodes: tuple[str, ...]
-    """Names of the virtual nodes (each resolves to 127.0.0.1)."""
+    """Names of the nodes (on a single host, each resolves to 127.0.0.1)."""
 
     def env(self) -> dict[str, str]:
         """Environment for Slurm clients (merge into ``os.environ`` for subprocesses)."""
@@ -102,43 +106,74 @@ def up(
     state_dir: Path = DEFAULT_STATE_DIR, *, nodes: int = 4, timeout_s: float = 60.0
 ) -> SlurmCluster:
     """Start every daemon not already running from ``state_dir`` and wait until nodes are idle."""
+    check_packages()
+    lay = Layout(Path(state_dir))
+    existing = running(lay.root)
+    if existing is not None and len(existing.nodes) >= nodes:
+        return existing
+    names = tuple(f"dn{i}" for i in range(1, nodes + 1))
+    add_hosts(names)
+    controller, hosts = local_hosts(names)
+    return start(lay, controller, hosts, timeout_s=timeout_s)
+
+
+def check_packages() -> None:
+    """Raise :class:`SlurmClusterError` naming the missing Slurm/munge/MariaDB programs."""
     missing = missing_packages()
     if missing:
         raise SlurmClusterError(
             f"missing programs: {', '.join(missing)} (run launchers/slurm/install_packages.sh)"
         )
-    lay = Layout(Path(state_dir))
-    existing = running(lay.root)
-    if existing is not None and len(existing.nodes) >= nodes:
-        return existing
+
+
+def start(
+    lay: Layout,
+    controller: Host,
+    nodes: Sequence[Host],
+    *,
+    timeout_s: float = 60.0,
+    bind_any: bool = False,
+) -> SlurmCluster:
+    """Start the daemons of ``lay`` not already running: munged, MariaDB, slurmdbd and slurmctld
+    on ``controller``, a slurmd on each of ``nodes``; wait until every node is idle.
+    ``bind_any``: see :func:`~launchers.slurm.config.write_configs`."""
     for sub in ("pids", "logs", "etc", "state", "spool"):
         (lay.root / sub).mkdir(parents=True, exist_ok=True)
     lay.root.chmod(0o755)  # munge and mysql users must traverse it
-    names = tuple(f"dn{i}" for i in range(1, nodes + 1))
-    add_hosts(names)
-    ports = daemon_ports(lay, names)
-    write_configs(lay, names, ports)
+    ports = daemon_ports(lay, [n.name for n in nodes])
+    write_configs(lay, controller, nodes, ports, bind_any=bind_any)
     env = dict(os.environ, SLURM_CONF=str(lay.slurm_conf), MYSQL_UNIX_PORT=str(lay.db_socket))
 
-    _start_munged(lay)
-    _start_mariadb(lay)
-    _start(lay, "slurmdbd", [_which("slurmdbd"), "-D"], env, ready=lambda: _port_up(ports["dbd"]))
+    def port_up(port: int, host: Host = controller) -> Callable[[], bool]:
+        return functools.partial(port_open, port, host.addr)
+
+    _start_munged(lay, controller)
+    _start_mariadb(lay, controller)
+    dbd = [_which("slurmdbd"), "-D"]
+    _start(lay, "slurmdbd", dbd, env, ready=port_up(ports["dbd"]), run=controller.run)
     _sacctmgr(["add", "cluster", CLUSTER_NAME], env, ok_if="already exists")
-    _start(lay, "slurmctld", [_which("slurmctld"), "-D", "-i", "-f", str(lay.slurm_conf)], env,
-           ready=lambda: _port_up(ports["ctld"]))  # fmt: skip
-    for name in names:
-        (lay.root / "spool" / name).mkdir(exist_ok=True)
-        _start(lay, f"slurmd-{name}", [_which("slurmd"), "-D", "-N", name, "-f", str(lay.slurm_conf)],
-               env, ready=lambda n=name: _port_up(ports[n]))  # fmt: skip
-    cluster = SlurmCluster(str(lay.root), str(lay.slurm_conf), names)
+    ctld = [_which("slurmctld"), "-D", "-i", "-f", str(lay.slurm_conf)]
+    _start(lay, "slurmctld", ctld, env, ready=port_up(ports["ctld"]), run=controller.run)
+    for node in nodes:
+        (lay.root / "spool" / node.name).mkdir(exist_ok=True)
+        slurmd = [_which("slurmd"), "-D", "-N", node.name, "-f", str(lay.slurm_conf)]
+        ready = port_up(ports[node.name], node)
+        _start(lay, f"slurmd-{node.name}", slurmd, env, ready=ready, run=node.run)
+    cluster = SlurmCluster(str(lay.root), str(lay.slurm_conf), tuple(n.name for n in nodes))
     _wait_idle(cluster, env, timeout_s)
     (lay.root / "cluster.json").write_text(json.dumps(asdict(cluster)))
     return cluster
 
 
 def down(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
-    """Stop the daemons recorded in ``state_dir`` (reverse start order); returns their names."""
-    lay = Layout(Path(state_dir))
+    """Stop the daemons recorded in ``state_dir`` and drop the node names from /etc/hosts."""
+    stopped = stop(Layout(Path(state_dir)))
+    remove_hosts()
+    return stopped
+
+
+def stop(lay: Layout) -> list[str]:
+    """Stop the daemons recorded in ``lay`` (reverse start order); returns their names."""
     pid_dir = lay.root / "pids"
     stopped = []
     order = ["slurmd-", "slurmctld", "slurmdbd", "mariadbd", "munged"]
@@ -151,7 +186,6 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
                 stopped.append(path.stem)
             path.unlink(missing_ok=True)
     (lay.root / "cluster.json").unlink(missing_ok=True)
-    remove_hosts()
     return stopped
 
 
@@ -166,13 +200,18 @@ def _start(
     *,
     ready: Callable[[], bool],
     user: str | None = None,
+    run: Sequence[str] = (),
 ) -> int:
-    """Start ``cmd`` in its own session unless ``name`` already runs; wait until ``ready()``."""
+    """Start ``cmd`` in its own session unless ``name`` already runs; wait until ``ready()``.
+
+    ``run`` is the argv prefix of the host it runs on (see :class:`Host`).
+    """
     pid = read_pid(lay.pid(name))
     if pid is not None:
         return pid
     if user is not None:  # setpriv execs, so the recorded PID is the daemon's own
         cmd = [_which("setpriv"), f"--reuid={user}", f"--regid={user}", "--init-groups", *cmd]
+    cmd = [*run, *cmd]
     log = lay.log(name)
     with open(log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
@@ -193,7 +232,7 @@ def _start(
     return proc.pid
 
 
-def _start_munged(lay: Layout) -> None:
+def _start_munged(lay: Layout, host: Host) -> None:
     if _socket_up(lay.munge_socket) and read_pid(lay.pid("munged")) is None:
         return  # another munged (the system's, or another state dir's) serves the same key
     for path in (lay.munge_dir, lay.munge_socket.parent):
@@ -205,12 +244,11 @@ def _start_munged(lay: Layout) -> None:
         f"--pid-file={lay.munge_dir / 'munged.pid'}", f"--log-file={lay.munge_dir / 'munged.log'}",
         f"--seed-file={lay.munge_dir / 'munged.seed'}", "--key-file=/etc/munge/munge.key",
     ]  # fmt: skip
-    _start(
-        lay, "munged", cmd, dict(os.environ), user="munge", ready=lambda: lay.munge_socket.exists()
-    )
+    ready = lay.munge_socket.exists
+    _start(lay, "munged", cmd, dict(os.environ), user="munge", ready=ready, run=host.run)
 
 
-def _start_mariadb(lay: Layout) -> None:
+def _start_mariadb(lay: Layout, host: Host) -> None:
     if read_pid(lay.pid("mariadbd")) is not None:
         return
     if not (lay.db_dir / "mysql").is_dir():
@@ -231,7 +269,8 @@ def _start_mariadb(lay: Layout) -> None:
         f"--socket={lay.db_socket}", "--skip-networking", f"--pid-file={run_dir / 'mysqld.pid'}",
         "--innodb-buffer-pool-size=32M", "--performance-schema=OFF",
     ]  # fmt: skip
-    _start(lay, "mariadbd", cmd, dict(os.environ), ready=lambda: _socket_up(lay.db_socket))
+    ready = functools.partial(_socket_up, lay.db_socket)
+    _start(lay, "mariadbd", cmd, dict(os.environ), ready=ready, run=host.run)
 
 
 def _sacctmgr(args: list[str], env: dict[str, str], *, ok_if: str) -> None:
@@ -263,12 +302,6 @@ def _wait_idle(cluster: SlurmCluster, env: dict[str, str], timeout_s: float) -> 
     raise SlurmClusterError(
         f"nodes not idle after {timeout_s}s: {states}; last lines of slurmctld log:\n{tail(lay.log('slurmctld-file'))}"
     )
-
-
-def _port_up(port: int) -> bool:
-    with socket.socket() as sock:
-        sock.settimeout(0.3)
-        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 def _socket_up(path: Path) -> bool:

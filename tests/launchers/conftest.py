@@ -166,3 +166,33 @@ def slurm_cluster() -> Iterator[Any]:
         state, start=lambda: slurm_mod.up(state, nodes=4), stop=lambda: slurm_mod.down(state)
     ) as cluster:
         yield cluster
+
+
+def require_namespaces(*, slurm: bool = False, ray: bool = False) -> None:
+    """Skip (outside CI) or fail (in CI) unless this process can build the multi-host cluster."""
+    from importlib.util import find_spec
+
+    from launchers.multihost import network
+    from launchers.slurm import cluster as slurm_mod
+
+    why = network.rights_missing()
+    missing = [why] if why else []
+    if slurm:
+        missing += slurm_mod.missing_packages()
+    if ray and find_spec("ray") is None:
+        missing.append("ray (pip install -e '.[ray]')")
+    require(missing, "the multi-host cluster test")
+
+
+@pytest.fixture(scope="session")
+def multihost_cluster() -> Iterator[Any]:
+    """Network namespaces as hosts: ``ctl`` (Slurm's controller), ``node0`` and ``node1`` (a
+    slurmd each; the Ray head on node0, a Ray worker node on node1)."""
+    require_namespaces(slurm=True, ray=True)
+    from launchers.multihost import cluster as multihost
+
+    state = Path(os.environ.get("DISTOPT_MULTIHOST_TEST_STATE_DIR", "/tmp/distopt-multihost-test"))
+    with shared_cluster(
+        state, start=lambda: multihost.up(state, nodes=2), stop=lambda: multihost.down(state)
+    ) as cluster:
+        yield cluster

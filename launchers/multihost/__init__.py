@@ -1,0 +1,1 @@
+"""A multi-host cluster on one machine: network namespaces as hosts, Slurm and Ray across them."""
