@@ -44,6 +44,8 @@ class VerifyRecord:
     seconds: float = 0.0
     skipped: str | None = None
     """Why verification did not run (e.g. it would have applied remote writes)."""
+    partial: str | None = None
+    """What was not compared, and why (gradients, when backward sends a remote write)."""
 
 
 @dataclass

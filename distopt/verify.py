@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from distopt.config import VerifyConfig
 from distopt.remote.local import named_local_tensors, with_remote_calls
-from distopt.remote.record import Recording, Replay, recording
+from distopt.remote.record import Recording, RemoteWriteRefused, Replay, recording
 from distopt.report import VerifyRecord
 
 _ISOLATION_HOOKS: list[Callable[[], AbstractContextManager[Any]]] = []
@@ -117,7 +117,11 @@ def _run(
                 for t in differentiable
             )
             # differentiable is not empty, so the sum is a tensor (never the start value 0).
-            cast(torch.Tensor, loss).backward()
+            try:
+                cast(torch.Tensor, loss).backward()
+            except RemoteWriteRefused as err:
+                err.in_backward = True
+                raise
         grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in params}
     return RunResult([t.detach().clone() for t in tensors], flat_out, grads)
 
@@ -158,7 +162,8 @@ def compare_modules(
     forward: Callable[..., Any] = optimized
     replay: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if isinstance(optimized, torch.fx.GraphModule):
-        forward = Replay(optimized, ref.recording).run
+        replayer = Replay(optimized, ref.recording)
+        forward, replay = replayer.run, replayer.outside()
     else:  # Dynamo: the compiled graphs' remote calls answer from the recording
         from distopt.capture.dynamo_remote import checking
 
