@@ -78,7 +78,7 @@ def _verification(v: VerifyRecord) -> str:
     """One line: what the check compared and found, or why it did not run."""
     if v.skipped:
         return f"verification skipped: {v.skipped}"
-    what = "outputs only" if v.partial else "outputs and gradients"
+    what = "outputs and gradients" if v.gradients else "outputs only"
     status = "passed" if v.passed else "FAILED"
     text = (
         f"verification {status} ({what}): {plural(v.compared, 'tensor')} compared, max abs diff "

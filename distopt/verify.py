@@ -170,7 +170,9 @@ def compare_modules(
         replay = checking(optimized, example_inputs, ref.recording)
     with preserved_state(optimized), isolated(), replay:
         got = _run(optimized, forward, example_inputs, ref.seed_state, ref.check_grads)
-    return _compare(ref.result, got, config, time.perf_counter() - start)
+    record = _compare(ref.result, got, config, time.perf_counter() - start)
+    record.gradients = ref.check_grads
+    return record
 
 
 def _compare(ref: RunResult, opt: RunResult, config: VerifyConfig, seconds: float) -> VerifyRecord:
