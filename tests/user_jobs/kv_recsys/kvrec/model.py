@@ -7,7 +7,7 @@ from torch import nn
 
 from kvrec import store
 
-STORE = "ps0"
+STORE = "ps0"  # the job's first parameter-server process
 
 
 class _SendGrad(torch.autograd.Function):
@@ -26,7 +26,7 @@ class _SendGrad(torch.autograd.Function):
         return None, None, None, None
 
 
-@torch.fx.wrap
+@torch.fx.wrap  # one node in distopt's graph: it does not trace into the autograd function
 def trained(rows, name, ids, lr):
     return _SendGrad.apply(rows.requires_grad_(), name, ids, lr)
 

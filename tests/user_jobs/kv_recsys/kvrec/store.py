@@ -1,7 +1,7 @@
-"""Our feature store: embedding tables that live in the parameter-server process (ps0).
+"""Our feature store: embedding tables that live in the parameter-server process ``ps0``.
 
-Trainers reach it with plain torch RPC (``rpc_sync("ps0", get, ...)``); the process imports this
-module when the first call arrives. Tables are made on first use, the same on every run.
+Trainers reach it with plain torch RPC, ``rpc_sync("ps0", get, ...)``; the server process imports
+this module when the first call arrives. Tables are made on first use, the same on every run.
 """
 
 import time
@@ -24,12 +24,12 @@ def _table(name: str) -> torch.Tensor:
     return _tables[name]
 
 
-@distopt.register_read
+@distopt.register_read  # only reads: distopt may send it early, and verification sends it once
 def get(name: str, ids: torch.Tensor) -> torch.Tensor:
     time.sleep(LATENCY_S)
     return _table(name)[ids]
 
 
-@distopt.register_write
+@distopt.register_write  # changes the table: distopt never sends it twice
 def add(name: str, ids: torch.Tensor, delta: torch.Tensor) -> None:
     _table(name).index_add_(0, ids, delta)
