@@ -97,7 +97,7 @@ class Prediction:
         return (
             f"predicted step {self.before_s * 1e3:.2f} ms -> {self.after_s * 1e3:.2f} ms "
             f"({self.speedup:.2f}x; compute {self.after.compute_s * 1e3:.2f} ms, "
-            f"{plural(self.before.requests, 'request')} -> {self.after.requests} of "
+            f"{self.before.requests} -> {plural(self.after.requests, 'request')} of "
             f"{self.rpc_latency_s * 1e3:.2f} ms{' (median)' if len(self.request_latency_s) > 1 else ''}, "
             f"{self.hidden_fraction:.0%} of remote wait hidden)"
         )
