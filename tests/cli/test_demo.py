@@ -33,15 +33,11 @@ def test_the_demo_learns_the_click_log_the_same_in_both_variants(tmp_path: Path)
     """``distopt demo`` trains on data with a signal: it prints a held-out AUC well above 0.5
     (about 0.83 after the default 150 steps; the file's best is about 0.89), the same for both
     variants (deterministic jobs), before the compare table."""
-    import os
     import re
-    import subprocess
-    import sys
 
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.run(["distopt", "demo", "--steps", "60", "--out", str(tmp_path)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=900)
+    from tests import shell
+
+    proc = shell.run("distopt", "demo", "--steps", "60", "--out", tmp_path, cwd=tmp_path, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     learned = dict(re.findall(r"^(baseline|optimized): held-out (auc [\d.]+, loss [\d.]+) after 60 steps",
                               proc.stdout, re.M))

@@ -5,22 +5,20 @@ only its own lines."""
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from distopt.cli import build_parser
+from tests import shell
 
 SUBCOMMANDS = ["explain", "bench", "compare", "demo", "coverage", "train", "launch"]
 
 
-def _distopt(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", COLUMNS="80")  # what a narrow terminal would set
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
-    proc = subprocess.run(["distopt", *args], capture_output=True, text=True, env=env, timeout=timeout)
+def _distopt(*args: str) -> subprocess.CompletedProcess[str]:
+    # COLUMNS as a narrow terminal sets it: output into a pipe must not follow it.
+    proc = shell.run("distopt", *args, cwd=Path.cwd(), env={"COLUMNS": "80"}, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 

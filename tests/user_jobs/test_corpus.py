@@ -11,7 +11,7 @@ import pytest
 
 from distopt.metrics.records import RunLog
 from tests.launchers.conftest import ray_cluster  # noqa: F401  (a fixture)
-from tests.user_jobs.launch import copy_out, launch, launch_both, losses, replica_logs, trainer_log
+from tests.user_jobs.as_user import copy_out, launch, launch_both, losses, replica_logs, trainer_log
 
 pytestmark = pytest.mark.slow
 

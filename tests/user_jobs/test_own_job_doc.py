@@ -21,7 +21,7 @@ import pytest
 
 from distopt.metrics import load_run
 from distopt.rendezvous import free_port
-from tests.user_jobs.launch import HERE, distopt_cli, trainer_log
+from tests.user_jobs.as_user import HERE, distopt_cli, trainer_log
 
 DOC = HERE.parents[1] / "docs" / "own_job.md"
 PACKAGE = HERE / "kv_recsys"

@@ -5,15 +5,14 @@ directory, as the job's own processes find it)."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 from distopt.metrics import load_run
 from distopt.metrics.records import RunLog
 from distopt.rendezvous import free_port
+from tests import shell
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("baseline", "optimized")
@@ -27,11 +26,7 @@ def copy_out(name: str, tmp_path: Path) -> Path:
 def distopt_cli(*args: str, cwd: Path, env: dict[str, str] | None = None,
                 timeout: float = 600) -> subprocess.CompletedProcess[str]:
     """``distopt ARGS`` in ``cwd``."""
-    full = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    full["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{full.get('PATH', '')}"
-    full.pop("PYTHONPATH", None)
-    return subprocess.run(["distopt", *args], cwd=cwd, env=full, capture_output=True, text=True,
-                          timeout=timeout)
+    return shell.run("distopt", *args, cwd=cwd, env=env, timeout=timeout)
 
 
 def replica_logs(work: Path, run_id: str) -> dict[str, str]:
