@@ -5,6 +5,7 @@ losses at every step on every trainer (and the same held-out metrics)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -105,7 +106,10 @@ def test_an_undeclared_server_function_is_named_in_the_job_log(tmp_path: Path) -
     log names the function, its lines and the decorators to add, once."""
     work = copy_out("kv_recsys", tmp_path)
     store = work / "kvrec" / "store.py"
-    store.write_text(store.read_text().replace("@distopt.register_write\n", ""))
+    source = store.read_text()
+    forgotten = re.sub(r"^@distopt.register_write.*\n", "", source, flags=re.M)
+    assert forgotten != source
+    store.write_text(forgotten)
     launch(work, "optimized", ps=True, num_trainers=1, sets=("steps=3",))
     log = trainer_log(work, "optimized")
     model = work / "kvrec" / "model.py"
