@@ -6,6 +6,7 @@ from distopt.errors import (
     ConfigError,
     DistoptError,
     DistoptFallbackWarning,
+    DistoptUnverifiedWarning,
     PassError,
     RemoteCallError,
     VerificationError,
@@ -14,7 +15,7 @@ from distopt.explain import explain
 from distopt.optimize import optimize
 from distopt.parallel import ParallelizeConfig, parallelize
 from distopt.passes import PassContext, PassResult, register_pass
-from distopt.remote import register_batched, register_read, register_remote, remote
+from distopt.remote import register_batched, register_read, register_remote, register_write, remote
 
 # `distopt.launch` is the launch function below; the TorchX components live in the package of the
 # same name (distopt/launch/). Importing a package binds it as an attribute of its parent, so the
@@ -32,6 +33,7 @@ __all__ = [
     "ConfigError",
     "DistoptError",
     "DistoptFallbackWarning",
+    "DistoptUnverifiedWarning",
     "OptimizeConfig",
     "ParallelizeConfig",
     "PassContext",
@@ -48,5 +50,6 @@ __all__ = [
     "register_pass",
     "register_read",
     "register_remote",
+    "register_write",
     "remote",
 ]

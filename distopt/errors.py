@@ -38,3 +38,8 @@ class RemoteCallError(DistoptError, RuntimeError):
 
 class DistoptFallbackWarning(UserWarning):
     """distopt returned (part of) the original model unoptimized; the message says why."""
+
+
+class DistoptUnverifiedWarning(UserWarning):
+    """distopt could not check (part of) an optimized model, and only the user can change that:
+    the message names the remote function to declare and how. Given once per function."""

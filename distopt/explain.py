@@ -11,12 +11,13 @@ from typing import cast
 import torch.fx
 from rich.console import Console
 from rich.markup import escape
-from rich.syntax import Syntax
 from rich.table import Table
+from rich.text import Text
 from torch import nn
 
 from distopt.errors import DistoptError
-from distopt.report import OptimizeReport, ParallelRecord, report_of
+from distopt.report import OptimizeReport, ParallelRecord, VerifyRecord, report_of
+from distopt.text import plural
 
 
 def draw_graph(gm: torch.fx.GraphModule, path: str | Path) -> list[str]:
@@ -47,11 +48,64 @@ def code_diff(before: str, after: str) -> str:
     return "\n".join(lines)
 
 
+_DIFF_STYLES = {"+": "green", "-": "red", "@": "cyan"}
+
+
+def _print_code(code: str, console: Console, *, diff: bool) -> None:
+    """Generated code, one line per line: never wrapped inside an expression nor padded (on a
+    terminal the terminal wraps long lines; elsewhere they stay whole)."""
+    for line in code.splitlines():
+        style = _DIFF_STYLES.get(line[:1], "") if diff and not line.startswith(("+++", "---")) else ""
+        console.print(Text(line.rstrip(), style=style), soft_wrap=True)  # a blank context line is ' '
+
+
+def changed_passes(report: OptimizeReport) -> list[str]:
+    """The passes that changed a graph, in the order they ran (each once)."""
+    return list(dict.fromkeys(r.name for g in report.graphs for r in g.passes if r.modified))
+
+
+def _verdict(report: OptimizeReport) -> str:
+    if report.fallback is not None:
+        return "returned unoptimized"
+    if not report.graphs:
+        return "compiled; graphs are captured on its first call"
+    if changed_passes(report):
+        return "optimized"
+    return "captured, unchanged: no pass changed the graph"
+
+
+def _verification(v: VerifyRecord) -> str:
+    """One line: what the check compared and found, or why it did not run."""
+    if v.skipped:
+        return f"verification skipped: {v.skipped}"
+    what = "outputs and gradients" if v.gradients else "outputs only"
+    status = "passed" if v.passed else "FAILED"
+    text = (
+        f"verification {status} ({what}): {plural(v.compared, 'tensor')} compared, max abs diff "
+        f"{v.max_abs_diff:.3g}, rtol={v.rtol:g} atol={v.atol:g}, {v.seconds * 1e3:.0f} ms"
+    )
+    text += f"; {v.message}" if v.message else ""
+    text += f"; culprit pass: {v.culprit}" if v.culprit else ""
+    return text + (f"; {v.partial}" if v.partial else "")
+
+
+def summary(module: nn.Module) -> str:
+    """One line on what :func:`distopt.optimize` did to ``module`` (job logs)."""
+    report = _report(module)
+    changed = changed_passes(report)
+    text = f"optimize: {report.model} {_verdict(report)} ({report.tier}"
+    text += f"; changed by {', '.join(changed)})" if changed else ")"
+    if report.fallback:
+        return f"{text}: {report.fallback}"
+    if report.verification is not None:
+        return f"{text}; {_verification(report.verification)}"
+    return f"{text}; not verified (no example inputs)"
+
+
 def render(report: OptimizeReport, *, show_code: bool = True, console: Console) -> None:
-    verdict = "optimized" if report.fallback is None else "returned unoptimized"
     # Everything taken from the user's code (source lines such as ``ps.fetch(self.tables[k], ids)``,
     # error messages, pass details) is escaped: rich would read ``[k]`` as markup and drop it.
-    console.print(f"[bold]distopt[/bold] {escape(report.model)}: {verdict}")
+    console.print(f"[bold]distopt[/bold] {escape(report.model)}: {_verdict(report)}")
     console.print(f"  capture tier: [cyan]{escape(report.tier)}[/cyan]")
     if report.reason:
         console.print(f"  note: {escape(report.reason)}")
@@ -62,13 +116,14 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
         f"passes: {', '.join(report.pass_names) or 'none'}"
     )
     for index, graph in enumerate(report.graphs):
-        table = Table(title=f"graph {index + 1}/{len(report.graphs)}", title_justify="left")
+        console.print(f"graph {index + 1}/{len(report.graphs)}")
+        table = Table()
         for column in ("pass", "changed", "nodes", "time (ms)", "detail"):
             table.add_column(column, justify="right" if column in ("nodes", "time (ms)") else "left")
         for rec in graph.passes:
             table.add_row(
                 escape(rec.name),
-                f"{rec.nodes_changed} nodes" if rec.modified else "no",
+                plural(rec.nodes_changed, "node") if rec.modified else "no",
                 f"{rec.nodes_before}→{rec.nodes_after}",
                 f"{rec.seconds * 1e3:.2f}",
                 escape(rec.detail),
@@ -77,7 +132,7 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
         if show_code and graph.code_after:
             diff = code_diff(graph.code_before, graph.code_after)
             if diff:
-                console.print(Syntax(diff, "diff", word_wrap=True))
+                _print_code(diff, console, diff=True)
             else:
                 console.print("  generated code unchanged by the passes")
     for warning in report.warnings:
@@ -85,23 +140,17 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
     if report.parallel is not None:
         _render_parallel(report.parallel, console)
     if report.pipeline is not None:
-        console.print(f"  pipeline: {len(report.pipeline.slots)} read(s) prefetched a step ahead")
+        console.print(f"  pipeline: {plural(len(report.pipeline.slots), 'read')} prefetched a step ahead")
         for slot, line in enumerate(report.pipeline.slots):
             console.print(f"    slot {slot}: {escape(line)}")
         if show_code:
             console.print("  prefetch stage:")
-            console.print(Syntax(report.pipeline.prefetch_code.strip(), "python", word_wrap=True))
+            _print_code(report.pipeline.prefetch_code.strip(), console, diff=False)
     v = report.verification
-    if v is not None and v.skipped:
-        console.print(f"  verification [yellow]skipped[/yellow]: {escape(v.skipped)}")
-    elif v is not None:
-        status = "[green]passed[/green]" if v.passed else "[red]FAILED[/red]"
-        console.print(
-            f"  verification {status}: {v.compared} tensors (outputs + grads), max abs diff "
-            f"{v.max_abs_diff:.3g}, rtol={v.rtol:g} atol={v.atol:g}, {v.seconds * 1e3:.0f} ms"
-            + (f"; {escape(v.message)}" if v.message else "")
-            + (f"; culprit pass: {v.culprit}" if v.culprit else "")
-        )
+    if v is not None:
+        color = "yellow" if v.skipped or v.partial else ("green" if v.passed else "red")
+        head, _, rest = _verification(v).partition(": ")
+        console.print(f"  [{color}]{escape(head)}[/{color}]: {escape(rest)}")
     elif report.fallback is None:
         console.print("  verification: not run (no example_inputs)")
 
@@ -158,9 +207,20 @@ def explain(
     report = _report(module)
     if graph_path is not None and isinstance(module, torch.fx.GraphModule):
         report.warnings.extend(draw_graph(module, graph_path))
+    out = console or Console()
+    # The text returned, and printed where the output is not a terminal (a file, a pipe, a CI
+    # log): no colour, no line wrapped or padded to a width; on a terminal, its width and colours.
     buffer = io.StringIO()
-    capture = Console(file=buffer, width=110, force_terminal=False, color_system=None)
-    render(report, show_code=show_code, console=capture)
+    plain = Console(file=buffer, width=_UNWRAPPED, force_terminal=False, color_system=None, soft_wrap=True)
+    render(report, show_code=show_code, console=plain)
     text = buffer.getvalue()
-    (console or Console()).print(text, end="", markup=False, highlight=False, soft_wrap=True)
+    if out.is_terminal:
+        render(report, show_code=show_code, console=out)
+    else:
+        out.print(text, end="", markup=False, highlight=False, soft_wrap=True)
     return text
+
+
+_UNWRAPPED = 1 << 20
+"""Console width of plain output: wider than any line, so none is wrapped (tables keep their
+natural width, since they are not expanded)."""

@@ -19,13 +19,13 @@ from distopt.errors import (
     CaptureError,
     ConfigError,
     DistoptFallbackWarning,
+    DistoptUnverifiedWarning,
     PassError,
     VerificationError,
 )
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
-from distopt.passes.remote.nodes import remote_ops
-from distopt.remote.record import RemoteWriteRefused
-from distopt.remote.wait import source_line
+from distopt.passes.remote.nodes import remote_ops, remote_write_of
+from distopt.remote.record import RemoteWrite, RemoteWriteRefused
 from distopt.report import GraphRecord, OptimizeReport, VerifyRecord, attach
 from distopt.verify import Reference, compare_modules, run_reference
 
@@ -226,28 +226,41 @@ def _verify_or_fall_back(
     report: OptimizeReport,
 ) -> nn.Module:
     # Checking would apply the model's remote writes once (the original's run): not without the
-    # user's say-so. Writes in a traced graph are known up front; under Dynamo the original's run
-    # stops at the first one, before sending it.
+    # user's say-so. Writes in a traced graph are known up front; under Dynamo, and in backward,
+    # the original's run stops at the first one, before sending it.
     writes = _remote_writes(optimized)
     if writes and not cfg.verify.remote_writes:
-        return _skip_verification(optimized, cfg, report, f"{len(writes)} call(s), first at {writes[0]}")
+        _warn_undeclared(report.model, writes[0], "is returned unverified: it sends")
+        return _skip_verification(optimized, cfg, report, writes)
+    verify_cfg = cfg.verify
+    unsent: RemoteWrite | None = None
     try:
-        reference = run_reference(model, inputs, cfg.verify, allow_writes=cfg.verify.remote_writes)
+        reference = run_reference(model, inputs, verify_cfg, allow_writes=cfg.verify.remote_writes)
     except RemoteWriteRefused as err:
-        return _skip_verification(optimized, cfg, report, f"{err}")
+        if not err.in_backward:
+            _warn_undeclared(report.model, err.write, "is returned unverified: it sends")
+            return _skip_verification(optimized, cfg, report, [err.write])
+        # Only backward writes (a push of the rows' gradients): the outputs can still be
+        # compared, with no backward and so nothing sent.
+        _warn_undeclared(report.model, err.write, "has its outputs verified but not its gradients: backward sends")
+        unsent = err.write
+        verify_cfg = dataclasses.replace(cfg.verify, check_grads=False)
+        reference = run_reference(model, inputs, verify_cfg, allow_writes=False)
     try:
-        record = compare_modules(model, optimized, inputs, cfg.verify, reference=reference)
+        record = compare_modules(model, optimized, inputs, verify_cfg, reference=reference)
     except Exception as err:
         if strict:
             raise
         # Dynamo captures (and runs our passes) during this first call.
         return _fall_back(model, report, f"running the optimized model failed: {describe_failure(err)}")
+    if unsent is not None:
+        record.partial = f"gradients not compared: backward sends {unsent.describe()}; " + _declare_hint(unsent)
     report.verification = record
     if record.passed:
         return optimized
     culprit = None
     if cfg.verify.bisect and pipeline:
-        culprit = _bisect_culprit(model, inputs, pipeline, cfg, reference)
+        culprit = _bisect_culprit(model, inputs, pipeline, dataclasses.replace(cfg, verify=verify_cfg), reference)
         record.culprit = culprit
     where = f"pass {culprit!r} broke equivalence" if culprit else "outputs differ"
     message = f"verification failed for {report.model}: {where}: {record.message}"
@@ -256,23 +269,57 @@ def _verify_or_fall_back(
     return _fall_back(model, report, message)
 
 
-def _skip_verification(optimized: nn.Module, cfg: OptimizeConfig, report: OptimizeReport, writes: str) -> nn.Module:
-    reason = (
-        f"the model writes to remote state ({writes}); "
-        "set config verify.remote_writes=true to let verification apply them once"
+_WARNED: set[str] = set()
+"""Server functions a :class:`DistoptUnverifiedWarning` named already (once per process)."""
+
+
+def _warn_undeclared(model: str, write: RemoteWrite, what: str) -> None:
+    """Once per server function: the model is not (fully) verified only because ``write``'s
+    function is declared neither a read nor a write, and the user can say which."""
+    fn = write.undeclared
+    if fn is None:
+        return  # a declared write: the report says why verification did not run
+    key = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    warnings.warn(
+        f"distopt: {model} {what} {write.describe()}; {_declare_hint(write)}",
+        DistoptUnverifiedWarning,
+        stacklevel=4,  # the user's call of distopt.optimize
     )
+
+
+def _declare_hint(write: RemoteWrite) -> str:
+    """How the user makes a write verifiable: declare what its server function does."""
+    if write.undeclared is None:
+        return "config verify.remote_writes=true lets verification apply it once"
+    name = getattr(write.undeclared, "__name__", None) or repr(write.undeclared)
+    return (
+        f"{name} is declared neither a read nor a write, so distopt counts it a write and never "
+        f"sends it twice: decorate it with @distopt.register_read if it only reads server state "
+        f"(then it is verified), or @distopt.register_write if it writes (config "
+        f"verify.remote_writes=true then lets verification apply it once)"
+    )
+
+
+def _skip_verification(
+    optimized: nn.Module, cfg: OptimizeConfig, report: OptimizeReport, writes: Sequence[RemoteWrite]
+) -> nn.Module:
+    more = f" and {len(writes) - 1} more" if len(writes) > 1 else ""
+    reason = f"the model writes to remote state ({writes[0].describe()}{more}); {_declare_hint(writes[0])}"
     report.verification = VerifyRecord(
         passed=True, max_abs_diff=0.0, rtol=cfg.verify.rtol, atol=cfg.verify.atol, compared=0, skipped=reason
     )
     return optimized
 
 
-def _remote_writes(module: nn.Module) -> list[str]:
-    """Source lines of the remote writes in ``module``'s graph (none known outside a graph)."""
+def _remote_writes(module: nn.Module) -> list[RemoteWrite]:
+    """The remote writes in ``module``'s graph, in graph order (none known outside a graph)."""
     if not isinstance(module, torch.fx.GraphModule):
         return []
     ops = remote_ops(module.graph)
-    return [source_line(n) for n, op in ops.items() if n is op.start and op.is_write]
+    return [remote_write_of(op) for n, op in ops.items() if n is op.start and op.is_write]
 
 
 def _bisect_culprit(

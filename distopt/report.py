@@ -44,6 +44,11 @@ class VerifyRecord:
     seconds: float = 0.0
     skipped: str | None = None
     """Why verification did not run (e.g. it would have applied remote writes)."""
+    gradients: bool = True
+    """Whether parameter gradients were compared (not for eval-mode models, ``check_grads``
+    off, or a backward that sends remote writes)."""
+    partial: str | None = None
+    """Why gradients were not compared when they could have been (backward sends a remote write)."""
 
 
 @dataclass

@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 
 from distopt.config import VerifyConfig
 from distopt.remote.local import named_local_tensors, with_remote_calls
-from distopt.remote.record import Recording, Replay, recording
+from distopt.remote.record import Recording, RemoteWriteRefused, Replay, recording
 from distopt.report import VerifyRecord
 
 _ISOLATION_HOOKS: list[Callable[[], AbstractContextManager[Any]]] = []
@@ -117,7 +117,11 @@ def _run(
                 for t in differentiable
             )
             # differentiable is not empty, so the sum is a tensor (never the start value 0).
-            cast(torch.Tensor, loss).backward()
+            try:
+                cast(torch.Tensor, loss).backward()
+            except RemoteWriteRefused as err:
+                err.in_backward = True
+                raise
         grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in params}
     return RunResult([t.detach().clone() for t in tensors], flat_out, grads)
 
@@ -158,14 +162,17 @@ def compare_modules(
     forward: Callable[..., Any] = optimized
     replay: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if isinstance(optimized, torch.fx.GraphModule):
-        forward = Replay(optimized, ref.recording).run
+        replayer = Replay(optimized, ref.recording)
+        forward, replay = replayer.run, replayer.outside()
     else:  # Dynamo: the compiled graphs' remote calls answer from the recording
         from distopt.capture.dynamo_remote import checking
 
         replay = checking(optimized, example_inputs, ref.recording)
     with preserved_state(optimized), isolated(), replay:
         got = _run(optimized, forward, example_inputs, ref.seed_state, ref.check_grads)
-    return _compare(ref.result, got, config, time.perf_counter() - start)
+    record = _compare(ref.result, got, config, time.perf_counter() - start)
+    record.gradients = ref.check_grads
+    return record
 
 
 def _compare(ref: RunResult, opt: RunResult, config: VerifyConfig, seconds: float) -> VerifyRecord:

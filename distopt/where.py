@@ -7,6 +7,7 @@ models).
 
 from __future__ import annotations
 
+import inspect
 import os
 import sysconfig
 import traceback
@@ -38,6 +39,18 @@ def is_user_file(filename: str) -> bool:
 
 def _format(frame: traceback.FrameSummary) -> str:
     return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
+
+
+def user_line(frame: types.FrameType | None) -> str | None:
+    """``file:line: code`` of the innermost user frame from ``frame`` outwards."""
+    frames = [f for f in traceback.extract_stack(frame) if is_user_file(f.filename)]
+    return _format(frames[-1]) if frames else None
+
+
+def defined_at(fn: object) -> str | None:
+    """``file:line`` where function ``fn`` is defined, when Python can tell."""
+    code = getattr(inspect.unwrap(fn), "__code__", None) if callable(fn) else None
+    return None if code is None else f"{code.co_filename}:{code.co_firstlineno}"
 
 
 def user_frame(exc: BaseException) -> str | None:

@@ -11,7 +11,7 @@ def test_report_lists_tier_passes_diff_and_verification() -> None:
     optimized = distopt.optimize(model, (torch.randn(2, 4),))
     text = distopt.explain(optimized)
     assert "capture tier: symbolic_trace" in text
-    assert "remove_identity" in text and "1 nodes" in text
+    assert "remove_identity" in text and "1 node " in text
     assert "-    _1 = getattr(self, \"1\")(_0)" in text or "self, \"1\"" in text
     assert "verification passed" in text
 

@@ -111,6 +111,7 @@ def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
     out = _run("distopt", "demo", "--steps", "3", "--out", tmp_path / "runs",
                cwd=elsewhere, env=env, timeout=600)  # fmt: skip
     assert "baseline job finished" in out and "optimized job finished" in out, out
+    assert "baseline: held-out auc " in out and "optimized: held-out auc " in out, out  # a click log
     for variant in ("baseline", "optimized"):
         (run,) = (tmp_path / "runs").glob(f"demo-*-{variant}")
         assert sorted(p.name for p in run.glob("qps-rank*.jsonl")) == ["qps-rank0.jsonl",

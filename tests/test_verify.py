@@ -55,3 +55,32 @@ def test_eval_mode_compares_outputs_only() -> None:
     model = nn.Linear(4, 3).eval()
     record = compare_modules(model, model, (torch.randn(5, 4),), VerifyConfig())
     assert record.passed and record.compared == 1
+
+
+def _pushes_in_backward(config: dict | None = None):
+    """The user's own table pushed to from backward (a write outside the graph), optimized."""
+    import distopt
+    from distopt.report import report_of
+    from tests.estimate.remote_models import PushesInBackward, inputs
+    from tests.passes.remote.inprocess_server import STORE
+
+    STORE.reset()
+    optimized = distopt.optimize(PushesInBackward(), inputs(), config=config,
+                                 passes=["split_remote", "hoist_issue", "sink_wait"])
+    record = report_of(optimized).verification
+    assert record is not None
+    return record, STORE.log
+
+
+def test_a_push_in_backward_is_never_sent_and_the_outputs_are_compared() -> None:
+    record, log = _pushes_in_backward()
+    assert record.passed and not record.gradients and record.compared == 1
+    assert record.partial is not None and record.partial.startswith("gradients not compared: backward sends push at ")
+    assert [kind for kind, _, _ in log] == ["read", "read"]  # the two reference runs read; no push
+
+
+def test_with_remote_writes_a_push_in_backward_is_applied_once_and_gradients_compared() -> None:
+    record, log = _pushes_in_backward({"verify": {"remote_writes": True}})
+    assert record.passed and record.gradients and record.compared == 3 and record.partial is None
+    # The original's run sends the push once; the optimized run's backward is answered from it.
+    assert log == [("read", "t1", 0), ("write", "t1", 1)]

@@ -42,11 +42,10 @@ from typing import Any
 
 import torch
 from rich.table import Table
-from torch.utils.data import IterableDataset
 
 from distopt.config import check, from_dict, load_config
 from distopt.console import console as make_console
-from distopt.data import Batch, DataSource, Loader, build_data, to_batch
+from distopt.data import Batch, DataSource, IndexedStream, Loader, build_data, to_batch
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
 
@@ -82,7 +81,7 @@ class DataLoadingConfig:
         check(0 < self.target_ratio, "target_ratio", "a number > 0", self.target_ratio)
 
 
-class PrebuiltBatches(IterableDataset[Batch]):
+class PrebuiltBatches(IndexedStream[Batch]):
     """Batches made before training, cycled: batch ``i`` of any rank is ``batches[i % n]``."""
 
     batched = True
@@ -92,12 +91,6 @@ class PrebuiltBatches(IterableDataset[Batch]):
 
     def item(self, rank: int, index: int) -> Batch:
         return self.batches[index % len(self.batches)]
-
-    def __iter__(self) -> Iterator[Batch]:
-        index = 0
-        while True:
-            yield self.item(0, index)
-            index += 1
 
 
 class OneStream:

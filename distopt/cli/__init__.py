@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 
 from distopt.errors import DistoptError
@@ -34,7 +35,24 @@ def build_parser() -> argparse.ArgumentParser:
                 continue  # subcommand not built yet
             raise
         module.add_parser(sub)
+    for command in sub.choices.values():  # descriptions come from docstrings
+        command.description = plain(command.description)
+        for action in command._actions:
+            action.help = plain(action.help)
     return parser
+
+
+_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_LITERAL = re.compile(r"``([^`]+)``|`([^`]+)`")
+
+
+def plain(text: str | None) -> str | None:
+    """reStructuredText of a docstring as plain text for ``--help``: ``:func:`distopt.launch```
+    → ``distopt.launch``, double and single back-quoted literals → their text."""
+    if text is None:
+        return None
+    text = _ROLE.sub(lambda m: m.group(1), text)
+    return _LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
 
 
 def main(argv: list[str] | None = None) -> int:

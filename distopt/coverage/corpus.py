@@ -6,9 +6,13 @@ Text and vision models come from Hugging Face ``transformers``; recommendation m
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -56,8 +60,28 @@ _VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, inter
                image_size=32, patch_size=8)
 
 
+def _import_deepctr() -> ModuleType:
+    """``deepctr_torch`` without its version check: its ``__init__`` starts a thread asking PyPI
+    for a newer release, which prints a line when PyPI cannot be reached (CI, air-gapped hosts)
+    and logs a warning when a newer release exists. Its ``utils`` module (no package-relative
+    imports) is loaded first with the check turned off, so the package's own import of it finds
+    that one."""
+    if "deepctr_torch" not in sys.modules:
+        package = importlib.util.find_spec("deepctr_torch")
+        assert package is not None and package.submodule_search_locations is not None
+        path = Path(next(iter(package.submodule_search_locations))) / "utils.py"
+        spec = importlib.util.spec_from_file_location("deepctr_torch.utils", path)
+        assert spec is not None and spec.loader is not None
+        utils = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(utils)
+        utils.check_version = lambda version: None  # type: ignore[attr-defined]
+        sys.modules["deepctr_torch.utils"] = utils
+    return importlib.import_module("deepctr_torch")
+
+
 def _ctr(model_name: str) -> Callable[[], Built]:
     def build() -> Built:
+        _import_deepctr()
         from deepctr_torch import models
         from deepctr_torch.inputs import DenseFeat, SparseFeat
 

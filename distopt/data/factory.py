@@ -15,13 +15,13 @@ to have none); otherwise a map-style dataset is split by ``data.holdout_fraction
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import Dataset, IterableDataset
 
+from distopt import user_code
 from distopt.errors import ConfigError
 
 Collate = Callable[[list[Any]], Any]
@@ -29,13 +29,7 @@ Collate = Callable[[list[Any]], Any]
 
 def load_factory(spec: str, *, key: str = "data.source") -> Callable[..., Any]:
     """The function ``pkg.mod:attr`` names; a name that does not import is a one-line error."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{key}: expected 'package.module:function', got {spec!r}")
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        raise ConfigError(f"{key}: cannot import {spec!r} ({type(err).__name__}: {err})") from None
+    factory = user_code.load(spec, key=key)
     if not callable(factory):
         raise ConfigError(f"{key}: {spec!r} is a {type(factory).__name__}, not a function")
     return factory

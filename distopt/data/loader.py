@@ -6,10 +6,12 @@ Training (:func:`build_loader`) places samples in one of three ways, by the kind
 - **map-style** (``__len__`` + ``__getitem__``): a ``DistributedSampler`` shuffles all indices by
   ``(seed, epoch)`` and gives each rank an equal share (padded with repeats, so every trainer runs
   the same number of steps, as DDP needs); the loader calls ``set_epoch`` at each epoch.
-- **indexed streams** (:class:`IndexedStream`: an ``item(rank, index)`` method, e.g. token
-  windows): batch ``b`` of rank ``r`` is ``item(r, b × batch_size + i)``; loader worker ``w`` of
-  ``W`` makes batches ``b ≡ w (mod W)``, and DataLoader's round-robin over workers puts them back in
-  order, so the data is the same for any number of workers.
+- **indexed streams** (subclasses of :class:`IndexedStream`, e.g. token windows): batch ``b`` of
+  rank ``r`` is ``item(r, b × batch_size + i)``; loader worker ``w`` of ``W`` makes batches
+  ``b ≡ w (mod W)``, and DataLoader's round-robin over workers puts them back in order, so the data
+  is the same for any number of workers. A stream opts in by subclassing, as an
+  ``IterableDataset`` does in torch: a dataset that merely has an ``item`` attribute (an item-id
+  column) is map-style or iterable like any other.
 - **other IterableDatasets**: every process iterates the whole dataset and keeps elements
   ``i ≡ rank × W + w (mod world_size × W)`` (the dataset must yield the same sequence everywhere);
   each pass is an epoch.
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, TypeVar
 
 import torch
 from torch.utils.data import (
@@ -53,13 +55,24 @@ from distopt.data.batch import mix_ints
 from distopt.data.workers import FetchBatches, SendBack, Tasks, batch_count
 from distopt.errors import ConfigError
 
+T_co = TypeVar("T_co", covariant=True)
 
-@runtime_checkable
-class IndexedStream(Protocol):
-    """An endless dataset that places its own samples: ``item(rank, index)`` is sample ``index``
-    of trainer ``rank``'s stream, a pure function of its arguments (and the dataset's seed)."""
 
-    def item(self, rank: int, index: int) -> Any: ...
+class IndexedStream(IterableDataset[T_co]):
+    """Base class of endless datasets that place their own samples: :meth:`item` ``(rank, index)``
+    is sample ``index`` of trainer ``rank``'s stream, a pure function of its arguments (and the
+    dataset's seed). Subclass it to have :func:`build_loader` ask for samples by index (exact
+    resume without reading the skipped ones); iterating it directly yields rank 0's stream."""
+
+    def item(self, rank: int, index: int) -> T_co:
+        raise NotImplementedError(f"{type(self).__name__}.item(rank, index)")
+
+    def __iter__(self) -> Iterator[T_co]:
+        worker, workers = _worker()
+        index = worker
+        while True:
+            yield self.item(0, index)
+            index += workers
 
 
 class _SkippingSampler(DistributedSampler):

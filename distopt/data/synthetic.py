@@ -11,15 +11,14 @@ There are no targets: the model's own loss (``distopt.models.loss_function``) ap
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
-from torch.utils.data import IterableDataset, get_worker_info
 
 from distopt import models
 from distopt.config import check
 from distopt.data.batch import Batch
+from distopt.data.loader import IndexedStream
 
 
 def batch_seed(seed: int, rank: int, index: int) -> int:
@@ -27,7 +26,7 @@ def batch_seed(seed: int, rank: int, index: int) -> int:
     return seed * 100_003 + rank * 1009 + index
 
 
-class SyntheticBatches(IterableDataset[Batch]):
+class SyntheticBatches(IndexedStream[Batch]):
     """Endless synthetic batches of model ``name``: :meth:`item` ``(rank, index)`` is the batch
     of step ``index`` of trainer ``rank``."""
 
@@ -49,13 +48,6 @@ class SyntheticBatches(IterableDataset[Batch]):
                                         seed=batch_seed(self.seed, *key))
             self._cache[key] = Batch(inputs, None)
         return self._cache[key]
-
-    def __iter__(self) -> Iterator[Batch]:
-        info = get_worker_info()
-        index, step = (0, 1) if info is None else (info.id, info.num_workers)
-        while True:
-            yield self.item(0, index)
-            index += step
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)

@@ -5,7 +5,7 @@ through ``numpy.memmap`` so only the windows in use are paged in.
 Training draws random windows of ``seq_len + 1`` tokens (inputs are the first ``seq_len``,
 targets the last ``seq_len``). Window ``index`` of trainer ``rank`` starts at a stable hash of
 ``(seed, rank, index)``, so it depends on nothing else: the loader asks for windows
-``step × batch_size + b`` (see :class:`distopt.data.loader.IndexedStream`), and a resumed run sees
+``step × batch_size + b`` (:class:`TokenWindows` is a :class:`distopt.data.loader.IndexedStream`), and a resumed run sees
 exactly the windows an uninterrupted one would, whatever the number of loader workers.
 
 Held-out data: a :class:`TokenRegion` is a range of token positions. ``split(fraction)`` keeps the
@@ -19,15 +19,16 @@ one window, and no token id is ``>= vocab_size``. The last check reads the whole
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, IterableDataset, get_worker_info
+from torch.utils.data import Dataset
 
 from distopt.data.batch import Batch, mix_ints
+from distopt.data.loader import IndexedStream
 from distopt.errors import ConfigError
 
 TokenDtype = Literal["uint16", "uint32"]
@@ -112,10 +113,9 @@ def collate_tokens(samples: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> Batc
     return Batch((torch.stack([s[0] for s in samples]),), torch.stack([s[1] for s in samples]))
 
 
-class TokenWindows(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
+class TokenWindows(IndexedStream[tuple[torch.Tensor, torch.Tensor]]):
     """Endless random training windows of a region: window ``index`` of trainer ``rank`` is
-    :meth:`item` ``(rank, index)``. Iterating it directly yields rank 0's windows ``0, 1, ...``
-    (split between loader workers); :func:`distopt.data.loader.build_loader` uses :meth:`item`."""
+    :meth:`item` ``(rank, index)``."""
 
     collate_fn = staticmethod(collate_tokens)
 
@@ -125,13 +125,6 @@ class TokenWindows(IterableDataset[tuple[torch.Tensor, torch.Tensor]]):
     def item(self, rank: int, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         offset = mix_ints(self.seed, rank, index) % self.region.num_starts
         return self.region.file.window(self.region.lo + offset)
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        info = get_worker_info()
-        index, step = (0, 1) if info is None else (info.id, info.num_workers)
-        while True:
-            yield self.item(0, index)
-            index += step
 
 
 class TokenBlocks(Dataset[tuple[torch.Tensor, torch.Tensor]]):

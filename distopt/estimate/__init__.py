@@ -1,7 +1,7 @@
 """The estimation layer: what a graph costs, measured once and simulated, for passes and tools.
 
 * :mod:`~distopt.estimate.profile` — the one node profiler (median of timed runs, user state
-  untouched, remote calls replayed or modeled);
+  untouched, remote reads timed or modeled, writes never sent);
 * :mod:`~distopt.estimate.timeline` — one clock over a graph: blocking calls vs overlapped waits;
 * :mod:`~distopt.estimate.predict` — before/after predictions of the remote-call scheduling
   passes and the one helper the trainer, ``distopt explain`` and the benchmarks report from.
@@ -10,20 +10,19 @@
 from distopt.estimate.predict import (
     GainPrediction,
     Prediction,
-    fetch_latency,
     measure_latency,
     predict,
     predict_gain,
     staleness_to_hide,
 )
 from distopt.estimate.profile import profile_nodes
-from distopt.estimate.timeline import Timeline, simulate
+from distopt.estimate.timeline import RequestLatency, Timeline, simulate
 
 __all__ = [
     "GainPrediction",
     "Prediction",
+    "RequestLatency",
     "Timeline",
-    "fetch_latency",
     "measure_latency",
     "predict",
     "predict_gain",

@@ -3,13 +3,16 @@
 :func:`predict` says how long the forward graph takes before and after the passes: both graphs
 walked by :func:`~distopt.estimate.timeline.simulate` with the node costs of one profiling run
 (:func:`~distopt.estimate.profile.profile_nodes`; ``gm_after`` is profiled only when its local
-nodes cannot be matched to ``gm_before``'s by name).
+nodes cannot be matched to ``gm_before``'s by name). Each remote request costs what the model's
+own request took in that run, at the sizes the example inputs give — whatever serves it:
+distopt's tables, the user's own ``rpc_sync`` functions, RRefs, Ray actors — unless the caller
+gives one latency for all.
 
 :func:`predict_gain` is what the tools call (the trainer's QPS-log header, ``distopt explain
---ps-latency-ms``, the ps_overlap benchmark): it captures the model as written, measures the RPC
-latency with one single-row fetch (:func:`fetch_latency`) unless given one, predicts the forward,
-and optionally measures a forward+backward of the model to turn the forward saving into a step
-gain. :meth:`GainPrediction.to_header` gives the QPS-log header keys (docs/qps_log_format.md).
+--ps-latency-ms``, the ps_overlap benchmark): it captures the model as written, predicts the
+forward, and optionally measures a forward+backward of the model to turn the forward saving into
+a step gain. :meth:`GainPrediction.to_header` gives the QPS-log header keys
+(docs/qps_log_format.md).
 """
 
 from __future__ import annotations
@@ -26,8 +29,11 @@ from torch import nn
 
 from distopt.errors import CaptureError, ConfigError
 from distopt.estimate.profile import profile_nodes
-from distopt.estimate.timeline import Timeline, simulate
+from distopt.estimate.timeline import RequestLatency, Timeline, simulate
 from distopt.passes.remote.nodes import remote_ops
+from distopt.remote.local import with_remote_calls
+from distopt.remote.record import CALL_INDEX, RemoteWriteRefused, recording
+from distopt.text import plural
 from distopt.verify import isolated, preserved_state
 
 
@@ -44,19 +50,6 @@ def measure_latency(call: Callable[[], Any], *, repeats: int = 20) -> float:
     return statistics.median(samples)
 
 
-def fetch_latency(table: str, *, repeats: int = 20) -> float:
-    """Median seconds of one blocking single-row fetch from parameter-server table ``table``.
-
-    The round trip the timeline charges per request; under ``torch.no_grad()``, so the fetched
-    row is never recorded for a gradient push.
-    """
-    import distopt.ps as ps  # the estimator itself does not need a parameter-server client
-
-    one_row = torch.zeros(1, dtype=torch.long)
-    with torch.no_grad():
-        return measure_latency(lambda: ps.wait(ps.fetch_async(table, one_row)), repeats=repeats)
-
-
 @dataclass(frozen=True, slots=True)
 class Prediction:
     """Predicted time of one forward step before and after the scheduling passes."""
@@ -64,10 +57,18 @@ class Prediction:
     before: Timeline
     after: Timeline
     rpc_latency_s: float
+    """A request's latency: the one given, else the median of the model's measured requests."""
     unmatched: list[str] = field(default_factory=list)
     """Nodes of ``gm_after`` whose cost came from profiling ``gm_after`` itself."""
     after_costs: dict[str, float] = field(default_factory=dict, repr=False)
     """Node costs ``after`` was simulated with (a pipelined step is simulated with them too)."""
+    request_latency_s: dict[int, float] = field(default_factory=dict)
+    """Measured seconds of each remote request of the model, by call position (none when a
+    latency was given); requests not measured (writes) cost :attr:`rpc_latency_s`."""
+
+    @property
+    def latency(self) -> RequestLatency:
+        return RequestLatency(self.rpc_latency_s, self.request_latency_s)
 
     @property
     def before_s(self) -> float:
@@ -96,8 +97,9 @@ class Prediction:
         return (
             f"predicted step {self.before_s * 1e3:.2f} ms -> {self.after_s * 1e3:.2f} ms "
             f"({self.speedup:.2f}x; compute {self.after.compute_s * 1e3:.2f} ms, "
-            f"{self.before.requests} -> {self.after.requests} requests at "
-            f"{self.rpc_latency_s * 1e3:.2f} ms, {self.hidden_fraction:.0%} of remote wait hidden)"
+            f"{self.before.requests} -> {plural(self.after.requests, 'request')} of "
+            f"{self.rpc_latency_s * 1e3:.2f} ms{' (median)' if len(self.request_latency_s) > 1 else ''}, "
+            f"{self.hidden_fraction:.0%} of remote wait hidden)"
         )
 
 
@@ -121,7 +123,7 @@ def predict(
     gm_before: nn.Module,
     gm_after: nn.Module,
     example_inputs: tuple[Any, ...],
-    rpc_latency_s: float,
+    rpc_latency_s: float | None = None,
     *,
     repeats: int = 5,
 ) -> Prediction:
@@ -131,16 +133,26 @@ def predict(
         gm_before: the captured graph with blocking remote calls.
         gm_after: the optimized graph.
         example_inputs: positional inputs of one forward call.
-        rpc_latency_s: measured round-trip time of one remote request, in seconds.
+        rpc_latency_s: seconds of every remote request; ``None``: each request costs what it
+            took when profiling ``gm_before`` (its reads are sent, its writes never: they cost
+            the median read).
         repeats: timed profiling runs per graph (the median is used).
 
     Both models must be torch.fx graphs: anything else is a one-line :class:`CaptureError`.
     """
     gm_before, gm_after = _graphs(captured=gm_before, optimized=gm_after)
-    if not rpc_latency_s >= 0:
+    if rpc_latency_s is not None and not rpc_latency_s >= 0:
         raise ConfigError(f"rpc_latency_s: expected seconds >= 0, got {rpc_latency_s!r}")
     example_inputs = _as_tuple(example_inputs)
     costs = profile_nodes(gm_before, example_inputs, repeats=repeats)
+    before_ops = remote_ops(gm_before.graph)
+    measured: dict[int, float] = {}
+    if rpc_latency_s is None:
+        for node, op in before_ops.items():
+            index = node.meta.get(CALL_INDEX)
+            if node is op.start and node.name in costs and isinstance(index, int):
+                measured[index] = costs[node.name]
+        rpc_latency_s = statistics.median(measured.values()) if measured else 0.0
     after_ops = remote_ops(gm_after.graph)
     local = [
         n.name
@@ -151,12 +163,14 @@ def predict(
     after_costs = dict(costs)
     if unmatched:
         after_costs.update(profile_nodes(gm_after, example_inputs, repeats=repeats))
+    latency = RequestLatency(rpc_latency_s, measured)
     return Prediction(
-        before=simulate(gm_before, costs, rpc_latency_s),
-        after=simulate(gm_after, after_costs, rpc_latency_s),
+        before=simulate(gm_before, costs, latency),
+        after=simulate(gm_after, after_costs, latency),
         rpc_latency_s=rpc_latency_s,
         unmatched=unmatched,
         after_costs=after_costs,
+        request_latency_s=measured,
     )
 
 
@@ -171,6 +185,8 @@ class GainPrediction:
     forward: Prediction
     measured_step_s: float | None = None
     """Median forward+backward of the model as written; ``None`` when not measured."""
+    unmeasured_step: str | None = None
+    """Why a step asked for was not measured (its backward sends a remote write)."""
     pipelined: Timeline | None = None
     """The optimized forward when a pipeline prefetched its reads (:func:`predict_pipelined`)."""
     pipeline_staleness: int | None = None
@@ -257,19 +273,21 @@ def predict_pipelined(optimized: torch.fx.GraphModule, forward: Prediction, wind
     from distopt.pipeline.split import prefetchable  # the pipeline builds on the passes, as we do
 
     early = {issue.name: window_s for issue, _ in prefetchable(optimized)}
-    return simulate(optimized, forward.after_costs, forward.rpc_latency_s, head_start_s=early)
+    return simulate(optimized, forward.after_costs, forward.latency, head_start_s=early)
 
 
 def _measure_step(model: nn.Module, example_inputs: tuple[Any, ...], runs: int = 3) -> float:
     """Median seconds of a forward+backward of ``model``; its grads, buffers and RNG stream, and
-    remote state such as fetched-row records, are as they were afterwards."""
+    remote state such as fetched-row records, are as they were afterwards. Remote reads are sent;
+    a remote write (a push in backward) raises :class:`RemoteWriteRefused` before it is sent."""
     samples = []
-    with preserved_state(model), isolated(), torch.random.fork_rng(devices=[]):
+    view = with_remote_calls(model)
+    with preserved_state(model), isolated(), torch.random.fork_rng(devices=[]), recording(view, allow_writes=False):
         # Restored on exit; None now so that backward does not accumulate into the user's grads.
         model.zero_grad(set_to_none=True)
         for _ in range(runs):
             start = time.perf_counter()
-            model(*example_inputs).float().sum().backward()
+            view(*example_inputs).float().sum().backward()
             samples.append(time.perf_counter() - start)
     return statistics.median(samples)
 
@@ -291,9 +309,11 @@ def predict_gain(
         model: the model as written; captured here without passes for the "before" graph.
         optimized: the optimized GraphModule.
         example_inputs: positional inputs of one forward call.
-        latency_s: seconds per remote request; default: :func:`fetch_latency` of the model's
-            first parameter-server table (``model.ps_tables()``).
-        measure_step: also time a forward+backward of ``model`` (the trainer's step gain).
+        latency_s: seconds per remote request; default: each request of the model measured
+            (:func:`predict`), whatever serves it.
+        measure_step: also time a forward+backward of ``model`` (the trainer's step gain); not
+            done, and said in :attr:`GainPrediction.unmeasured_step`, when the step sends a
+            remote write (it is never sent twice).
         repeats: timed profiling runs per graph.
         pipeline_staleness: also predict the step of a pipeline (:mod:`distopt.pipeline`)
             with this staleness; ``"auto"``: with the least that hides a request's latency
@@ -314,20 +334,18 @@ def predict_gain(
     with torch.no_grad():
         captured = optimize(model, passes=[], verify=False)
     _graphs(captured=captured, optimized=optimized)
-    if latency_s is None:
-        tables = getattr(model, "ps_tables", None)
-        if tables is None:
-            raise ConfigError(
-                f"latency_s: {type(model).__name__} has no ps_tables() to measure it on; pass seconds"
-            )
-        latency_s = fetch_latency(tables()[0].name)
     forward = predict(captured, optimized, example_inputs, latency_s, repeats=repeats)
-    step = _measure_step(model, example_inputs) if measure_step else None
+    step = unmeasured = None
+    if measure_step:
+        try:
+            step = _measure_step(model, example_inputs)
+        except RemoteWriteRefused as err:
+            unmeasured = f"the step sends a remote write ({err.write.describe()})"
     pipelined = None
     if pipeline_staleness == "auto":
         pipeline_staleness = staleness_to_hide(forward, step, limit=max_staleness)
     if pipeline_staleness is not None:
         window = pipeline_window_s(forward, step, pipeline_staleness)
         pipelined = predict_pipelined(optimized, forward, window)  # type: ignore[arg-type]
-    return GainPrediction(forward=forward, measured_step_s=step, pipelined=pipelined,
-                          pipeline_staleness=pipeline_staleness)
+    return GainPrediction(forward=forward, measured_step_s=step, unmeasured_step=unmeasured,
+                          pipelined=pipelined, pipeline_staleness=pipeline_staleness)

@@ -9,11 +9,15 @@ One semantics for every caller (the cost model's prediction, the FSDP partition'
   remote-client state such as fetched-row records are the same afterwards
   (``torch.random.fork_rng``, :func:`distopt.verify.preserved_state` and
   :func:`distopt.verify.isolated`), so profiling a model does not change what training computes;
-* remote operations (:func:`distopt.passes.remote.nodes.remote_ops`) are never timed locally.
-  By default they run for real once, in the warm-up, and the timed runs replay their results, so
-  the servers see a single step. With ``remote_latency_s`` the caller forbids talking to
-  servers (a graph pass): remote nodes never run, each request costs ``remote_latency_s``, and
-  a local node that needs a remote result cannot run and has no cost.
+* the node that starts a remote request (:func:`distopt.passes.remote.nodes.remote_ops`: a
+  blocking call, an issue, a batched issue) costs the request's latency; its waits cost 0. By
+  default the latency is measured: remote *reads* are sent in the warm-up and in every timed
+  run, at the sizes the example inputs give, and a read costs the median time from sending it
+  to its answer. Remote *writes* are never sent (a write must not be applied again, and a
+  verification run may have applied it once already): a write, and the local nodes that need
+  its result, have no cost. With ``remote_latency_s`` the caller forbids talking to servers (a
+  graph pass): no remote node runs, each request costs ``remote_latency_s``, and a local node
+  that needs a remote result cannot run and has no cost.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from torch.fx import Node
 
 from distopt.errors import ConfigError
 from distopt.passes.remote.nodes import RemoteOp, remote_ops
+from distopt.remote.record import awaited
 from distopt.verify import isolated, preserved_state
 
 
@@ -43,7 +48,8 @@ _UNAVAILABLE = _Unavailable()
 
 
 class _ProfilingInterpreter(torch.fx.Interpreter):
-    """Times every local node; remote nodes are replayed after their first run, or modeled."""
+    """Times every local node and every remote read (from sending it to its answer); remote
+    writes never run, nor, when modeled, remote reads."""
 
     def __init__(
         self, gm: torch.fx.GraphModule, ops: Mapping[Node, RemoteOp], *, modeled: bool
@@ -51,20 +57,20 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
         super().__init__(gm)
         self.ops = ops
         self.modeled = modeled
-        self.recorded: dict[Node, Any] = {}
         self.samples: dict[str, list[float]] = {}
 
     def run_node(self, n: Node) -> Any:
-        if n in self.ops:
-            if self.modeled:
-                return _UNAVAILABLE
-            if n not in self.recorded:
-                self.recorded[n] = super().run_node(n)
-            return self.recorded[n]
+        op = self.ops.get(n)
         if any(self.env.get(i) is _UNAVAILABLE for i in n.all_input_nodes):
             return _UNAVAILABLE
+        if op is not None and (self.modeled or op.is_write):
+            return _UNAVAILABLE
+        if op is not None and n is not op.start:
+            return super().run_node(n)  # a wait: the answer is in already (timed at the start)
         start = time.perf_counter()
         result = super().run_node(n)
+        if op is not None and op.kind != "call":
+            awaited(result, op.spec)  # an issue: the request's time runs until its answer
         if n.op not in ("placeholder", "output"):
             self.samples.setdefault(n.name, []).append(time.perf_counter() - start)
         return result
@@ -85,11 +91,10 @@ def profile_nodes(
         example_inputs: positional inputs of one forward call.
         repeats: timed runs after the warm-up.
         grad: run with autograd recording (default: under ``torch.no_grad()``).
-        remote_latency_s: ``None`` runs remote calls once for real and replays them, and remote
-            nodes have no entry (their cost is the latency the caller charges, see
-            :func:`distopt.estimate.timeline.simulate`). Seconds: remote nodes never run; the
-            node starting each request (call, issue, batched issue) costs this, its waits 0,
-            and local nodes that need a remote result have no entry.
+        remote_latency_s: ``None`` measures each remote read's latency (the node starting it
+            costs that, its waits 0; writes are never sent and have no entry). Seconds: remote
+            nodes never run; the node starting each request (call, issue, batched issue) costs
+            this, its waits 0, and local nodes that need a remote result have no entry.
     """
     if repeats < 1:
         raise ConfigError(f"repeats: expected an integer >= 1, got {repeats!r}")
@@ -108,7 +113,9 @@ def profile_nodes(
         for _ in range(repeats):
             interpreter.run(*example_inputs)
     costs = {name: statistics.median(samples) for name, samples in interpreter.samples.items()}
-    if remote_latency_s is not None:
-        for node, op in ops.items():
+    for node, op in ops.items():
+        if node is not op.start and op.start.name in costs:
+            costs[node.name] = 0.0  # a wait of a request that was timed
+        elif remote_latency_s is not None:
             costs[node.name] = remote_latency_s if node is op.start else 0.0
     return costs

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch import nn
 
 import distopt.ps as ps
@@ -29,6 +30,7 @@ from distopt.config import to_dict
 from distopt.data import Batch, DataSource, build_data, to_batch
 from distopt.errors import CaptureError, ConfigError, RemoteCallError
 from distopt.estimate import predict_gain
+from distopt.explain import summary
 from distopt.job import checkpoint
 from distopt.job import device as job_device
 from distopt.job import state as job_state
@@ -42,6 +44,7 @@ from distopt.job.record import Recorder, reopen_log, tensorboard_writer
 from distopt.job.recovery import Agreement
 from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
+from distopt.passes.remote.nodes import remote_ops
 from distopt.pipeline import Prefetcher, check_pipelined, provided
 
 logger = logging.getLogger(__name__)
@@ -110,17 +113,20 @@ def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]
                 staleness: int | None) -> dict[str, Any]:
     """The cost model's predicted gain of ``optimized`` over ``model``, as QPS-log header keys.
 
-    Only for parameter-server models (``model.ps_tables()``) captured as a graph; see
-    :func:`distopt.estimate.predict_gain` (the forward saving taken off a measured
-    forward+backward of the model as written).
+    Only for models captured as a graph that makes remote calls, whatever serves them (distopt's
+    tables, the user's own functions, RRefs, Ray actors); see
+    :func:`distopt.estimate.predict_gain` (each request timed as the model sends it, the forward
+    saving taken off a measured forward+backward of the model as written).
     """
-    if getattr(model, "ps_tables", None) is None:
+    if not isinstance(optimized, torch.fx.GraphModule) or not remote_ops(optimized.graph):
         return {}
     try:
         prediction = predict_gain(model, optimized, example, measure_step=True,
                                   pipeline_staleness=staleness)
     except CaptureError:
         return {}  # the prediction is optional: no graph, no prediction (never a failed job)
+    if prediction.unmeasured_step is not None:
+        logger.info("prediction: no step time predicted: %s", prediction.unmeasured_step)
     return prediction.to_header()
 
 
@@ -233,8 +239,9 @@ def train(
 
     header = dict(header_extra or {})
     trained: nn.Module = model
+    optimized = None
     if config.runs_optimize and config.parallel != "fsdp":
-        trained = _optimize(model, example, config)
+        trained = optimized = _optimize(model, example, config)
         staleness = config.pipeline.staleness if config.pipeline.enabled else None
         header.update(_prediction(model, trained, example, staleness))
     prefetcher = None
@@ -262,6 +269,8 @@ def train(
 
     if hooks.before_loop is not None:
         hooks.before_loop()
+    if optimized is not None and env.rank == 0:
+        logger.info("%s", summary(optimized))  # what trains: optimized, verified or why not
     ps.take_wait_time()  # waits so far (verification, prediction) belong to no step
     if rng is not None:
         # Last, so that nothing between here and the first step (model building, optimize's

@@ -11,12 +11,15 @@ A model module in this package registers a factory (a function or an ``nn.Module
 
 and jobs call ``build("mlp", **model_kwargs)``. Every module of ``distopt.models`` is imported the
 first time the registry is consulted, so adding a file is enough. A name of the form
-``package.module:attribute`` builds a user's factory without registering it.
+``package.module:factory`` builds a user's factory without registering it (imported as
+:mod:`distopt.user_code` says); such a factory returns the module, or ``(module, example_inputs)``
+as ``distopt explain`` takes it.
 
-Training data is synthetic: :func:`make_inputs` asks the registration's ``inputs`` function, else
-the model's ``example_inputs(batch_size, seed)`` (or ``example_inputs(batch_size, *, generator)``)
-method; the same seed gives the same batch. The loss is the registration's
-``loss`` function, else the model's ``loss(outputs, inputs)`` method, else :func:`default_loss`.
+Synthetic inputs: :func:`make_inputs` asks the registration's ``inputs`` function, else the
+example inputs the factory returned with the module, else the model's
+``example_inputs(batch_size, seed)`` (or ``example_inputs(batch_size, *, generator)``) method; the
+same seed gives the same batch. The loss is the registration's ``loss`` function, else the model's
+``loss(outputs, inputs)`` method, else :func:`default_loss`.
 """
 
 from __future__ import annotations
@@ -25,12 +28,14 @@ import dataclasses
 import importlib
 import inspect
 import pkgutil
+import weakref
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from distopt import user_code
 from distopt.errors import ConfigError
 
 InputsFn = Callable[[nn.Module, int, int], tuple[Any, ...]]
@@ -52,6 +57,8 @@ class ModelEntry:
 
 _REGISTRY: dict[str, ModelEntry] = {}
 _discovered = False
+_FACTORY_INPUTS: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+"""Example inputs a factory returned with its module (``(module, inputs)``)."""
 
 
 def register_model(
@@ -89,11 +96,9 @@ def names() -> list[str]:
 def entry(name: str) -> ModelEntry:
     """The registration of ``name`` (or a ``module:attribute`` factory, unregistered)."""
     if ":" in name:
-        module_name, _, attr = name.partition(":")
-        try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as err:
-            raise ConfigError(f"model: cannot import {name!r} ({err})") from None
+        factory = user_code.load(name, key="model")
+        if not callable(factory):
+            raise ConfigError(f"model: {name!r} is a {type(factory).__name__}, not a factory")
         return ModelEntry(name=name, factory=factory)
     _discover()
     if name not in _REGISTRY:
@@ -111,12 +116,17 @@ def build(name: str, **kwargs: Any) -> nn.Module:
         raise ConfigError(f"model_kwargs: {err} for model {name!r}") from None
     except ValueError:  # no signature available: let the call decide
         pass
-    model = factory(**kwargs)
-    if not isinstance(model, nn.Module):
+    made = factory(**kwargs)
+    if isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], nn.Module):
+        model, inputs = made
+        _FACTORY_INPUTS[model] = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+        return model
+    if not isinstance(made, nn.Module):
         raise ConfigError(
-            f"model: factory of {name!r} returned {type(model).__name__}, not a Module"
+            f"model: factory of {name!r} returned {type(made).__name__}, not a Module or "
+            "(Module, example_inputs)"
         )
-    return model
+    return made
 
 
 def make_inputs(name: str, model: nn.Module, batch_size: int, *, seed: int = 0) -> tuple[Any, ...]:
@@ -124,6 +134,8 @@ def make_inputs(name: str, model: nn.Module, batch_size: int, *, seed: int = 0) 
     registered = entry(name).inputs
     if registered is not None:
         inputs = registered(model, batch_size, seed)
+    elif model in _FACTORY_INPUTS:
+        inputs = _FACTORY_INPUTS[model]
     elif callable(method := getattr(model, "example_inputs", None)):
         if "generator" in inspect.signature(method).parameters:
             inputs = method(batch_size, generator=torch.Generator().manual_seed(seed))
@@ -131,8 +143,8 @@ def make_inputs(name: str, model: nn.Module, batch_size: int, *, seed: int = 0) 
             inputs = method(batch_size, seed)
     else:
         raise ConfigError(
-            f"model {name!r}: no inputs function registered and {type(model).__name__} has no "
-            "example_inputs(batch_size, seed) method"
+            f"model {name!r}: no inputs function registered, no example inputs returned by its "
+            f"factory and {type(model).__name__} has no example_inputs(batch_size, seed) method"
         )
     return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
 

@@ -124,6 +124,14 @@ def _effect(helper: Any, sent: Any) -> Any:
     return effect
 
 
+def _runs(helper: Any, sent: Any) -> Any:
+    def runs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+        method, _ = _method_and_rref(args)
+        return [helper, method if method is not None else sent]
+
+    return runs
+
+
 def _resource(helper: Any) -> Any:
     def resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
         _, rref = _method_and_rref(args)
@@ -159,11 +167,13 @@ def declare_helpers(namespaces: Sequence[dict[str, Any]]) -> list[Any]:
             if call is None:
                 _REJECTED[key] = value
                 continue
+            sent = _sent_function(value, call)
             registry.register_remote(
                 value,
                 issue=_async_twin(value),
-                effect=_effect(value, _sent_function(value, call)),
+                effect=_effect(value, sent),
                 resource=_resource(value),
+                runs=_runs(value, sent),
             )
             _DECLARED[key] = value
             found.append(value)

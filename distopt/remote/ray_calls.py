@@ -145,6 +145,13 @@ def ray_effect(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Effect:
     return "write"
 
 
+def ray_runs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+    """The actor method (or task) a call runs, where its declaration is looked for."""
+    target, method, *_ = _parts(args, kwargs)
+    found = [fn for fn in _target_functions(target, method if isinstance(method, str) else None) if fn is not None]
+    return found + [fn for fn in found if inspect.isfunction(fn)][:1]  # last: the plain function
+
+
 def ray_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable | None:
     target, method, *_ = _parts(args, kwargs)
     if method is None:
@@ -238,7 +245,7 @@ def _install() -> None:
     torch.fx.node.has_side_effect(ray.get)  # an unused ray.get still waits (for a write)
     register_remote(
         ray_call, issue=ray_remote, wait=cast(Callable[[Any], Any], ray.get), effect=ray_effect, resource=ray_resource,
-        batched=ray_remote_many, batch_key=ray_batch_key, aliases=[(vars(ray), "get")],
+        batched=ray_remote_many, batch_key=ray_batch_key, aliases=[(vars(ray), "get")], runs=ray_runs,
     )  # fmt: skip
     for cls in (ray.actor.ActorHandle, ray.remote_function.RemoteFunction, ray.ObjectRef):
         register_constant_type(cls)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from distopt.remote import registry
 from distopt.remote.intercept import call_frame, calling_through, intercepted
 from distopt.remote.registry import RemoteCallSpec
 from distopt.remote.wait import is_wait
-from distopt.where import caller_stack
+from distopt.where import defined_at, user_line
 
 CALL_INDEX = "distopt_call"
 """``node.meta`` key: a remote call's position among the model's remote calls, in the order the
@@ -47,8 +47,42 @@ class RemoteCallRecord:
     """The call's spec: its ``wait`` resolves what an issue returned (a Ray ``ObjectRef``)."""
 
 
+@dataclasses.dataclass(frozen=True)
+class RemoteWrite:
+    """A remote write a check will not send: what the model calls, where, and what it runs."""
+
+    call: str
+    """The remote call as the user writes it (``rpc_sync``, ``ray_call``, ``fetch``...)."""
+    where: str
+    """The user's source line of the call."""
+    undeclared: Any = None
+    """The function run on the server when only the lack of a declaration makes the call a
+    write (:func:`distopt.remote.registry.undeclared_write`); ``None`` for declared writes."""
+
+    def describe(self) -> str:
+        """``rpc_sync of apply_gradient (defined at f.py:9) at model.py:57: rpc.rpc_sync(...)``."""
+        runs = ""
+        if self.undeclared is not None:
+            name = getattr(self.undeclared, "__qualname__", None) or repr(self.undeclared)
+            defined = defined_at(self.undeclared)
+            runs = f" of {name}" + (f" (defined at {defined})" if defined else "")
+        return f"{self.call}{runs} at {self.where}"
+
+
+def remote_write(spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any], where: str) -> RemoteWrite:
+    """The :class:`RemoteWrite` of a call of ``spec`` with these arguments."""
+    call = getattr(spec.fn, "__name__", None) or spec.name
+    return RemoteWrite(call, where, registry.undeclared_write(spec, args, kwargs))
+
+
 class RemoteWriteRefused(VerificationError):
-    """A run that must not change remote state reached a remote write; names where."""
+    """A run that must not change remote state reached a remote write (before sending it)."""
+
+    def __init__(self, write: RemoteWrite) -> None:
+        super().__init__(write.describe())
+        self.write = write
+        self.in_backward = False
+        """Set when backward made the call (the forward sends no write)."""
 
 
 @dataclasses.dataclass
@@ -82,7 +116,8 @@ def recording(root: Any, *, allow_writes: bool = True) -> Iterator[Recording]:
         spec = entries.get(id(fn))
         if spec is not None and not allow_writes and fn is not spec.batched:
             if registry.effect_of(spec, args, kwargs) == "write":
-                raise RemoteWriteRefused(f"{spec.name} (called at {caller_stack(call_frame(sys._getframe(1)), limit=1).strip()})")
+                where = user_line(call_frame(sys._getframe(1))) or "an unknown line"
+                raise RemoteWriteRefused(remote_write(spec, args, kwargs, where))
         with calling_through():
             value = fn(*args, **kwargs)
         if spec is not None:
@@ -109,18 +144,25 @@ def _fresh(value: Any) -> Any:
     )
 
 
+def awaited(value: Any, spec: RemoteCallSpec | None) -> Any:
+    """What an issued request stands for once it has answered: a future's value, an RRef's
+    value, or ``spec.wait`` of another library's handle (a Ray ``ObjectRef``); ``value`` itself
+    when it is a result already."""
+    if isinstance(value, torch._C.Future):  # rpc_async's futures are the C++ class itself
+        return value.wait()
+    if hasattr(value, "to_here") and callable(value.to_here):
+        return value.to_here()
+    if spec is not None:
+        with calling_through():
+            return spec.wait(value)
+    return value
+
+
 def _resolved(record: RemoteCallRecord) -> Any:
     """The value a recorded call stands for: a blocking call's result, an issue's awaited one."""
-    value = record.value
-    if isinstance(value, torch._C.Future):  # rpc_async's futures are the C++ class itself
-        return _fresh(value.wait())
-    if hasattr(value, "to_here") and callable(value.to_here):
-        return _fresh(value.to_here())
     spec = record.spec
-    if spec is not None and record.fn is spec.issue:  # another library's handle of a result
-        with calling_through():
-            return _fresh(spec.wait(value))
-    return _fresh(value)
+    issued = spec is not None and record.fn is spec.issue  # else a result, unless a future
+    return _fresh(awaited(record.value, spec if issued else None))
 
 
 class Replay(torch.fx.Interpreter):
@@ -129,7 +171,9 @@ class Replay(torch.fx.Interpreter):
 
     A blocking call, and the issue and waits ``split_remote``/``batch_fetch`` made of one, give
     the recorded result; an issue the user wrote gives its recorded future (or RRef), and the
-    user's waits run on it as written.
+    user's waits run on it as written. Remote calls made outside the graph's nodes (a push in
+    the backward of a leaf's autograd function) come after the graph's in the recording, and
+    :meth:`outside` answers them in that order.
     """
 
     def __init__(self, gm: torch.fx.GraphModule, record: Recording) -> None:
@@ -141,10 +185,46 @@ class Replay(torch.fx.Interpreter):
         self.results: dict[Node, Any] = {}
         """Issues made from blocking calls: the recorded result (a list for a batched issue)."""
         wanted = sum(len(_indices(n)) for n in self.starts)
-        if wanted != len(record.calls):
+        if wanted > len(record.calls):
             raise VerificationError(
                 f"the original model made {len(record.calls)} remote calls on the example inputs, "
                 f"the captured graph makes {wanted}"
+            )
+        self.rest = record.calls[wanted:]
+        """Calls the original made outside the graph's remote nodes, in order."""
+
+    @contextlib.contextmanager
+    def outside(self) -> Iterator[None]:
+        """Inside, remote calls of the graph's code that are not graph nodes (made by leaves, or
+        in backward) are answered from :attr:`rest` in order, never sent; a call the original
+        did not make, or one it made and the candidate did not, is a :class:`VerificationError`."""
+        entries = _entry_points()
+        rest = iter(self.rest)
+        answered = 0
+
+        def handler(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            nonlocal answered
+            spec = entries.get(id(fn))
+            if spec is None:  # a wait or another leaf: not a request
+                with calling_through():
+                    return fn(*args, **kwargs)
+            record = next(rest, None)
+            if record is None or record.fn is not fn:
+                where = user_line(call_frame(sys._getframe(1))) or "an unknown line"
+                raise VerificationError(
+                    f"the optimized model made a remote call the original did not make there: "
+                    f"{getattr(fn, '__name__', fn)} at {where}"
+                )
+            answered += 1
+            return _fresh(record.value)
+
+        with intercepted(self.module, handler):
+            entries.update(_entry_points())
+            yield
+        if answered != len(self.rest):
+            raise VerificationError(
+                f"the original model made {len(self.rest)} remote call(s) outside its graph "
+                f"(e.g. in backward), the optimized model {answered}"
             )
 
     def run_node(self, n: Node) -> Any:

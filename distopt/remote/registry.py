@@ -28,6 +28,7 @@ from distopt.remote.wait import WaitOp, make_wait_op
 Effect = Literal["read", "write"]
 EffectFn = Callable[[Sequence[Any], Mapping[str, Any]], Effect]
 ResourceFn = Callable[[Sequence[Any], Mapping[str, Any]], Hashable]
+RunsFn = Callable[[Sequence[Any], Mapping[str, Any]], Sequence[Any]]
 
 
 def wait_future(fut: Future) -> Any:
@@ -52,6 +53,10 @@ class RemoteCallSpec:
         batch_key: function of ``(args, kwargs)`` grouping calls that ``batched`` may combine.
         aliases: extra ``(module_dict, name)`` places where ``fn`` is reachable and must be
             patched while tracing (for functions re-exported by a package).
+        runs: function of ``(args, kwargs)`` naming what the call runs on the server (the
+            function sent by ``rpc_sync``, an RRef's method), where a :func:`register_read`
+            declaration is looked for; the last is the one to declare. ``None``: the effect is
+            fixed by the registration (nothing for the user to declare).
         wait_op: the graph op the passes insert to wait for an issued call (made from ``wait``
             when the spec is created; see :mod:`distopt.remote.wait`).
     """
@@ -64,6 +69,7 @@ class RemoteCallSpec:
     batched: Callable[..., Future] | None = None
     batch_key: ResourceFn | None = None
     aliases: tuple[tuple[dict[str, Any], str], ...] = field(default=(), compare=False)
+    runs: RunsFn | None = None
     wait_op: WaitOp = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +95,7 @@ def register_remote(
     batched: Callable[..., Future] | None = None,
     batch_key: ResourceFn | None = None,
     aliases: Sequence[tuple[dict[str, Any], str]] = (),
+    runs: RunsFn | None = None,
 ) -> RemoteCallSpec:
     """Declare ``fn`` a blocking remote call whose asynchronous form is ``issue`` + ``wait``."""
     if not callable(fn):
@@ -106,6 +113,7 @@ def register_remote(
         batched=batched,
         batch_key=batch_key,
         aliases=tuple(aliases),
+        runs=runs,
     )
     # The issue (and batched issue) of a call must survive dead-code elimination, like the call.
     for effectful in (fn, issue, batched):
@@ -244,6 +252,23 @@ def resource_of(
     spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]
 ) -> Hashable | None:
     return None if spec.resource is None else spec.resource(args, kwargs)
+
+
+def undeclared_write(spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any | None:
+    """The function a call runs on the server when the call counts as a write only because
+    nothing declares it (no :func:`register_read`/:func:`register_write` on it, and no default
+    makes it a read); ``None`` for reads, declared writes and calls whose effect is fixed."""
+    if spec.runs is None:
+        return None
+    try:
+        if effect_of(spec, args, kwargs) != "write":
+            return None
+        candidates = [fn for fn in spec.runs(args, kwargs) if fn is not None]
+    except Exception:  # arguments the registry cannot read (graph values): nothing to name
+        return None
+    if not candidates or any(declared_effect(fn) is not None for fn in candidates):
+        return None
+    return candidates[-1]
 
 
 _CONSTANT_TYPES: list[type] = []

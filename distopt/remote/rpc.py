@@ -186,6 +186,14 @@ def rpc_effect(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Effect:
     return default_effect(target)
 
 
+def rpc_runs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+    """What an ``rpc_sync``/``rpc.remote`` call runs on the server: the function sent, then the
+    method it calls on an RRef (the tutorials' trampoline), the one to declare."""
+    _, func, call_args = _call_parts(args, kwargs)
+    _, target = _rref_target(func, call_args)
+    return [func] if target is func else [func, target]
+
+
 def rpc_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
     to, _, call_args = _call_parts(args, kwargs)
     rref, _ = _rref_target(None, call_args)
@@ -214,6 +222,13 @@ def _rref_call_effect(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Effect:
     return default_effect(None, on_object=_rref_class(rref), method=method)
 
 
+def _rref_call_runs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
+    rref = args[0] if args else kwargs.get("rref")
+    method = args[1] if len(args) > 1 else kwargs.get("method")
+    owner = _rref_class(rref) if is_rref(rref) else None
+    return [getattr(owner, method, None)] if owner is not None and isinstance(method, str) else []
+
+
 def _rref_call_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
     rref = args[0] if args else kwargs.get("rref")
     return ("rref", id(rref))
@@ -235,18 +250,20 @@ def _remote_module_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> H
 def _register() -> None:
     places = (vars(rpc), vars(rpc.api))
     register_remote(
-        rpc.rpc_sync, issue=rpc.rpc_async, effect=rpc_effect, resource=rpc_resource,
+        rpc.rpc_sync, issue=rpc.rpc_async, effect=rpc_effect, resource=rpc_resource, runs=rpc_runs,
         aliases=[(ns, "rpc_sync") for ns in places],
     )  # fmt: skip
     register_remote(
         remote_to_here, issue=rpc.remote, wait=_to_here, effect=rpc_effect, resource=rpc_resource,
+        runs=rpc_runs,
     )  # fmt: skip
     register_remote(
         rref_call, issue=rref_call_async, effect=_rref_call_effect, resource=_rref_call_resource,
+        runs=_rref_call_runs,
     )  # fmt: skip
     register_remote(
         rref_call_to_here, issue=rref_call_remote, wait=_to_here, effect=_rref_call_effect,
-        resource=_rref_call_resource,
+        resource=_rref_call_resource, runs=_rref_call_runs,
     )  # fmt: skip
     register_remote(
         remote_module_call, issue=remote_module_call_async, effect=_remote_module_effect,

@@ -6,9 +6,12 @@ SGD update, both run on ``ps0`` through plain ``rpc_sync``. The gradient reaches
 backward: :func:`push_on_backward` is an identity whose backward sends the rows' gradient.
 
 ``lookup`` is declared a read (``@distopt.register_read``), so ``distopt.optimize`` may issue it
-early (``rpc_async`` before the dense work, waited right before use). The job config is
+early (``rpc_async`` before the dense work, waited right before use) and verification runs it
+once and replays it. ``apply_gradient`` is declared a write (``@distopt.register_write``): it is
+never sent twice, so verification compares the outputs and leaves out the gradients, whose
+backward would send it (``distopt explain`` says so). The job config is
 ``examples/own_model/job.yaml``: ``model: examples.own_model.model:make_model`` and
-``data.source: examples.own_model.model:make_dataset``.
+``data.source: examples.own_model.model:make_dataset``; ``docs/own_job.md`` walks through it.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ def lookup(ids: torch.Tensor) -> torch.Tensor:
     return _table()[ids]
 
 
+@distopt.register_write
 def apply_gradient(ids: torch.Tensor, grad: torch.Tensor, lr: float) -> None:
     """Runs on the server: an SGD step on rows ``ids`` (duplicates accumulate)."""
     _table().index_add_(0, ids.reshape(-1), grad.reshape(-1, DIM), alpha=-lr)
@@ -78,9 +82,9 @@ class RemoteClickModel(nn.Module):
 
     def forward(self, dense: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         rows = rpc.rpc_sync(SERVER, lookup, args=(ids,))  # [B, bag, DIM], blocking
-        rows = push_on_backward(rows, ids, self.sparse_lr)
         h = self.dense(dense)
-        return self.top(torch.cat([h, rows.sum(dim=1)], dim=1))
+        pooled = push_on_backward(rows, ids, self.sparse_lr).sum(dim=1)
+        return self.top(torch.cat([h, pooled], dim=1))
 
     def ps_tables(self) -> list:
         """The job starts parameter-server processes for models that have this; distopt's own

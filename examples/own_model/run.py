@@ -1,8 +1,10 @@
 """Train your own ``rpc_sync`` model as a job: 1 parameter server + 2 trainers on ``local_cwd``.
 
-    python examples/own_model/run.py [--steps 120] [--out runs/examples/own_model]
+    python examples/own_model/run.py [--steps 120] [--out runs/examples/own_model] [--variant optimized]
 
-Prints the held-out AUC (the data's labels follow the remote rows, so it must learn them).
+Run it from the repository's root: the job names its code ``examples.own_model.model:...``, which
+the job's processes import from the directory they run in. Prints the held-out AUC (the data's
+labels follow the remote rows, so it must learn them).
 """
 
 from __future__ import annotations

@@ -39,6 +39,6 @@ def test_ps_model_prediction_next_to_measurement(capsys) -> None:
     args = ["explain", "dlrm", "--ps-latency-ms", "2", "--no-code"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "merged 4 remote reads into 1 batched requests" in out
+    assert "merged 4 remote reads into 1 batched request" in out
     assert "cost model: predicted step" in out
     assert "measured forward (median of 25, interleaved)" in out

@@ -10,7 +10,7 @@ import distopt
 from distopt.capture import symbolic_capture
 from distopt.config import CaptureConfig
 from tests.passes.remote import inprocess_server as ps
-from tests.passes.remote.inprocess_server import fetch
+from tests.passes.remote.inprocess_server import fetch, push
 
 PASSES = ["split_remote", "hoist_issue", "batch_fetch", "sink_wait"]
 
@@ -40,6 +40,35 @@ class Stateful(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.drop(self.norm(x)) + fetch("t0", ids)
+
+
+class _PushOnBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(ids)
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        push("t1", ctx.saved_tensors[0], grad)
+        return None, None
+
+
+@torch.fx.wrap
+def pushed(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``rows``, whose gradient backward pushes to ``t1`` (a write outside the graph)."""
+    return _PushOnBackward.apply(rows.requires_grad_(), ids)
+
+
+class PushesInBackward(nn.Module):
+    """Reads ``t1`` in the forward; its backward pushes the rows' gradient (the user's own table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(ps.DIM, ps.DIM)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + pushed(fetch("t1", ids), ids)
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:

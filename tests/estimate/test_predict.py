@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from distopt.estimate.predict import (
     predict_gain,
 )
 from distopt.estimate.timeline import Timeline
-from tests.estimate.remote_models import graphs
+from tests.estimate import remote_models
+from tests.estimate.remote_models import PushesInBackward, graphs, inputs
 from tests.passes.remote import inprocess_server as ps
 from tests.passes.remote.inprocess_server import STORE, fetch
 
@@ -100,7 +102,8 @@ def test_predict_gain_leaves_the_model_as_it_was() -> None:
     assert prediction.forward.before.requests == 2 and prediction.forward.unmatched == []
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.random.get_rng_state(), rng)
-    assert STORE.requests == 2 + 3 * 2  # one profile of the captured graph, three measured steps
+    # The captured graph's two reads in each of its 3 profiling runs, and in three measured steps.
+    assert STORE.requests == 2 * 3 + 3 * 2
 
 
 def test_predict_gain_sends_nothing_when_there_is_no_graph() -> None:
@@ -111,10 +114,31 @@ def test_predict_gain_sends_nothing_when_there_is_no_graph() -> None:
     assert STORE.requests == 0
 
 
-def test_predict_gain_needs_a_latency_for_a_model_without_tables() -> None:
+def test_each_request_costs_what_the_models_own_request_took() -> None:
+    """No tables of distopt's and no latency given: the model's own requests are timed, each
+    at the sizes it sends (here t2 answers slower than t0)."""
     model, _, after, inputs = graphs()
-    with pytest.raises(distopt.ConfigError, match="latency_s: Overlappable has no ps_tables"):
-        predict_gain(model, after, inputs)
+    STORE.reset(delay_s=0.02)
+    prediction = predict_gain(model, after, inputs, repeats=2).forward
+    assert sorted(prediction.request_latency_s) == [0, 1]
+    assert all(0.02 <= s < 0.1 for s in prediction.request_latency_s.values())
+    assert prediction.rpc_latency_s == pytest.approx(0.02, abs=0.02)
+    assert prediction.before_s >= prediction.before.compute_s + 0.04  # two blocking round trips
+    assert prediction.after_s < prediction.before_s - 0.015  # they overlap each other
+
+
+def test_a_step_that_pushes_in_backward_is_not_measured_and_nothing_is_pushed() -> None:
+    model, example = PushesInBackward(), inputs()
+    STORE.reset()
+    before = STORE.snapshot()
+    optimized = distopt.optimize(model, example, passes=["split_remote", "hoist_issue", "sink_wait"])
+    prediction = predict_gain(model, optimized, example, measure_step=True, repeats=2)
+    assert prediction.measured_step_s is None
+    assert prediction.unmeasured_step == (
+        f"the step sends a remote write (push at {Path(remote_models.__file__)}:53: "
+        'push("t1", ctx.saved_tensors[0], grad))')
+    assert "predicted_step_time_s" not in prediction.to_header()
+    assert torch.equal(STORE.snapshot()["t1"], before["t1"])  # verified, predicted: never pushed
 
 
 def test_predict_gain_refuses_a_bad_pipeline_staleness_before_any_request() -> None:

@@ -1,5 +1,5 @@
-"""profile_nodes: medians per node, the user's RNG stream and buffers untouched, remote calls
-run once for real (replayed after) or, with a modeled latency, never."""
+"""profile_nodes: medians per node, the user's RNG stream and buffers untouched, remote reads
+sent and timed in every run, writes never sent, and with a modeled latency nothing sent."""
 
 from __future__ import annotations
 
@@ -13,25 +13,45 @@ from distopt.config import CaptureConfig
 from distopt.estimate.profile import profile_nodes
 from distopt.passes.remote.nodes import remote_ops
 from tests.estimate.remote_models import Stateful, graphs, inputs, local_nodes
-from tests.passes.remote.inprocess_server import STORE
+from tests.passes.remote.inprocess_server import STORE, fetch, push
 
 
-def test_every_local_node_is_timed_and_remote_calls_run_once_per_profile() -> None:
+def test_every_local_node_and_every_read_is_timed() -> None:
     _, before, _, example = graphs()
-    STORE.reset()
+    STORE.reset(delay_s=0.01)
     costs = profile_nodes(before, example, repeats=3)
-    assert set(costs) == local_nodes(before)
+    fetches = {n.name for n in before.graph.nodes if n.target is fetch}
+    assert set(costs) == local_nodes(before) | fetches
     assert all(c > 0 for c in costs.values())
-    assert STORE.requests == 2  # the two fetches, once: the timed repetitions replay them
-    profile_nodes(before, example, repeats=3)
-    assert STORE.requests == 4  # a new profile is a new step
+    assert all(costs[name] >= 0.01 for name in fetches)  # a read costs its round trip
+    assert STORE.requests == 2 * 4  # the two reads in the warm-up and each timed run
 
 
-def test_the_optimized_graph_sends_its_issues_once_too() -> None:
+def test_the_optimized_graph_times_each_issue_until_its_answer() -> None:
     _, _, after, example = graphs()
+    STORE.reset(delay_s=0.01)
+    costs = profile_nodes(after, example, repeats=4)
+    ops = remote_ops(after.graph)
+    starts = {op.start.name for op in ops.values()}
+    assert all(costs[n] >= 0.01 for n in starts)
+    assert all(costs[n.name] == 0.0 for n in ops if n.name not in starts)  # waits
+    assert STORE.requests == 2 * 5 and STORE.overlaps == []
+
+
+def test_a_remote_write_is_never_sent() -> None:
+    class Writes(torch.nn.Module):
+        def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+            push("t1", ids, x)
+            return x * 2 + fetch("t0", ids)
+
+    gm = symbolic_capture(Writes(), CaptureConfig())
     STORE.reset()
-    profile_nodes(after, example, repeats=4)
-    assert STORE.requests == 2 and STORE.overlaps == []
+    before = STORE.snapshot()
+    costs = profile_nodes(gm, (torch.ones(3, 4), torch.tensor([1, 2, 3])), repeats=2)
+    assert torch.equal(STORE.snapshot()["t1"], before["t1"])
+    assert STORE.requests == 3  # the read, three times; the write never
+    write = next(n for n in gm.graph.nodes if n.target is push)
+    assert write.name not in costs and "mul" in costs
 
 
 def test_the_users_random_stream_is_untouched() -> None:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from tests.examples.scripts import run_documented
 from tests.examples.test_dlrm_criteo import load_example
 
 
@@ -23,3 +26,9 @@ def test_ray_dryrun_targets_the_dashboard(tmp_path: Path) -> None:
     assert request.dashboard_address == "10.0.0.5:8265"
     assert [a.name for a in request.actors] == ["ps", "trainer", "trainer"]
     assert all(a.num_cpus == 4 and "GLOO_SOCKET_IFNAME" not in a.env for a in request.actors)
+
+
+@pytest.mark.parametrize("scheduler", ["slurm", "ray"])
+def test_the_dryrun_script_runs_as_its_docstring_says(scheduler: str) -> None:
+    proc = run_documented("python", "examples/clusters/dryrun.py", scheduler)
+    assert ("--partition=gpu" in proc.stdout) if scheduler == "slurm" else ("10.0.0.5:8265" in proc.stdout)

@@ -1,15 +1,17 @@
-"""examples/dlrm_criteo.py, small: the acceptance check of a launched DLRM job with parameter
-servers (2 trainers, 1 server, local_cwd) on a generated Criteo-format click log."""
+"""examples/dlrm_criteo.py, run as its docstring says: the acceptance check of a launched DLRM job
+with parameter servers (2 trainers, 1 server, local_cwd) on a generated Criteo-format click log."""
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from distopt.metrics import compare_runs, load_run
+from tests.examples.scripts import run_documented
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,11 +25,12 @@ def load_example(relative: str) -> ModuleType:
 
 
 @pytest.mark.slow
-def test_launched_dlrm_learns_and_variants_match(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(ROOT)  # local_cwd runs the job where it is launched: the repository
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    auc = load_example("examples/dlrm_criteo.py").run(samples=12_000, steps=80, out=tmp_path)
+def test_launched_dlrm_learns_and_variants_match(tmp_path: Path) -> None:
+    proc = run_documented("python", "examples/dlrm_criteo.py", "--samples", "12000", "--steps", "80",
+                          "--out", tmp_path)
+    auc = {v: float(a) for v, a in re.findall(r"(\w+): held-out AUC (\d\.\d+)", proc.stdout)}
     assert auc["baseline"] >= 0.75 and auc["optimized"] == auc["baseline"]
+    assert "gain [95% CI]" in proc.stdout  # distopt compare's table
     runs = [load_run(tmp_path / "dlrm-baseline"), load_run(tmp_path / "dlrm-optimized")]
     for rank in (0, 1):  # deterministic: true — the same loss at every step on every trainer
         losses = [[s.loss for s in run.ranks[rank].steps] for run in runs]

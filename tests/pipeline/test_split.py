@@ -111,6 +111,6 @@ def test_explain_shows_the_prefetch_stage_next_to_the_main_stage(server) -> None
     batch = make_batch(CONFIG, 3)
     main = pipeline_split(optimized_dlrm((batch.dense, batch.sparse))).main
     text = distopt.explain(main)
-    assert "pipeline: 1 read(s) prefetched a step ahead" in text
+    assert "pipeline: 1 read prefetched a step ahead" in text
     assert "slot 0: fetch_batched: " in text and "ps.fetch(self.tables[k], sparse[k])" in text
     assert "prefetch stage:" in text and "distopt_ps_registration_fetch_batched" in text

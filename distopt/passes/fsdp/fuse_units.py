@@ -17,6 +17,7 @@ from distopt.config import from_dict
 from distopt.errors import ConfigError
 from distopt.passes.core.base import PassContext, PassResult, register_pass
 from distopt.passes.fsdp.partition import PLAN_META, PartitionPlan, Unit, apply_plan
+from distopt.text import plural
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -87,5 +88,5 @@ def fuse_units(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     merged = len(plan.units) - len(fused.units)
     return PassResult(
         modified=False,
-        detail=f"merged {merged} units below {options.min_unit_bytes / 2**20:.2f} MiB: {fused.summary()}",
+        detail=f"merged {plural(merged, 'unit')} below {options.min_unit_bytes / 2**20:.2f} MiB: {fused.summary()}",
     )

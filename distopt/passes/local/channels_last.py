@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten
 from distopt.passes.core.base import PassContext, PassResult, register_pass
 from distopt.passes.local.fold_conv_bn import FoldedConv2d
 from distopt.remote.registry import register_leaf_function
+from distopt.text import plural
 
 _FORMATS = {
     "channels_last": torch.channels_last,
@@ -115,4 +116,4 @@ def channels_last(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             node = graph.call_function(restore_memory_format, (leaf, fmt))
         output.replace_input_with(leaf, node)
         restored += 1
-    return PassResult(modified=True, detail=f"channels-last: {converted} inputs converted, {restored} outputs restored")
+    return PassResult(modified=True, detail=f"channels-last: {plural(converted, 'input')} converted, {plural(restored, 'output')} restored")

@@ -20,6 +20,7 @@ from torch.nn import functional as F
 
 from distopt.errors import ConfigError
 from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.text import plural
 
 FOLDED = "distopt_folded"
 
@@ -119,4 +120,4 @@ def fold_conv_bn(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         gm.graph.erase_node(node)
         gm.graph.erase_node(src)
         folded += 1
-    return PassResult(modified=folded > 0, detail=f"folded {folded} conv+batchnorm pairs")
+    return PassResult(modified=folded > 0, detail=f"folded {plural(folded, 'conv+batchnorm pair')}")

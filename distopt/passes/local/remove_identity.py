@@ -9,6 +9,7 @@ import torch.fx
 from torch import nn
 
 from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.text import plural
 
 
 @register_pass("remove_identity")
@@ -36,4 +37,4 @@ def remove_identity(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         node.replace_all_uses_with(source)
         gm.graph.erase_node(node)
         removed += 1
-    return PassResult(modified=removed > 0, detail=f"removed {removed} no-op calls")
+    return PassResult(modified=removed > 0, detail=f"removed {plural(removed, 'no-op call')}")

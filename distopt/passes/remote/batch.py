@@ -22,6 +22,7 @@ from distopt.passes.remote.nodes import (
 )
 from distopt.remote.record import CALL_INDEX
 from distopt.remote.wait import is_wait
+from distopt.text import plural
 
 _OPTIONS = ("max_batch_requests", "max_batch_bytes")
 
@@ -217,9 +218,9 @@ def batch_fetch(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         _merge(graph, group.members, ops[group.members[0]])
         batches += 1
         merged += len(group.members)
-    detail = f"merged {merged} remote reads into {batches} batched requests"
+    detail = f"merged {plural(merged, 'remote read')} into {plural(batches, 'batched request')}"
     if unknown_sizes:
-        detail += f" ({unknown_sizes} request sizes unknown)"
+        detail += f" ({plural(unknown_sizes, 'request size')} unknown)"
     return PassResult(modified=batches > 0, detail=detail)
 
 

@@ -14,6 +14,7 @@ from distopt.passes.remote.nodes import (
     reorder,
     schedule,
 )
+from distopt.text import plural
 
 _PLACEHOLDER, _ISSUE, _ISSUE_INPUT, _OTHER = range(4)
 
@@ -97,4 +98,4 @@ def hoist_issue(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     after = {n: i for i, n in enumerate(order)}
     moved = sum(1 for n in issues if after[n] < before[n])
     changed = reorder(graph, order)
-    return PassResult(modified=changed, detail=f"hoisted {moved} of {len(issues)} remote issues")
+    return PassResult(modified=changed, detail=f"hoisted {moved} of {plural(len(issues), 'remote issue')}")

@@ -34,7 +34,9 @@ from torch.fx import Node
 from distopt.passes.core.side_effects import is_impure
 from distopt.remote import registry
 from distopt.remote.graph_args import MISSING, attr_value
+from distopt.remote.record import RemoteWrite, remote_write
 from distopt.remote.registry import Effect, RemoteCallSpec
+from distopt.remote.wait import source_line
 
 # --------------------------------------------------------------------------- remote operations
 
@@ -190,6 +192,13 @@ def remote_ops(graph: torch.fx.Graph) -> dict[Node, RemoteOp]:
         for end in op.ends:
             result.setdefault(end, op)
     return result
+
+
+def remote_write_of(op: RemoteOp) -> RemoteWrite:
+    """What a graph's remote write sends, named for messages (the user's line, the server
+    function when nothing declares it)."""
+    node = op.start
+    return remote_write(op.spec, _hide_nodes(tuple(node.args)), _hide_nodes(dict(node.kwargs)), source_line(node))
 
 
 def is_local_barrier(node: Node, ops: Mapping[Node, RemoteOp]) -> bool:

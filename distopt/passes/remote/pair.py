@@ -11,6 +11,7 @@ from distopt.passes.remote.nodes import remote_ops
 from distopt.remote import registry, rpc
 from distopt.remote.registry import RemoteCallSpec
 from distopt.remote.wait import source_line
+from distopt.text import plural
 
 _WAIT_METHODS = {id(registry.wait_future): "wait", id(rpc._to_here): "to_here"}
 """The method a user calls on an issue's result to wait for it, by the spec's ``wait``."""
@@ -80,7 +81,7 @@ def pair_user_waits(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             paired += _pair_wait_all(graph, node)
         elif id(node.target) in list_waits:  # ray.get([ref0, ref1])
             paired += _pair_wait_all(graph, node, by=node.target)
-    return PassResult(modified=paired > 0, detail=f"paired {paired} user-written waits with their issues")
+    return PassResult(modified=paired > 0, detail=f"paired {plural(paired, 'user-written wait')} with their issues")
 
 
 def _replace(graph: torch.fx.Graph, old: Node, target: object, args: tuple[object, ...]) -> Node:

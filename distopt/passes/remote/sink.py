@@ -8,6 +8,7 @@ from torch.fx import Node
 from distopt.passes.core.base import PassContext, PassResult, register_pass
 from distopt.passes.remote.nodes import issue_cone, must_keep_order, remote_ops
 from distopt.remote.wait import is_wait
+from distopt.text import plural
 
 
 @register_pass(
@@ -39,7 +40,7 @@ def sink_wait(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         cat = torch.cat([linear, fetch_wait], 1)
     """
     moved, total = _sink_waits(gm.graph)
-    return PassResult(modified=moved > 0, detail=f"sank {moved} of {total} remote waits")
+    return PassResult(modified=moved > 0, detail=f"sank {moved} of {plural(total, 'remote wait')}")
 
 
 def _sink_waits(graph: torch.fx.Graph) -> tuple[int, int]:

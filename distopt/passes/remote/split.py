@@ -7,6 +7,7 @@ import torch.fx
 from distopt.passes.core.base import PassContext, PassResult, register_pass
 from distopt.passes.remote.nodes import remote_ops
 from distopt.remote.wait import source_line
+from distopt.text import plural
 
 
 @register_pass("split_remote")
@@ -48,4 +49,4 @@ def split_remote(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         node.replace_all_uses_with(wait)
         graph.erase_node(node)
         split += 1
-    return PassResult(modified=split > 0, detail=f"split {split} remote calls into issue + wait")
+    return PassResult(modified=split > 0, detail=f"split {plural(split, 'remote call')} into issue + wait")

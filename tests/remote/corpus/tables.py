@@ -102,3 +102,16 @@ def counter(name: str) -> int:
 def table_rows(name: str) -> torch.Tensor:
     with _LOCK:
         return _TABLES[name].clone()
+
+
+def count_lookups(name: str, amount: int) -> None:
+    """Counts lookups like :func:`bump_counter`, declared nowhere (tests/remote/test_undeclared.py)."""
+    with _LOCK:
+        COUNTS[name] = COUNTS.get(name, 0) + amount
+
+
+def read_count(name: str, amount: int) -> int:
+    """The lookups counted so far (``amount`` unused: the signature of :func:`count_lookups`);
+    tests/remote/test_undeclared.py declares it a read."""
+    with _LOCK:
+        return COUNTS.get(name, 0)
