@@ -33,13 +33,17 @@ connects, because its client retries with a random back-off of up to a few secon
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
+import gc
 import ipaddress
 import os
 import socket
+import sys
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Literal, Protocol
 
@@ -56,6 +60,7 @@ _PROBE_INTERVAL_S = 0.1
 _MIN_HANDSHAKE_S = 1.0
 READY_PREFIX = "distopt/ready/"
 LEFT_PREFIX = "distopt/left/"
+_GLOO_BACKEND_WARNING = r"You are using a Backend <class 'torch\.distributed\.distributed_c10d\.ProcessGroupGloo'> as a ProcessGroup"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -196,13 +201,111 @@ def init_rpc(
     )
     _fresh_process_rpc_state()
     try:
-        with _agent_store_mode():
+        with _agent_store_mode(), warnings.catch_warnings():
+            # torch's own init_rpc gathers device maps through a ProcessGroupGloo backend object
+            # (torch/distributed/rpc/backend_registry.py), which torch itself deprecates; nothing
+            # the caller can change, so only that warning, and only inside this call.
+            warnings.filterwarnings("ignore", message=_GLOO_BACKEND_WARNING, category=UserWarning)
             rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=backend)
     except Exception as err:
         raise RemoteCallError(
             f"{name}: RPC group of {world_size} did not form within {timeout_s:g} s through the "
             f"{plan.describe('rpc')}: {first_line(err)}"
         ) from None
+
+
+def leave_rpc(*, me: str, graceful: bool) -> None:
+    """Leave the RPC group: with ``graceful``, once every member has called this too.
+
+    A TensorPipe agent logs a warning for every pipe that closes while it is not shutting down
+    (``RPC agent for ps0 encountered error when reading incoming request from trainer0: EOF``),
+    and ``rpc.shutdown(graceful=False)`` closes pipes at once, so each member's exit warned on the
+    others. The agent's ``join(shutdown=True)`` marks it shutting down after a barrier in the RPC
+    group's store, whose deadline is the group's RPC timeout: every member is shutting down before
+    any pipe closes. (Not ``rpc.shutdown(graceful=True)``: its all-gather keys sequence numbers
+    by process, and a trainer in its second job no longer agrees on them with fresh servers.)
+    A member that never comes costs that deadline, then a one-line warning naming who waited.
+    """
+    if not rpc.api._is_current_rpc_agent_set():
+        return
+    if graceful:
+        try:
+            rpc.api._get_current_rpc_agent().join(shutdown=True)
+        except RuntimeError as err:
+            print(f"{me}: left the RPC group without the others (they did not all reach shutdown "
+                  f"within the RPC timeout): {first_line(err)}", file=sys.stderr, flush=True)
+    rpc.shutdown(graceful=False)
+
+
+def leave_gloo() -> None:
+    """Destroy the default process group, after the modules that used it (see :func:`keep_group`).
+
+    Garbage is collected first: a DDP module left in a reference cycle would otherwise be freed
+    later, its reducer dropping the last reference to a gloo group while holding the GIL (the
+    hang that :func:`keep_group` describes).
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_KEPT_GROUPS: list[dist.ProcessGroup] = []
+
+
+def keep_group(group: dist.ProcessGroup) -> None:
+    """Hold a Python reference to ``group`` until the interpreter exits (then collect garbage and
+    drop it), so that DDP's C++ reducer never holds its last reference.
+
+    A gloo group's destructor joins its worker threads. When the last reference goes with a DDP
+    reducer, that destructor runs with the GIL held (the reducer's binding does not release it),
+    while a worker may be freeing a finished all-reduce whose thread-local state holds a Python
+    object (since torch stashes the ``contextvars`` context for backward): the worker waits for
+    the GIL, the main thread for the worker, for ever. That is the 1-in-3 hang of a script that
+    calls ``destroy_process_group()`` and then lets its DDP model go out of scope, with plain DDP as
+    well. Freed through its Python object, the group is destroyed with the GIL released.
+    """
+    if not _KEPT_GROUPS:
+        atexit.register(_release_groups)
+    if all(kept is not group for kept in _KEPT_GROUPS):
+        _KEPT_GROUPS.append(group)
+
+
+def _release_groups() -> None:
+    gc.collect()  # modules that died in reference cycles, and their reducers with them
+    _KEPT_GROUPS.clear()
+
+
+@contextlib.contextmanager
+def collective(what: str, *, me: str | None = None) -> Iterator[None]:
+    """The collectives inside as one step that fails in one line naming this rank and ``what``.
+
+    Their deadline is the process group's timeout (gloo enforces it on every collective); its
+    errors (``Timed out waiting 120000ms for recv operation to complete``, ``Connection closed by
+    peer``) become ``trainer 1: timed out waiting for the other ranks in <what>: ...``.
+    """
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as err:
+        raise collective_error(err, what, me=me) or err from None
+
+
+def collective_error(err: BaseException, what: str, *, me: str | None = None) -> RemoteCallError | None:
+    """gloo's error of a collective as one line naming this rank and ``what``; ``None`` when it
+    is no timeout or lost peer (an error of the caller's own, kept as it is)."""
+    text = str(err)
+    if me is None:
+        me = f"rank {dist.get_rank()}" if dist.is_initialized() else "this process"
+    if any(mark in text for mark in _TIMED_OUT):
+        why = "timed out waiting for the other ranks"
+    elif any(mark in text for mark in _PEER_LOST):
+        why = "another rank left the process group (exited or was killed)"
+    else:
+        return None
+    return RemoteCallError(f"{me}: {why} in {what}: {first_line(err)}")
+
+
+_TIMED_OUT = ("Timed out waiting", "timed out", "Application timeout caused pair closure")
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def init_gloo(plan: StorePlan, *, me: str, rank: int, world_size: int, timeout_s: float) -> None:
