@@ -289,16 +289,17 @@ def collective(what: str, *, me: str | None = None) -> Iterator[None]:
         raise collective_error(err, what, me=me) or err from None
 
 
-def collective_error(err: BaseException, what: str, *, me: str | None = None) -> RemoteCallError | None:
+def collective_error(err: BaseException, what: str, *, me: str | None = None,
+                     peers: str = "ranks") -> RemoteCallError | None:
     """gloo's error of a collective as one line naming this rank and ``what``; ``None`` when it
     is no timeout or lost peer (an error of the caller's own, kept as it is)."""
     text = str(err)
     if me is None:
         me = f"rank {dist.get_rank()}" if dist.is_initialized() else "this process"
     if any(mark in text for mark in _TIMED_OUT):
-        why = "timed out waiting for the other ranks"
+        why = f"timed out waiting for the other {peers}"
     elif any(mark in text for mark in _PEER_LOST):
-        why = "another rank left the process group (exited or was killed)"
+        why = f"another of the {peers} left the process group (exited or was killed)"
     else:
         return None
     return RemoteCallError(f"{me}: {why} in {what}: {first_line(err)}")

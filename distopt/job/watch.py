@@ -168,12 +168,14 @@ def _path(value: str | None) -> Path | None:
     return Path(value) if value and not value.startswith("<") else None
 
 
-def _failed_at(replica: Replica) -> float:
-    """When the replica failed: its error file's time, else its log's last write."""
+def _failed_at(replica: Replica) -> tuple[float, bool]:
+    """When the replica failed: its error file's time, else its log's last write. File times
+    tick coarsely (a few ms): on a tie the replica that recorded its failure comes first, the
+    others' last lines being about it (a server aborting because a trainer failed)."""
     for path in (replica.error_file, replica.stderr):
         if path is not None and path.is_file():
-            return path.stat().st_mtime
-    return float("inf")
+            return path.stat().st_mtime, path is not replica.error_file
+    return float("inf"), True
 
 
 def _recorded_error(path: Path | None) -> str | None:
