@@ -85,6 +85,25 @@ def make_model():
     return Model()
 '''
 
+DENSE_MODEL = '''
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.items = nn.Embedding(64, 4)
+        self.top = nn.Linear(4 + 2, 1)
+
+    def forward(self, dense, ids):
+        return self.top(torch.cat([dense, self.items(ids).sum(1)], 1))
+
+
+def make_model():
+    return Model()
+'''
+
 DATA = '''
 import torch
 from torch.utils.data import Dataset
@@ -333,11 +352,17 @@ def test_a_failed_launch_names_the_replica_that_failed_first(tmp_path: Path) -> 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["baseline", "optimized"])
-def test_a_successful_launch_streams_progress_and_is_quiet(tmp_path: Path, variant: str) -> None:
+@pytest.mark.parametrize(("model", "variant", "replicas"), [
+    (TABLE_MODEL, "baseline", ["ps/0", "trainer/0", "trainer/1"]),   # parameter server + DDP
+    (TABLE_MODEL, "optimized", ["ps/0", "trainer/0", "trainer/1"]),
+    (DENSE_MODEL, "optimized", ["trainer/0"]),                        # torchrun: DDP only
+], ids=["servers-baseline", "servers-optimized", "ddp-optimized"])
+def test_a_successful_launch_streams_progress_and_is_quiet(
+    tmp_path: Path, model: str, variant: str, replicas: list[str]
+) -> None:
     """Issue 22 items 3 and 11: trainer 0's progress while it runs; no warning or traceback from
-    torch, gloo or TensorPipe in the launch's output or in any replica's log."""
-    job, _ = user_package(tmp_path, model=TABLE_MODEL)
+    torch, gloo, torchrun or TensorPipe in the launch's output or in any replica's log."""
+    job, _ = user_package(tmp_path, model=model)
     proc = _launch(tmp_path, str(job), "--set", f"variant={variant}")
     assert proc.returncode == 0, proc.stderr[-3000:]
     handle = proc.stdout.splitlines()[0]
@@ -348,7 +373,7 @@ def test_a_successful_launch_streams_progress_and_is_quiet(tmp_path: Path, varia
     assert all(line.startswith("trainer/0 ") for line in progress)
     assert noise(proc.stderr) == []
     logs = sorted((tmp_path / "runs").glob("*/logs/torchx/*/*/*/stderr.log"))
-    assert [p.parent.relative_to(p.parents[2]).as_posix() for p in logs] == ["ps/0", "trainer/0", "trainer/1"]
+    assert [p.parent.relative_to(p.parents[2]).as_posix() for p in logs] == replicas
     for log in logs:
         assert noise(log.read_text()) == [], log
 
