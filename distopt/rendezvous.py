@@ -37,6 +37,7 @@ import atexit
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
 import gc
 import ipaddress
 import os
@@ -44,8 +45,8 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Literal, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -341,6 +342,43 @@ def spawned_gloo(*, timeout_s: float = 60.0) -> Iterator[StorePlan]:
     plan = StorePlan(host="127.0.0.1", hosted_by="launcher", gloo_port=0)
     with host_stores(plan, me="launcher", timeout_s=timeout_s) as hosted:
         yield hosted.plan
+
+
+def run_spawned(fn: Callable[..., None], *args: Any, world_size: int, what: str,
+                timeout_s: float = 120.0) -> None:
+    """``fn(rank, *args)`` on ``world_size`` spawned processes of one gloo group (as TorchRec's
+    multi-process test helper), each ended in order: ``fn``'s frame, then its garbage, then the
+    group (:func:`leave_gloo`), so no gloo group is freed while the interpreter is torn down.
+
+    Each process prints every thread's stack on a fault (``faulthandler``), and a process that
+    dies is one line naming it: ``<what>: rank 1 terminated with signal SIGABRT (its stack is
+    printed above)``, one that raises the last line of its traceback. ``fn`` and ``args`` must be
+    picklable (module-level).
+    """
+    import torch.multiprocessing as mp
+
+    with spawned_gloo(timeout_s=timeout_s) as plan:
+        try:
+            mp.spawn(_spawned_rank, args=(fn, plan, world_size, timeout_s, args), nprocs=world_size,
+                     join=True)
+        except mp.ProcessExitedException as err:
+            raise RemoteCallError(
+                f"{what}: rank {err.error_index} {str(err).partition(' ')[2].partition(' ')[2]} "
+                "(its stack, where Python could print one, is above)"
+            ) from None
+        except mp.ProcessRaisedException as err:  # its traceback's last line: the error itself
+            last = [line for line in str(err).strip().splitlines() if line.strip()][-1]
+            raise RemoteCallError(f"{what}: rank {err.error_index} failed: {last}") from None
+
+
+def _spawned_rank(rank: int, fn: Callable[..., None], plan: StorePlan, world_size: int,
+                  timeout_s: float, args: tuple[Any, ...]) -> None:
+    faulthandler.enable(all_threads=True)
+    init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world_size, timeout_s=timeout_s)
+    try:
+        fn(rank, *args)
+    finally:
+        leave_gloo()
 
 
 def pin_interface(interface: str) -> None:
