@@ -37,6 +37,8 @@ class Replica:
     index: int
     exit_code: int | None
     """``None`` where the scheduler keeps no exit codes (only ``local_cwd`` writes them)."""
+    state: str | None = None
+    """The scheduler's state of the replica (``FAILED``...) where it has no exit code."""
     stdout: Path | None = None
     stderr: Path | None = None
     error_file: Path | None = None
@@ -47,11 +49,11 @@ class Replica:
 
     @property
     def failed(self) -> bool:
-        return self.exit_code not in (0, None)
+        return self.exit_code not in (0, None) or self.state == "FAILED"
 
     def exit_text(self) -> str:
         if self.exit_code is None:
-            return "exit code unknown"
+            return f"{self.state or 'state unknown'}, exit code unknown"
         if self.exit_code < 0:
             try:
                 return f"killed by {signal.Signals(-self.exit_code).name}"
@@ -87,7 +89,7 @@ class Failure:
             where = self.replica.name + (f" (rank {self.rank})" if inner else "")
             lines = [f"{self.handle}: {self.state}: {where} failed first ({self.replica.exit_text()}): {self.error}"]
         if self.tail and self.replica is not None:
-            lines.append(f"  last lines of {self.replica.stderr}:")
+            lines.append(f"  last lines of {self.replica.stderr or f'{self.replica.role}/{self.replica.index}'}:")
             lines += [f"    {line}" for line in self.tail]
         if self.others:
             lines.append("  then: " + ", ".join(f"{r.name} ({r.exit_text()})" for r in self.others))
@@ -127,7 +129,7 @@ def failure(runner: Any, handle: str, status: Any) -> Failure:
         return Failure(handle=handle, state=state, replica=None, error=message.splitlines()[0], log_dir=log_dir)
     failed.sort(key=_failed_at)
     first = failed[0]
-    lines = _read_lines(first.stderr)
+    lines = _read_lines(first.stderr) if first.stderr is not None else _log_lines(runner, handle, first)
     error = _recorded_error(first.error_file) or _last_error_line(lines) or first.exit_text()
     end = _line_of(lines, error)
     tail = tuple(lines[max(0, end - TAIL_LINES): end + 1]) if end is not None else tuple(lines[-TAIL_LINES:])
@@ -156,12 +158,11 @@ def _replicas(runner: Any, handle: str, status: Any, log_dir: Path | None) -> li
                     error_file=_path(r.get("error_file")))
             for role, replicas in data.get("roles", {}).items() for r in replicas
         ]
-    found = []
-    for role_status in getattr(status, "roles", None) or []:
-        for replica in role_status.replicas:
-            failed = getattr(replica.state, "name", "") == "FAILED"
-            found.append(Replica(role=role_status.role, index=int(replica.id), exit_code=1 if failed else 0))
-    return found
+    return [
+        Replica(role=role_status.role, index=int(replica.id), exit_code=None,
+                state=getattr(replica.state, "name", str(replica.state)))
+        for role_status in getattr(status, "roles", None) or [] for replica in role_status.replicas
+    ]
 
 
 def _path(value: str | None) -> Path | None:
@@ -196,6 +197,15 @@ def _read_lines(path: Path | None) -> list[str]:
     if path is None or not path.is_file():
         return []
     return [line.rstrip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+
+
+def _log_lines(runner: Any, handle: str, replica: Replica) -> list[str]:
+    """The replica's log through the scheduler (``runner.log_lines``), where it keeps one."""
+    try:
+        return [line.rstrip() for line in runner.log_lines(handle, replica.role, replica.index)
+                if line.strip()]
+    except Exception:  # a scheduler without logs: the report says what it can without them
+        return []
 
 
 def _last_error_line(lines: Sequence[str]) -> str | None:

@@ -11,7 +11,11 @@ A model module in this package registers a factory (a function or an ``nn.Module
 
 and jobs call ``build("mlp", **model_kwargs)``. Every module of ``distopt.models`` is imported the
 first time the registry is consulted, so adding a file is enough. A name of the form
-``package.module:attribute`` builds a user's factory without registering it.
+``package.module:attribute`` builds a user's factory without registering it: a function (or
+class) taking ``model_kwargs`` and returning the module. Every process of a job calls it, the
+parameter servers too (to ask ``ps_tables()``), so it makes no remote call itself; what a
+model that makes remote calls needs (``ps_tables()``, module-level functions sent to the servers)
+is checked by ``distopt launch`` before anything is scheduled (:mod:`distopt.job.preflight`).
 
 Training data is synthetic: :func:`make_inputs` asks the registration's ``inputs`` function, else
 the model's ``example_inputs(batch_size, seed)`` (or ``example_inputs(batch_size, *, generator)``)
