@@ -159,7 +159,8 @@ def meet(plan: StorePlan, *, me: str, others: Sequence[str], timeout_s: float) -
     a server that never starts (or a trainer that never comes) into an error naming it.
     """
     store = _connect(plan, "rpc", me=me, timeout_s=timeout_s)
-    store.set(READY_PREFIX + me, str(os.getpid()))
+    # The value also says whether this is the process's first RPC group (see leave_rpc).
+    store.set(READY_PREFIX + me, f"{os.getpid()} {int(_first_rpc_group())}")
     try:
         store.wait([READY_PREFIX + o for o in others], datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as err:
@@ -213,29 +214,48 @@ def init_rpc(
             f"{name}: RPC group of {world_size} did not form within {timeout_s:g} s through the "
             f"{plan.describe('rpc')}: {first_line(err)}"
         ) from None
+    _RPC_GROUPS.append(plan)
+    members = [info.name for info in rpc.api._get_current_rpc_agent().get_worker_infos()]
+    store = _connect(plan, "rpc", me=name, timeout_s=timeout_s)
+    firsts = [store.get(READY_PREFIX + member).decode().split(" ")[-1] for member in members]
+    _QUIET_LEAVE[:] = [all(first == "1" for first in firsts)]
 
 
 def leave_rpc(*, me: str, graceful: bool) -> None:
-    """Leave the RPC group: with ``graceful``, once every member has called this too.
+    """Leave the RPC group: with ``graceful``, together with every other member where they can.
 
     A TensorPipe agent logs a warning for every pipe that closes while it is not shutting down
-    (``RPC agent for ps0 encountered error when reading incoming request from trainer0: EOF``),
-    and ``rpc.shutdown(graceful=False)`` closes pipes at once, so each member's exit warned on the
-    others. The agent's ``join(shutdown=True)`` marks it shutting down after a barrier in the RPC
-    group's store, whose deadline is the group's RPC timeout: every member is shutting down before
-    any pipe closes. (Not ``rpc.shutdown(graceful=True)``: its all-gather keys sequence numbers
-    by process, and a trainer in its second job no longer agrees on them with fresh servers.)
-    A member that never comes costs that deadline, then a one-line warning naming who waited.
+    (``RPC agent for ps0 encountered error when reading incoming request from trainer0: EOF``,
+    ``... pipe closed``), and ``rpc.shutdown(graceful=False)`` closes pipes at once, so every
+    member's exit warned on itself and the others. The agent's ``join(shutdown=True)`` marks every
+    agent shutting down, after a barrier in the RPC group's store whose deadline is the group's
+    RPC timeout, before any pipe closes. Its barrier keys carry a counter torch keeps per process,
+    so members agree on them only in each one's first RPC group (as in every ``distopt.train``
+    process); a group with a member on its second one (a Python process running jobs one after
+    another) leaves as before. (Not ``rpc.shutdown(graceful=True)``: its all-gather has the same
+    per-process sequence numbers.) A member that never comes costs that deadline and one line.
     """
     if not rpc.api._is_current_rpc_agent_set():
         return
-    if graceful:
+    if graceful and _QUIET_LEAVE == [True]:
         try:
             rpc.api._get_current_rpc_agent().join(shutdown=True)
         except RuntimeError as err:
             print(f"{me}: left the RPC group without the others (they did not all reach shutdown "
                   f"within the RPC timeout): {first_line(err)}", file=sys.stderr, flush=True)
+    _QUIET_LEAVE[:] = []
     rpc.shutdown(graceful=False)
+
+
+_RPC_GROUPS: list[StorePlan] = []
+"""The RPC groups this process has formed through :func:`init_rpc`."""
+_QUIET_LEAVE: list[bool] = []
+"""Whether every member of the current RPC group can leave it together (:func:`leave_rpc`)."""
+
+
+def _first_rpc_group() -> bool:
+    """Whether this process has formed no RPC group yet, through distopt or torch directly."""
+    return not _RPC_GROUPS and getattr(rpc, "_init_counter", 0) == 0
 
 
 def leave_gloo() -> None:
@@ -245,8 +265,8 @@ def leave_gloo() -> None:
     later, its reducer dropping the last reference to a gloo group while holding the GIL (the
     hang that :func:`keep_group` describes).
     """
-    gc.collect()
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

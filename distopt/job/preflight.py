@@ -15,12 +15,13 @@ This module runs them once here and checks what would otherwise fail in a replic
 
 The contract for remote calls, which the checks enforce:
 
-* a model whose forward makes remote calls (``rpc.rpc_sync``/``rpc_async``/``rpc.remote``,
-  ``distopt.ps.fetch``, registered ``@distopt.remote`` functions) has a ``ps_tables()`` method;
-  the job starts ``num_ps`` parameter servers (default 1) named ``ps0, ps1, ...``, trainers are
-  ``trainer0, trainer1, ...`` in the same RPC group. ``ps_tables()`` returns the
-  :class:`~distopt.ps.TableSpec` tables distopt keeps on the servers, or ``[]`` when the model's
-  own functions keep its state there;
+* a model whose forward calls through the RPC group (``rpc.rpc_sync``/``rpc_async``/
+  ``rpc.remote``, RRefs, ``RemoteModule``, helpers wrapping them, ``distopt.ps.fetch``) has a
+  ``ps_tables()`` method: the job starts ``num_ps`` parameter servers (default 1) named ``ps0,
+  ps1, ...``, trainers are ``trainer0, trainer1, ...`` in the same RPC group. ``ps_tables()``
+  returns the :class:`~distopt.ps.TableSpec` tables distopt keeps on the servers, or ``[]`` when
+  the model's own functions keep its state there. (Calls to the user's own Ray actors need no
+  servers of the job);
 * the functions a model sends over RPC run on the servers, which import them by qualified name:
   module-level functions of an importable module (not ``__main__``, not nested in a function);
 * remote calls go to a process of the job (``ps0`` .. ``ps{num_ps-1}``, ``trainer0`` ..);
@@ -114,6 +115,10 @@ class RemoteCall:
 
     name: str
     """The registered call: ``torch.distributed.rpc.api.rpc_sync``, ``distopt.ps.fetch``, ..."""
+    over_rpc: bool
+    """Whether it goes through the job's RPC group (``torch.distributed.rpc``, RRefs,
+    ``RemoteModule``, RPC helpers, ``distopt.ps``), which only a job with servers forms; not
+    Ray's calls or a client function the user registered for a transport of their own."""
     to: str | None
     """The process an RPC goes to, by name (``None``: not an RPC, or not a plain name)."""
     function: Any
@@ -135,6 +140,7 @@ def remote_calls(model: nn.Module, config: JobConfig) -> list[RemoteCall] | None
     from distopt.config import CaptureConfig, from_dict
     from distopt.remote import registry
     from distopt.remote.graph_args import concrete_args
+    from distopt.remote.helpers import is_rpc_helper
 
     capture = from_dict(CaptureConfig, dict(config.optimize_config.get("capture") or {}),
                         prefix="optimize_config.capture")
@@ -156,19 +162,44 @@ def remote_calls(model: nn.Module, config: JobConfig) -> list[RemoteCall] | None
             to = to if isinstance(to, str) else getattr(to, "name", None)
         frames = frames_of(node.stack_trace or "")
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
-        found.append(RemoteCall(name=spec.name, to=to, function=function, where=where))
+        over_rpc = spec.fn.__module__ in _RPC_MODULES or is_rpc_helper(spec.fn)
+        found.append(RemoteCall(name=spec.name, over_rpc=over_rpc, to=to, function=function, where=where))
     return found
+
+
+_RPC_MODULES = ("torch.distributed.rpc.api", "distopt.remote.rpc", "distopt.ps.client")
+"""Modules of the remote calls that need the job's RPC group."""
+
+
+def reaches_rpc(model: nn.Module) -> bool:
+    """Whether code that runs ``model`` can reach the RPC group (for a model that does not trace):
+    ``torch.distributed.rpc`` or ``distopt.ps`` in its modules' globals, a ``RemoteModule``, or an
+    RPC helper (see :func:`distopt.remote.intercept.makes_remote_calls`, which counts Ray too)."""
+    import torch.distributed.rpc as rpc
+
+    import distopt.ps as ps
+    from distopt.remote.helpers import declare_helpers
+    from distopt.remote.intercept import namespaces_of
+    from distopt.remote.local import has_remote_modules
+
+    if has_remote_modules(model):
+        return True
+    namespaces = namespaces_of(model, with_leaf_modules=False)
+    if declare_helpers(namespaces):
+        return True
+    apis = {id(rpc), id(ps), id(rpc.rpc_sync), id(rpc.rpc_async), id(rpc.remote), id(ps.fetch),
+            id(ps.fetch_async)}
+    return any(id(value) in apis for namespace in namespaces for value in list(namespace.values()))
 
 
 def check_remote_calls(model: nn.Module, config: JobConfig, calls: list[RemoteCall] | None, *,
                        num_ps: int, num_trainers: int) -> None:
     """The remote-call contract of the module docstring, for the job's model as built and the
     ``calls`` :func:`remote_calls` found in it."""
-    from distopt.remote.intercept import makes_remote_calls
-
     owner = type(model).__name__
     has_tables = callable(getattr(model, "ps_tables", None))
-    reaches = bool(calls) if calls is not None else makes_remote_calls(model)
+    over_rpc = [c for c in calls or () if c.over_rpc]
+    reaches = bool(over_rpc) if calls is not None else reaches_rpc(model)
     if num_ps and not has_tables:
         raise ConfigError(
             f"num_ps: {num_ps} parameter servers, but {owner} ({config.model_name}) has no "
@@ -176,16 +207,14 @@ def check_remote_calls(model: nn.Module, config: JobConfig, calls: list[RemoteCa
             "when your own functions keep the tables on the servers)"
         )
     if reaches and not num_ps:
-        what = calls[0].describe() if calls else "its code calls torch.distributed.rpc"
+        what = over_rpc[0].describe() if over_rpc else "its code calls torch.distributed.rpc"
         raise ConfigError(
             f"model: {owner}.forward makes remote calls ({what}), but {owner} has no ps_tables() "
             "method, so the job would start no parameter server and run as plain data parallel: "
             f"add ps_tables() to {owner} (return [] when your own functions keep the tables on "
             "the servers, ps0, ps1, ...)"
         )
-    if not calls:
-        return
-    rpcs = [c for c in calls if c.function is not None or c.to is not None]
+    rpcs = [c for c in over_rpc if c.function is not None or c.to is not None]
     if rpcs and config.ps.backend == "ray":
         raise ConfigError(
             f"ps.backend: 'ray' jobs have no RPC group, but {owner}.forward calls "
