@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import sys
 
@@ -73,11 +74,12 @@ def main(argv: list[str] | None = None, *, prog: str = "distopt.train") -> int:
     status and ``distopt launch`` name the process that failed first and why. Faults (SIGABRT,
     SIGSEGV) print every thread's stack (``faulthandler``), so an abort names its cause.
     """
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
     from distopt.job.logs import configure, record_failure
 
-    get_error_handler().initialize()
+    # torchelastic's ErrorHandler.initialize() does this too, but warns where sys.stderr has no
+    # file descriptor (a notebook, captured output): there is nothing to print a fault to then.
+    with contextlib.suppress(ValueError, OSError):
+        faulthandler.enable(all_threads=True)
     args = build_parser().parse_args(argv)
     try:
         config = load_config(JobConfig, args.config, args.overrides)
