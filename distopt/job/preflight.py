@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from distopt import models
+from distopt.data import Batch, DataSource
 from distopt.errors import ConfigError, DistoptError
 from distopt.job.config import JobConfig
 from distopt.where import describe_failure, frames_of
@@ -74,7 +75,7 @@ def build_model(config: JobConfig) -> nn.Module:
         raise ConfigError(f"model: {config.model_name} failed: {describe_failure(err)}{hint}") from None
 
 
-def check_first_batch(source: Any, model: nn.Module, config: JobConfig, *, num_trainers: int) -> Any:
+def check_first_batch(source: DataSource, model: nn.Module, config: JobConfig, *, num_trainers: int) -> Batch:
     """The first training batch of trainer 0, through the job's loader (no worker processes)
     and collate function; its inputs must fit ``model.forward``. Returns the batch."""
     from distopt.data import to_batch
