@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from distopt.config import check
-from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
+from distopt.rendezvous import run_spawned
 
 SIZES = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 """Bytes of the gathered tensor per measurement point."""
@@ -97,25 +97,19 @@ def measure(group: dist.ProcessGroup | None = None, *, sizes: tuple[int, ...] = 
     )
 
 
-def _local_worker(rank: int, world: int, plan: StorePlan, out: str) -> None:
-    init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world, timeout_s=60.0)
-    try:
-        model = measure()
-        if rank == 0:
-            Path(out).write_text(json.dumps(dataclasses.asdict(model)))
-    finally:
-        dist.destroy_process_group()
+def _local_worker(rank: int, out: str) -> None:
+    model = measure()
+    if rank == 0:
+        Path(out).write_text(json.dumps(dataclasses.asdict(model)))
 
 
 def measure_local(world_size: int = 2) -> AlphaBeta:
     """Measure on a fresh ``world_size``-rank gloo group of local processes (127.0.0.1)."""
     import tempfile
 
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp, spawned_gloo() as plan:
+    with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "alpha_beta.json")
-        mp.spawn(_local_worker, args=(world_size, plan, out), nprocs=world_size, join=True)
+        run_spawned(_local_worker, out, world_size=world_size, what="alpha_beta", timeout_s=60.0)
         return AlphaBeta(**json.loads(Path(out).read_text()))
 
 

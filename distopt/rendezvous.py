@@ -33,15 +33,20 @@ connects, because its client retries with a random back-off of up to a few secon
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
 import datetime
+import faulthandler
+import gc
 import ipaddress
 import os
 import socket
+import sys
 import time
-from collections.abc import Iterator, Sequence
-from typing import Literal, Protocol
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, Protocol
 
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
@@ -56,6 +61,7 @@ _PROBE_INTERVAL_S = 0.1
 _MIN_HANDSHAKE_S = 1.0
 READY_PREFIX = "distopt/ready/"
 LEFT_PREFIX = "distopt/left/"
+_GLOO_BACKEND_WARNING = r"You are using a Backend <class 'torch\.distributed\.distributed_c10d\.ProcessGroupGloo'> as a ProcessGroup"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -153,7 +159,8 @@ def meet(plan: StorePlan, *, me: str, others: Sequence[str], timeout_s: float) -
     a server that never starts (or a trainer that never comes) into an error naming it.
     """
     store = _connect(plan, "rpc", me=me, timeout_s=timeout_s)
-    store.set(READY_PREFIX + me, str(os.getpid()))
+    # The value also says whether this is the process's first RPC group (see leave_rpc).
+    store.set(READY_PREFIX + me, f"{os.getpid()} {int(_first_rpc_group())}")
     try:
         store.wait([READY_PREFIX + o for o in others], datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as err:
@@ -196,13 +203,132 @@ def init_rpc(
     )
     _fresh_process_rpc_state()
     try:
-        with _agent_store_mode():
+        with _agent_store_mode(), warnings.catch_warnings():
+            # torch's own init_rpc gathers device maps through a ProcessGroupGloo backend object
+            # (torch/distributed/rpc/backend_registry.py), which torch itself deprecates; nothing
+            # the caller can change, so only that warning, and only inside this call.
+            warnings.filterwarnings("ignore", message=_GLOO_BACKEND_WARNING, category=UserWarning)
             rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=backend)
     except Exception as err:
         raise RemoteCallError(
             f"{name}: RPC group of {world_size} did not form within {timeout_s:g} s through the "
             f"{plan.describe('rpc')}: {first_line(err)}"
         ) from None
+    _RPC_GROUPS.append(plan)
+    members = [info.name for info in rpc.api._get_current_rpc_agent().get_worker_infos()]
+    store = _connect(plan, "rpc", me=name, timeout_s=timeout_s)
+    firsts = [store.get(READY_PREFIX + member).decode().split(" ")[-1] for member in members]
+    _QUIET_LEAVE[:] = [all(first == "1" for first in firsts)]
+
+
+def leave_rpc(*, me: str, graceful: bool) -> None:
+    """Leave the RPC group: with ``graceful``, together with every other member where they can.
+
+    A TensorPipe agent logs a warning for every pipe that closes while it is not shutting down
+    (``RPC agent for ps0 encountered error when reading incoming request from trainer0: EOF``,
+    ``... pipe closed``), and ``rpc.shutdown(graceful=False)`` closes pipes at once, so every
+    member's exit warned on itself and the others. The agent's ``join(shutdown=True)`` marks every
+    agent shutting down, after a barrier in the RPC group's store whose deadline is the group's
+    RPC timeout, before any pipe closes. Its barrier keys carry a counter torch keeps per process,
+    so members agree on them only in each one's first RPC group (as in every ``distopt.train``
+    process); a group with a member on its second one (a Python process running jobs one after
+    another) leaves as before. (Not ``rpc.shutdown(graceful=True)``: its all-gather has the same
+    per-process sequence numbers.) A member that never comes costs that deadline and one line.
+    """
+    if not rpc.api._is_current_rpc_agent_set():
+        return
+    if graceful and _QUIET_LEAVE == [True]:
+        try:
+            rpc.api._get_current_rpc_agent().join(shutdown=True)
+        except RuntimeError as err:
+            print(f"{me}: left the RPC group without the others (they did not all reach shutdown "
+                  f"within the RPC timeout): {first_line(err)}", file=sys.stderr, flush=True)
+    _QUIET_LEAVE[:] = []
+    rpc.shutdown(graceful=False)
+
+
+_RPC_GROUPS: list[StorePlan] = []
+"""The RPC groups this process has formed through :func:`init_rpc`."""
+_QUIET_LEAVE: list[bool] = []
+"""Whether every member of the current RPC group can leave it together (:func:`leave_rpc`)."""
+
+
+def _first_rpc_group() -> bool:
+    """Whether this process has formed no RPC group yet, through distopt or torch directly."""
+    return not _RPC_GROUPS and getattr(rpc, "_init_counter", 0) == 0
+
+
+def leave_gloo() -> None:
+    """Destroy the default process group, after the modules that used it (see :func:`keep_group`).
+
+    Garbage is collected first: a DDP module left in a reference cycle would otherwise be freed
+    later, its reducer dropping the last reference to a gloo group while holding the GIL (the
+    hang that :func:`keep_group` describes).
+    """
+    if dist.is_initialized():
+        gc.collect()
+        dist.destroy_process_group()
+
+
+_KEPT_GROUPS: list[dist.ProcessGroup] = []
+
+
+def keep_group(group: dist.ProcessGroup) -> None:
+    """Hold a Python reference to ``group`` until the interpreter exits (then collect garbage and
+    drop it), so that DDP's C++ reducer never holds its last reference.
+
+    A gloo group's destructor joins its worker threads. When the last reference goes with a DDP
+    reducer, that destructor runs with the GIL held (the reducer's binding does not release it),
+    while a worker may be freeing a finished all-reduce whose thread-local state holds a Python
+    object (since torch stashes the ``contextvars`` context for backward): the worker waits for
+    the GIL, the main thread for the worker, for ever (torch 2.13; seen with gdb). A 2-rank
+    torchrun script that calls ``destroy_process_group()`` and then lets its DDP model go out of
+    scope hung so at exit in 10 of 26 runs with plain DDP here. Freed through its Python object,
+    the group is destroyed with the GIL released.
+    """
+    if not _KEPT_GROUPS:
+        atexit.register(_release_groups)
+    if all(kept is not group for kept in _KEPT_GROUPS):
+        _KEPT_GROUPS.append(group)
+
+
+def _release_groups() -> None:
+    gc.collect()  # modules that died in reference cycles, and their reducers with them
+    _KEPT_GROUPS.clear()
+
+
+@contextlib.contextmanager
+def collective(what: str, *, me: str | None = None) -> Iterator[None]:
+    """The collectives inside as one step that fails in one line naming this rank and ``what``.
+
+    Their deadline is the process group's timeout (gloo enforces it on every collective); its
+    errors (``Timed out waiting 120000ms for recv operation to complete``, ``Connection closed by
+    peer``) become ``trainer 1: timed out waiting for the other ranks in <what>: ...``.
+    """
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as err:
+        raise collective_error(err, what, me=me) or err from None
+
+
+def collective_error(err: BaseException, what: str, *, me: str | None = None,
+                     peers: str = "ranks") -> RemoteCallError | None:
+    """gloo's error of a collective as one line naming this rank and ``what``; ``None`` when it
+    is no timeout or lost peer (an error of the caller's own, kept as it is)."""
+    text = str(err)
+    if me is None:
+        me = f"rank {dist.get_rank()}" if dist.is_initialized() else "this process"
+    if any(mark in text for mark in _TIMED_OUT):
+        why = f"timed out waiting for the other {peers}"
+    elif any(mark in text for mark in _PEER_LOST):
+        why = f"another of the {peers} left the process group (exited or was killed)"
+    else:
+        return None
+    return RemoteCallError(f"{me}: {why} in {what}: {first_line(err)}")
+
+
+_TIMED_OUT = ("Timed out waiting", "timed out", "Application timeout caused pair closure")
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def init_gloo(plan: StorePlan, *, me: str, rank: int, world_size: int, timeout_s: float) -> None:
@@ -237,6 +363,43 @@ def spawned_gloo(*, timeout_s: float = 60.0) -> Iterator[StorePlan]:
     plan = StorePlan(host="127.0.0.1", hosted_by="launcher", gloo_port=0)
     with host_stores(plan, me="launcher", timeout_s=timeout_s) as hosted:
         yield hosted.plan
+
+
+def run_spawned(fn: Callable[..., None], *args: Any, world_size: int, what: str,
+                timeout_s: float = 120.0) -> None:
+    """``fn(rank, *args)`` on ``world_size`` spawned processes of one gloo group (as TorchRec's
+    multi-process test helper), each ended in order: ``fn``'s frame, then its garbage, then the
+    group (:func:`leave_gloo`), so no gloo group is freed while the interpreter is torn down.
+
+    Each process prints every thread's stack on a fault (``faulthandler``), and a process that
+    dies is one line naming it: ``<what>: rank 1 terminated with signal SIGABRT (its stack is
+    printed above)``, one that raises the last line of its traceback. ``fn`` and ``args`` must be
+    picklable (module-level).
+    """
+    import torch.multiprocessing as mp
+
+    with spawned_gloo(timeout_s=timeout_s) as plan:
+        try:
+            mp.spawn(_spawned_rank, args=(fn, plan, world_size, timeout_s, args), nprocs=world_size,
+                     join=True)
+        except mp.ProcessExitedException as err:
+            raise RemoteCallError(
+                f"{what}: rank {err.error_index} {str(err).partition(' ')[2].partition(' ')[2]} "
+                "(its stack, where Python could print one, is above)"
+            ) from None
+        except mp.ProcessRaisedException as err:  # its traceback's last line: the error itself
+            last = [line for line in str(err).strip().splitlines() if line.strip()][-1]
+            raise RemoteCallError(f"{what}: rank {err.error_index} failed: {last}") from None
+
+
+def _spawned_rank(rank: int, fn: Callable[..., None], plan: StorePlan, world_size: int,
+                  timeout_s: float, args: tuple[Any, ...]) -> None:
+    faulthandler.enable(all_threads=True)
+    init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world_size, timeout_s=timeout_s)
+    try:
+        fn(rank, *args)
+    finally:
+        leave_gloo()
 
 
 def pin_interface(interface: str) -> None:

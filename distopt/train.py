@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import faulthandler
 import logging
 import sys
 
@@ -66,21 +67,33 @@ def run(config: JobConfig, env: JobEnv) -> int:
 
 
 def main(argv: list[str] | None = None, *, prog: str = "distopt.train") -> int:
-    """Parse ``argv``, load the config and run this process's role; the exit status."""
+    """Parse ``argv``, load the config and run this process's role; the exit status.
+
+    A failure is also recorded where the launcher reads it (torchelastic's error file,
+    ``$TORCHELASTIC_ERROR_FILE``, which TorchX and torchrun set for every process): TorchX's
+    status and ``distopt launch`` name the process that failed first and why. Faults (SIGABRT,
+    SIGSEGV) print every thread's stack (``faulthandler``), so an abort names its cause.
+    """
+    from distopt.job.logs import configure, record_failure
+
+    # torchelastic's ErrorHandler.initialize() does this too, but warns where sys.stderr has no
+    # file descriptor (a notebook, captured output): there is nothing to print a fault to then.
+    with contextlib.suppress(ValueError, OSError):
+        faulthandler.enable(all_threads=True)
     args = build_parser().parse_args(argv)
     try:
-        from distopt.job.logs import configure
-
         config = load_config(JobConfig, args.config, args.overrides)
         env = JobEnv.from_environ()
         configure(env.role, env.rank)
         return run(config, env)
-    except RemoteCallError as err:  # a server failed mid-run: not a configuration problem
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 1
     except DistoptError as err:
+        # A server failed mid-run (RemoteCallError): 1, not a configuration problem (2).
         print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+        record_failure(err)
+        return 1 if isinstance(err, RemoteCallError) else 2
+    except Exception as err:
+        record_failure(err)
+        raise
 
 
 if __name__ == "__main__":

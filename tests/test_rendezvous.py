@@ -174,3 +174,37 @@ def test_two_trainer_processes_form_a_gloo_group() -> None:
                 proc.join()
     assert [p.exitcode for p in procs] == [0, 0]
     assert got == [(0, 3.0, "lo"), (1, 3.0, "lo")]  # a loopback plan pins gloo to loopback
+
+
+def _aborting_rank(rank: int) -> None:
+    if rank == 1:
+        os.abort()
+
+
+def _peer_that_never_comes(rank: int) -> None:
+    if rank == 0:
+        time.sleep(3.0)
+        return
+    with rendezvous.collective("a step that needs rank 0"):
+        dist.all_reduce(torch.ones(1))
+
+
+def test_a_spawned_rank_that_aborts_names_itself(capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 22 item 9: a spawned rank killed by SIGABRT is one line naming it, and its stack."""
+    with pytest.raises(RemoteCallError) as info:
+        rendezvous.run_spawned(_aborting_rank, world_size=2, what="bench", timeout_s=30.0)
+    assert str(info.value) == ("bench: rank 1 terminated with signal SIGABRT (its stack, where Python "
+                               "could print one, is above)")
+    err = capfd.readouterr().err
+    assert "Fatal Python error: Aborted" in err and "in _aborting_rank" in err, err[-2000:]
+
+
+def test_a_collective_that_times_out_names_the_rank_and_the_step() -> None:
+    """Issue 22 item 9: every distributed wait has a deadline (the group's timeout, here 1 s) and
+    a one-line error naming the rank and what it waited for."""
+    with pytest.raises(RemoteCallError) as info:
+        rendezvous.run_spawned(_peer_that_never_comes, world_size=2, what="test", timeout_s=1.0)
+    assert re.fullmatch(
+        r"test: rank 1 failed: distopt\.errors\.RemoteCallError: rank 1: timed out waiting for the "
+        r"other ranks in a step that needs rank 0: \[\S+\] Timed out waiting 1000ms for (recv|send) "
+        r"operation to complete", str(info.value)), str(info.value)

@@ -32,7 +32,7 @@ from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.parallel.fsdp_schedule import peak_param_bytes
-from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
+from distopt.rendezvous import run_spawned
 
 VARIANTS = ("no_inner_units", "size_based", "per_block", "distopt")
 
@@ -160,68 +160,63 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB where /proc exists
 
 
-def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, plan: StorePlan, out: str) -> None:
+def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, out: str) -> None:
     cfg = from_dict(FsdpPartitionConfig, cfg_dict)
     torch.set_num_threads(cfg.threads)
-    init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=cfg.world_size, timeout_s=120.0)
-    try:
-        model = _build(cfg)
-        total = sum(p.numel() * p.element_size() for p in model.parameters())
-        model, wrap_s = _wrap(variant, model, cfg)
-        model.to_empty(device="cpu")
-        gen = torch.Generator().manual_seed(rank)
-        with torch.no_grad():
-            for p in model.parameters():
-                local = p.to_local() if hasattr(p, "to_local") else p
-                local.normal_(0.0, 0.02, generator=gen)
-        root, inner, kept = _groups(model)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        times = []
-        for step in range(cfg.warmup + cfg.steps):
-            gen.manual_seed(1000 + step)
-            idx = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=gen)
-            dist.barrier()
-            start = time.perf_counter()
-            logits = model(idx)
-            loss = nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            elapsed = torch.tensor([time.perf_counter() - start])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if step >= cfg.warmup:
-                times.append(float(elapsed))
-        rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64)
-        rss_all = [torch.zeros_like(rss) for _ in range(cfg.world_size)]
-        dist.all_gather(rss_all, rss)
-        if rank == 0:
-            Path(out).write_text(json.dumps({
-                "step_s": statistics.median(times),
-                "rss_bytes": [int(r) for r in rss_all],
-                "units": len(inner),
-                "root_bytes": root,
-                "inner_bytes": inner,
-                "total_bytes": total,
-                "kept_after_forward": sum(kept),
-                "analytic_peak_bytes": peak_param_bytes(total, root, inner, kept, cfg.world_size),
-                "wrap_s": wrap_s,
-            }))
-    finally:
-        dist.destroy_process_group()
+    model = _build(cfg)
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    model, wrap_s = _wrap(variant, model, cfg)
+    model.to_empty(device="cpu")
+    gen = torch.Generator().manual_seed(rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            local.normal_(0.0, 0.02, generator=gen)
+    root, inner, kept = _groups(model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    times = []
+    for step in range(cfg.warmup + cfg.steps):
+        gen.manual_seed(1000 + step)
+        idx = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        logits = model(idx)
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if step >= cfg.warmup:
+            times.append(float(elapsed))
+    rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64)
+    rss_all = [torch.zeros_like(rss) for _ in range(cfg.world_size)]
+    dist.all_gather(rss_all, rss)
+    if rank == 0:
+        Path(out).write_text(json.dumps({
+            "step_s": statistics.median(times),
+            "rss_bytes": [int(r) for r in rss_all],
+            "units": len(inner),
+            "root_bytes": root,
+            "inner_bytes": inner,
+            "total_bytes": total,
+            "kept_after_forward": sum(kept),
+            "analytic_peak_bytes": peak_param_bytes(total, root, inner, kept, cfg.world_size),
+            "wrap_s": wrap_s,
+        }))
 
 
 def _run_variant(cfg: FsdpPartitionConfig, variant: str) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
     # A fixed mmap threshold stops glibc from raising it after the first freed all-gather buffer;
     # otherwise freed unit buffers stay in the heap and peak RSS shows allocator caching, not
     # the memory the variant really needs. The ranks inherit the environment at spawn.
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     try:
-        with tempfile.TemporaryDirectory() as tmp, spawned_gloo() as plan:
+        with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            mp.spawn(_worker, args=(to_dict(cfg), variant, plan, out), nprocs=cfg.world_size, join=True)
+            run_spawned(_worker, to_dict(cfg), variant, out, world_size=cfg.world_size,
+                        what=f"fsdp_partition ({variant})")
             return json.loads(Path(out).read_text())
     finally:
         if saved is None:

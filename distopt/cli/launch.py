@@ -1,8 +1,10 @@
 """``distopt launch JOB.yaml [-s SCHEDULER] [--cfg k=v,...] [--set k=v ...]``: submit a job
 through TorchX (:func:`distopt.launch`) and print its app handle and run id.
 
-On a local scheduler it waits for the job and exits with its status (0: succeeded, 1: not);
-elsewhere it returns once submitted, unless ``--wait``. ``--dryrun`` prints the request instead.
+On a local scheduler it streams trainer 0's log while the job runs and exits with its status
+(0: succeeded, 1: not, after naming the process that failed first, its exit code, its error, the
+end of its log and where the logs are); elsewhere it returns once submitted, unless ``--wait``.
+``--dryrun`` prints the request instead.
 """
 
 from __future__ import annotations
@@ -44,19 +46,23 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
     return pairs
 
 
+def _cfg(text: str) -> dict[str, str]:
+    """``--cfg k=v,...`` split as TorchX splits it (list values keep their commas); the options are
+    checked and typed by :func:`distopt.job.launch.scheduler_options`, as for the Python API."""
+    from torchx.specs.api import to_dict
+
+    try:
+        return to_dict(text)
+    except ValueError as err:
+        raise ConfigError(f"--cfg: {str(err).strip().splitlines()[0]}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from torchx.specs import AppState
 
     from distopt.job.launch import LOCAL_SCHEDULERS, launch
-    from distopt.launch.schedulers import get_runner
 
-    with get_runner() as probe:
-        try:
-            cfg = probe.scheduler_run_opts(args.scheduler).cfg_from_str(args.cfg) if args.cfg else {}
-        except KeyError:
-            raise ConfigError(f"--scheduler: unknown TorchX scheduler {args.scheduler!r}") from None
-        except Exception as err:
-            raise ConfigError(f"--cfg: {str(err).strip().splitlines()[0]}") from None
+    cfg = _cfg(args.cfg)
     job = launch(args.config, args.scheduler, overrides=args.overrides,
                  num_trainers=args.num_trainers, num_ps=args.num_ps, run_id=args.run_id,
                  component_args=_pairs(args.component_args, "--arg"), dryrun=args.dryrun, **cfg)
@@ -68,7 +74,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{job.handle}\nrun id {job.run_id}: logs in {job.run_dir}", flush=True)
         if args.scheduler not in LOCAL_SCHEDULERS and not args.wait:
             return 0
+        progress = job.stream() if args.scheduler in LOCAL_SCHEDULERS else None
         status = job.wait()
-        state = getattr(status, "state", None)
-        print(f"{job.handle}: {state}", file=sys.stderr, flush=True)
-        return 0 if state == AppState.SUCCEEDED else 1
+        if progress is not None:
+            progress.join()
+        if getattr(status, "state", None) == AppState.SUCCEEDED:
+            print(f"{job.handle}: SUCCEEDED", file=sys.stderr, flush=True)
+            return 0
+        failed = job.failure(status)
+        print(failed.format() if failed else f"{job.handle}: {getattr(status, 'state', None)}",
+              file=sys.stderr, flush=True)
+        return 1

@@ -52,9 +52,12 @@ def call_factory(spec: str, kwargs: dict[str, Any], *, split: str, seed: int,
     extra = {name: value for name, value in (("split", split), ("seed", seed))
              if name not in kwargs and takes(factory, name)}
     try:
-        inspect.signature(factory).bind(**kwargs, **extra)
+        signature = inspect.signature(factory)
+        signature.bind(**kwargs, **extra)
     except TypeError as err:
-        raise ConfigError(f"{key}.kwargs: {err} for {spec!r}") from None
+        given = ", ".join([*(f"{k}={v!r}" for k, v in extra.items()), *(f"{k}=..." for k in kwargs)])
+        raise ConfigError(f"{key}.kwargs: {err} for {spec!r}: the job calls {spec}{signature} as "
+                          f"({given}): split and seed when it takes them, the rest from {key}.kwargs") from None
     except ValueError:  # no signature available: let the call decide
         pass
     result = factory(**kwargs, **extra)

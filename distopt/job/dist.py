@@ -52,7 +52,7 @@ def trainer_group(env: JobEnv, *, timeout_s: float = 120.0) -> Iterator[None]:
         try:
             yield
         finally:
-            dist.destroy_process_group()
+            rendezvous.leave_gloo()
         return
     me = trainer_name(env.rank)
     with rendezvous.host_stores(store_plan(env), me=me, timeout_s=timeout_s) as hosted:
@@ -62,4 +62,4 @@ def trainer_group(env: JobEnv, *, timeout_s: float = 120.0) -> Iterator[None]:
         try:
             yield
         finally:
-            dist.destroy_process_group()
+            rendezvous.leave_gloo()

@@ -10,9 +10,12 @@
 What it does, in order, so bad input fails before anything is scheduled:
 
 1. loads and validates the whole config (unknown keys, bad values, optimizer names and arguments,
-   data factories that do not import: :class:`~distopt.job.config.JobConfig`);
+   data factories that do not import: :class:`~distopt.job.config.JobConfig`) and the scheduler
+   options (:func:`scheduler_options`);
 2. :func:`check_job`: builds the model and opens its data (missing or malformed files, with the
-   line), and on a local scheduler checks ``device: cuda`` against this host's GPUs;
+   line), puts the first batch through the collate function against the model's forward,
+   checks the model's remote calls against the servers the job starts, and on a local scheduler
+   ``device: cuda`` against this host's GPUs (:mod:`distopt.job.preflight`);
 3. writes the resolved config, run id included, to ``<output_dir>/<run_id>/job.yaml`` and runs
    the TorchX component for the job's shape (:data:`COMPONENTS`) on it with TorchX's Runner
    (:func:`distopt.launch.schedulers.get_runner`: TorchX's schedulers and distopt's Ray one). Scheduler options come from ``**cfg`` over ``.torchxconfig``
@@ -25,18 +28,23 @@ workspace (``local_cwd``, Ray's working directory) or a shared filesystem (Slurm
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import secrets
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 import yaml
 
 from distopt.config import load_config, to_dict
 from distopt.errors import ConfigError
 from distopt.job.config import JobConfig
+
+if TYPE_CHECKING:
+    from distopt.job.watch import Failure
 
 COMPONENTS = {"ps": "distopt.ps_job", "ddp": "distopt.ddp", "fsdp": "distopt.fsdp"}
 """The TorchX component that runs each shape of job: with parameter servers, or trainers only
@@ -73,6 +81,27 @@ class Launched:
             return None
         return self.runner.wait(self.handle, wait_interval=interval_s)
 
+    def stream(self, role: str = "trainer", replica: int = 0, file: TextIO | None = None) -> threading.Thread:
+        """Print the log of ``role``'s replica ``replica`` as it comes (default: trainer 0's
+        progress) on a thread that ends with the job: join it after :meth:`wait`."""
+        from distopt.job.watch import stream
+
+        if self.handle is None:
+            raise ConfigError("stream: a dry run has no logs")
+        return stream(self.runner, self.handle, role=role, replica=replica, file=file)
+
+    def failure(self, status: Any = None) -> Failure | None:
+        """Which process of a failed job failed first, its exit code, its error and the end of
+        its log (:mod:`distopt.job.watch`); ``None`` for a job that did not fail."""
+        from torchx.specs import AppState
+
+        from distopt.job.watch import failure
+
+        status = status if status is not None else self.status()
+        if self.handle is None or status is None or status.state != AppState.FAILED:
+            return None
+        return failure(self.runner, self.handle, status)
+
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
@@ -85,41 +114,52 @@ class Launched:
         self.close()
 
 
-def _build_model(config: JobConfig) -> Any:
-    """The job's model on the meta device (no memory, no initialization), else on the CPU."""
-    import torch
+@dataclasses.dataclass(kw_only=True, slots=True)
+class CheckedJob:
+    """What :func:`check_job` found: the model as built, the servers the job starts and where
+    its replicas import the job's own code from."""
 
-    from distopt import models
-
-    try:
-        with torch.device("meta"):
-            return models.build(config.model_name, **config.model_kwargs)
-    except ConfigError:
-        raise
-    except Exception:  # a factory that needs real tensors to build
-        return models.build(config.model_name, **config.model_kwargs)
+    model: Any
+    """On the meta device when its factory builds there."""
+    num_ps: int
+    python_path: list[str]
+    """Directories for the replicas' ``PYTHONPATH`` (:func:`distopt.job.preflight.import_roots`)."""
 
 
-def check_job(config: JobConfig, *, local: bool = True) -> Any:
-    """What a job needs before it is scheduled: the model builds, its data opens (files read and
-    validated), TensorBoard is importable when on, and (``local``) a GPU for ``device: cuda``.
-    Returns the model (on the meta device when it builds there)."""
+def check_job(config: JobConfig, *, local: bool = True, num_trainers: int = 2,
+              num_ps: int | None = None) -> CheckedJob:
+    """What a job needs before it is scheduled (:mod:`distopt.job.preflight`): the model builds,
+    its data opens (files read and validated) and its first batch fits the model's forward, the
+    model's remote calls have servers to go to, TensorBoard is importable when on, and
+    (``local``) a GPU for ``device: cuda``. ``num_ps`` ``None``: 1 when the model has
+    ``ps_tables()``, else 0."""
+    from distopt.data import build_data
+    from distopt.job import preflight
+
+    if num_trainers < 1:
+        raise ConfigError(f"num_trainers: expected an integer >= 1, got {num_trainers!r}")
+    if num_ps is not None and num_ps < 0:
+        raise ConfigError(f"num_ps: expected an integer >= 0, got {num_ps!r}")
     if local:
         from distopt.job.device import resolve_device
 
         resolve_device(config.device)
-    model = _build_model(config)
-    from distopt.data import build_data
-
-    build_data(config.data, model_name=config.model_name, model=model,
-               batch_size=config.batch_size, seed=config.seed)
+    model = preflight.build_model(config)
+    if num_ps is None:
+        num_ps = 1 if callable(getattr(model, "ps_tables", None)) else 0
+    source = build_data(config.data, model_name=config.model_name, model=model,
+                        batch_size=config.batch_size, seed=config.seed)
+    preflight.check_first_batch(source, model, config, num_trainers=num_trainers)
+    calls = preflight.remote_calls(model, config)
+    preflight.check_remote_calls(model, config, calls, num_ps=num_ps, num_trainers=num_trainers)
     if config.tensorboard:
         try:
             import torch.utils.tensorboard  # noqa: F401
         except ImportError as err:
             raise ConfigError(f"tensorboard: torch.utils.tensorboard is unavailable ({err}); "
                               "install the tensorboard package or set tensorboard: false") from None
-    return model
+    roots = preflight.import_roots(preflight.user_modules(model, config, calls or ()))
+    return CheckedJob(model=model, num_ps=num_ps, python_path=roots)
 
 
 def _write_config(config: JobConfig, run_dir: Path) -> Path:
@@ -175,35 +215,45 @@ def launch(
             With ``device: cuda`` and neither ``gpu`` nor ``h`` given, each trainer gets one GPU.
         dryrun: build the request without submitting it (``Launched.dryrun``).
         **cfg: scheduler options (``log_dir`` for local_cwd; ``partition``, ``account`` for slurm;
-            ``dashboard_address`` for ray), over those of ``.torchxconfig``.
+            ``dashboard_address`` for ray), over those of ``.torchxconfig``. On ``local_cwd``
+            replica logs go to ``<run_dir>/logs`` unless ``log_dir`` says otherwise.
     """
     if isinstance(config, JobConfig):
         job = load_config(JobConfig, _scratch_yaml(config), list(overrides))
     else:
         job = load_config(JobConfig, Path(config), list(overrides))
-    if num_trainers < 1:
-        raise ConfigError(f"num_trainers: expected an integer >= 1, got {num_trainers!r}")
-    model = check_job(job, local=scheduler in LOCAL_SCHEDULERS)
-    if num_ps is None:
-        num_ps = 1 if callable(getattr(model, "ps_tables", None)) else 0
-    if num_ps < 0:
-        raise ConfigError(f"num_ps: expected an integer >= 0, got {num_ps!r}")
     from torchx.runner import config as torchx_config
 
     from distopt.launch.schedulers import apply_torchxconfig, get_runner
 
     runner = get_runner(component_defaults=torchx_config.load_sections("component", [os.getcwd()]))
-    options: dict[str, Any] = dict(cfg)
-    _check_options(runner, scheduler, options)  # what the caller gave
+    try:
+        options = scheduler_options(runner, scheduler, cfg)  # what the caller gave
+        checked = check_job(job, local=scheduler in LOCAL_SCHEDULERS, num_trainers=num_trainers,
+                            num_ps=num_ps)
+    except BaseException:
+        runner.close()
+        raise
+    num_ps = checked.num_ps
     apply_torchxconfig(runner, scheduler, options, [os.getcwd()])
 
     run_id = run_id or job.run_id or f"{job.variant}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
     job = dataclasses.replace(job, run_id=run_id)
     run_dir = Path(job.output_dir) / run_id
+    if scheduler == "local_cwd" and not options.get("log_dir"):
+        # Without one, local_cwd logs to a temporary directory it deletes when the runner closes.
+        options["log_dir"] = str((run_dir / "logs").resolve())
     kind = "ps" if num_ps else ("fsdp" if job.parallel == "fsdp" else "ddp")
     component = COMPONENTS[kind]
-    args = _component_args(kind, _write_config(job, run_dir), num_trainers, num_ps,
-                           component_args or {}, device=job.device)
+    extra = dict(component_args or {})
+    if checked.python_path:
+        # The job's own code imports in the replicas from where it imported here.
+        env = dict(extra.get("env") or {})
+        inherited = env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = os.pathsep.join([*checked.python_path, *filter(None, [inherited])])
+        extra["env"] = env
+    args = _component_args(kind, _write_config(job, run_dir), num_trainers, num_ps, extra,
+                           device=job.device)
     launched = Launched(handle=None, run_id=run_id, run_dir=run_dir, component=component,
                         args=args, runner=runner)
     try:
@@ -218,18 +268,32 @@ def launch(
     return launched
 
 
-def _check_options(runner: Any, scheduler: str, options: Mapping[str, Any]) -> None:
-    """Unknown schedulers and scheduler options are errors (TorchX would ignore the options)."""
+def scheduler_options(runner: Any, scheduler: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """``cfg`` checked against ``scheduler``'s run options, string values typed as TorchX types them.
+
+    The one check of scheduler options, for :func:`launch` and ``distopt launch --cfg`` alike
+    (the CLI only splits its string): an unknown scheduler or option is a one-line error, where
+    TorchX's ``runopts.cfg_from_str`` would drop an unknown option without a word.
+    """
     if scheduler not in runner.scheduler_backends():
-        runner.close()
         known = ", ".join(sorted(runner.scheduler_backends()))
         raise ConfigError(f"scheduler: unknown TorchX scheduler {scheduler!r} (known: {known})")
-    known_options = {name for name, _ in runner.scheduler_run_opts(scheduler)}
-    for key in options:
+    run_opts = runner.scheduler_run_opts(scheduler)
+    known_options = sorted(name for name, _ in run_opts)
+    typed: dict[str, Any] = {}
+    for key, value in cfg.items():
         if key not in known_options:
-            runner.close()
+            close = difflib.get_close_matches(key, known_options, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
             raise ConfigError(f"cfg.{key}: not an option of the {scheduler} scheduler "
-                              f"(known: {', '.join(sorted(known_options))})")
+                              f"(known: {', '.join(known_options)}){hint}")
+        if isinstance(value, str) and run_opts.get(key).opt_type is not str:
+            try:
+                value = run_opts.cfg_from_str(f"{key}={value}")[key]
+            except (TypeError, ValueError) as err:
+                raise ConfigError(f"cfg.{key}: {err}") from None
+        typed[key] = value
+    return typed
 
 
 def _scratch_yaml(config: JobConfig) -> Path:
@@ -241,4 +305,4 @@ def _scratch_yaml(config: JobConfig) -> Path:
     return path
 
 
-__all__ = ["COMPONENTS", "LOCAL_SCHEDULERS", "Launched", "check_job", "launch"]
+__all__ = ["COMPONENTS", "LOCAL_SCHEDULERS", "CheckedJob", "Launched", "check_job", "launch", "scheduler_options"]

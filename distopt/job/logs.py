@@ -46,4 +46,21 @@ def configure(role: str, rank: int, *, level: int | None = None) -> logging.Logg
     return logger
 
 
-__all__ = ["LEVELS", "configure", "log_level"]
+def record_failure(err: BaseException) -> None:
+    """Record why this process failed in torchelastic's error file (``$TORCHELASTIC_ERROR_FILE``,
+    set by TorchX and torchrun for each process), unless it holds a record already.
+
+    Call it the moment the process fails, before it tells the others (aborting the servers): the
+    launcher takes the process whose error file was written first for the one that failed first
+    (TorchX's ``structured_error_msg``, :mod:`distopt.job.watch`), and a later call for the same
+    failure must not move that time.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+    get_error_handler().record_exception(err)
+
+
+__all__ = ["LEVELS", "configure", "log_level", "record_failure"]

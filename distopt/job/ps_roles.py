@@ -35,6 +35,7 @@ from distopt import models
 from distopt.errors import ConfigError
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
+from distopt.job.logs import record_failure
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables, server_name
 from distopt.rendezvous import StorePlan
 
@@ -140,6 +141,7 @@ def _rpc_servers(env: JobEnv, options: ServerOptions, *, gloo: bool) -> Iterator
     try:
         yield
     except BaseException as err:
+        record_failure(err)
         ps.abort(f"trainer {env.rank} failed: {type(err).__name__}: {err}")
         raise
     ps.shutdown()

@@ -46,6 +46,7 @@ from distopt.errors import ConfigError, DistoptError, RemoteCallError
 from distopt.job.config import JobConfig
 from distopt.job.dist import store_plan
 from distopt.job.env import JobEnv
+from distopt.job.logs import record_failure
 from distopt.ps.spec import ServerOptions, check_tables, trainer_name
 from distopt.rendezvous import StorePlan
 
@@ -68,6 +69,7 @@ def actor_servers(config: JobConfig, env: JobEnv, options: ServerOptions, *, glo
             if gloo:
                 dist.barrier()  # no trainer calls the actors any more
         except BaseException as err:
+            record_failure(err)
             ps.abort(f"trainer {env.rank} failed: {type(err).__name__}: {err}")  # leaves gloo too
             raise
         else:

@@ -46,6 +46,7 @@ from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
 from distopt.passes.remote.nodes import remote_ops
 from distopt.pipeline import Prefetcher, check_pipelined, provided
+from distopt.rendezvous import collective
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,8 @@ def resolve_run_id(config: JobConfig, env: JobEnv) -> str:
         return env.run_id
     chosen = [f"{config.variant}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"]
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(chosen, src=0)
+        with collective("the run id chosen by trainer 0", me=f"trainer {env.rank}"):
+            dist.broadcast_object_list(chosen, src=0)
     return chosen[0]
 
 
@@ -343,7 +345,7 @@ def train(
                         checkpoint.prune(checkpoint_dir, keep=config.keep_checkpoints)
                 tick = time.perf_counter()
     except RuntimeError as err:
-        raise peer_lost(err, env) or err from None
+        raise peer_lost(err, env, step=agree.step) or err from None
     finally:
         if prefetcher is not None:
             prefetcher.close()
@@ -359,17 +361,25 @@ def train(
     )
 
 
-def peer_lost(err: RuntimeError, env: JobEnv) -> RemoteCallError | None:
-    """gloo's error when another trainer died mid-collective, as a one-line error naming it."""
-    text = str(err)
-    if "Connection closed by peer" not in text and "Connection reset by peer" not in text:
-        return None
+def peer_lost(err: RuntimeError, env: JobEnv, *, step: int | None = None) -> RemoteCallError | None:
+    """gloo's error when another trainer died mid-collective, or did not reach it within the
+    trainers' group timeout, as a one-line error naming it (``None``: another error)."""
+    from distopt.rendezvous import collective_error
+
     who = f"trainer {1 - env.rank}" if env.num_trainers == 2 else "another trainer"
+    at = f" at step {step + 1}" if step is not None else ""
+    named = collective_error(err, f"a collective of the training loop{at}", me=f"trainer {env.rank}",
+                             peers="trainers")
+    if named is None:
+        return None
+    text = str(err)
     first = text.strip().splitlines()[0]
-    return RemoteCallError(
-        f"trainer {env.rank}: {who} left the trainers' process group (exited or was killed) "
-        f"during a collective: {first}"
-    )
+    if "Connection closed by peer" in text or "Connection reset by peer" in text:
+        return RemoteCallError(
+            f"trainer {env.rank}: {who} left the trainers' process group (exited or was killed) "
+            f"during a collective{at}: {first}"
+        )
+    return named
 
 
 def _state_module(

@@ -285,12 +285,19 @@ def _torchrun_role(
         name="trainer",
         image=image,
         entrypoint="bash",
-        args=["-c", f"exec {script}"],
+        args=["-c", f"{_omp_default(nproc_per_node)}exec {script}"],
         num_replicas=nnodes,
         resource=resource,
         env=role_env,
         max_retries=max_retries,
     )
+
+
+def _omp_default(nproc_per_node: int) -> str:
+    """torchrun sets ``OMP_NUM_THREADS=1`` when it starts several processes on a node without one,
+    and prints a banner saying so: the same default, set before it (a value the environment has
+    stays), keeps the replica's log quiet."""
+    return 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"; ' if nproc_per_node > 1 else ""
 
 
 def _shell(

@@ -12,8 +12,11 @@ A model module in this package registers a factory (a function or an ``nn.Module
 and jobs call ``build("mlp", **model_kwargs)``. Every module of ``distopt.models`` is imported the
 first time the registry is consulted, so adding a file is enough. A name of the form
 ``package.module:factory`` builds a user's factory without registering it (imported as
-:mod:`distopt.user_code` says); such a factory returns the module, or ``(module, example_inputs)``
-as ``distopt explain`` takes it.
+:mod:`distopt.user_code` says): a function (or class) taking ``model_kwargs`` and returning the
+module, or ``(module, example_inputs)`` as ``distopt explain`` takes it. Every process of a job
+calls it, the parameter servers too (to ask ``ps_tables()``), so it makes no remote call itself;
+what a model that makes remote calls needs (``ps_tables()``, module-level functions sent to the
+servers) is checked by ``distopt launch`` before anything is scheduled (:mod:`distopt.job.preflight`).
 
 Synthetic inputs: :func:`make_inputs` asks the registration's ``inputs`` function, else the
 example inputs the factory returned with the module, else the model's

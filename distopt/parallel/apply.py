@@ -92,12 +92,32 @@ def apply_fsdp1(
     )
 
 
-def apply_ddp(root: nn.Module, *, process_group: object | None = None, bucket_cap_mb: float | None = None) -> nn.Module:
-    """``DistributedDataParallel`` over the whole (optimized) module."""
-    from torch.nn.parallel import DistributedDataParallel
+def apply_ddp(root: nn.Module, *, process_group: ProcessGroup | None = None,
+              bucket_cap_mb: float | None = None) -> nn.Module:
+    """DDP as a composable API (``replicate``, as torchtitan's ``apply_ddp``): gradient all-reduce
+    hooks on ``root`` itself rather than a ``DistributedDataParallel`` wrapper, so the module keeps
+    its parameter names and ``state_dict`` keys (no ``module.`` prefix), like FSDP2's
+    ``fully_shard``; ``set_requires_gradient_sync(False)`` skips the all-reduce as on FSDP2.
 
-    kwargs: dict[str, Any] = {} if bucket_cap_mb is None else {"bucket_cap_mb": bucket_cap_mb}
-    return DistributedDataParallel(root, process_group=process_group, **kwargs)
+    DDP itself is built at the first forward. Its process group is kept alive until exit
+    (:func:`distopt.rendezvous.keep_group`): a gloo group whose last reference is DDP's reducer can
+    hang the process at ``destroy_process_group()`` or exit.
+    """
+    import torch.distributed as dist
+    from torch.distributed._composable.replicate import replicate
+
+    from distopt.rendezvous import keep_group
+
+    kwargs: dict[str, Any] = {}
+    if process_group is not None:
+        kwargs["process_group"] = process_group
+    if bucket_cap_mb is not None:
+        kwargs["bucket_cap_mb"] = bucket_cap_mb
+    device = _device_of(root)
+    if device is not None and device.type == "cuda":
+        kwargs["device_id"] = device
+    keep_group(process_group if process_group is not None else dist.distributed_c10d._get_default_group())
+    return replicate(root, **kwargs)
 
 
 def _device_of(module: nn.Module) -> torch.device | None:

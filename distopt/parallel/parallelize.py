@@ -17,6 +17,7 @@ from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_f
 from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
 from distopt.parallel.units import agree_across_ranks, materialize_units, plan_of, unit_modules
 from distopt.passes import resolve_pipeline
+from distopt.rendezvous import collective
 from distopt.report import OptimizeReport, ParallelRecord, attach, report_of
 
 Strategy = Literal["ddp", "fsdp", "fsdp1"]
@@ -120,7 +121,10 @@ def parallelize(
 
     Call it on every rank after ``torch.distributed.init_process_group``. FSDP and DDP change
     the model's parameters in place (sharding, broadcast), so keep no other reference for
-    training. ``state_dict()`` of the result has the original model's keys.
+    training. ``state_dict()`` of the result has the original model's keys, for every strategy
+    (DDP is applied as torch's composable ``replicate``, which adds no ``module.`` prefix).
+    The collectives ``parallelize`` itself runs (agreeing on rank 0's partition, timing the
+    group) wait at most the group's timeout and fail in one line naming the rank and the step.
 
     Args:
         model: the training model.
@@ -133,6 +137,7 @@ def parallelize(
     from distopt.optimize import optimize
 
     cfg = _config(strategy, config, overrides)
+    _check_group(mesh, process_group)
     timing = ParallelRecord(strategy=cfg.strategy)
     start = time.perf_counter()
     needs_units = cfg.strategy in ("fsdp", "fsdp1") or (cfg.compile and cfg.strategy != "ddp")
@@ -159,7 +164,8 @@ def parallelize(
     units: list[nn.Module] = []
     if needs_units:
         if isinstance(optimized, torch.fx.GraphModule) and plan_of(optimized) is not None:
-            agree_across_ranks(optimized)
+            with collective("distopt.parallelize (rank 0's partition, sent to every rank)"):
+                agree_across_ranks(optimized)
             root = materialize_units(optimized)
             units = unit_modules(root)
         else:
@@ -199,6 +205,20 @@ def parallelize(
     return result
 
 
+def _check_group(mesh: Any, process_group: Any) -> None:
+    """Without a group, DDP and FSDP fail deep inside with torch's ``env://`` rendezvous error."""
+    import torch.distributed as dist
+
+    if mesh is not None or process_group is not None:
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "parallelize: no torch.distributed process group in this process: call "
+            "torch.distributed.init_process_group() on every rank first (e.g. a script launched "
+            "with torchrun --nproc-per-node N), or pass process_group= (DDP, FSDP1) or mesh= (FSDP2)"
+        )
+
+
 def _min_unit_bytes(cfg: ParallelizeConfig) -> int:
     """The configured minimum, else the one the measured α–β model of the group gives (every rank
     agrees on one model: see :func:`distopt.collectives.alpha_beta`)."""
@@ -206,7 +226,8 @@ def _min_unit_bytes(cfg: ParallelizeConfig) -> int:
         return cfg.min_unit_bytes
     from distopt.collectives import alpha_beta, min_unit_bytes
 
-    return min_unit_bytes(alpha_beta(cache_dir=cfg.cache_dir))
+    with collective("distopt.parallelize (timing all-gather and reduce-scatter for fuse_units)"):
+        return min_unit_bytes(alpha_beta(cache_dir=cfg.cache_dir))
 
 
 def _world_size(mesh: Any) -> int:

@@ -13,6 +13,8 @@ in the original order::
 
 from __future__ import annotations
 
+import copy
+import operator
 from typing import Any
 
 import torch
@@ -56,12 +58,15 @@ def materialize_units(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A GraphModule whose children ``submod_<i>`` are the partition's units (shared parameters)."""
     if plan_of(gm) is None:
         raise ConfigError(f"{type(gm).__name__}: no partition to materialize (run the 'partition' pass)")
+    # Cut a copy: moving views across units (below) must not change the caller's graph.
+    work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), type(gm).__name__)
     assign: dict[torch.fx.Node, int] = {}
     previous = 0
-    for node in gm.graph.nodes:
+    for node in work.graph.nodes:
         if node.op not in ("placeholder", "output"):
             previous = assign[node] = unit_of(node, previous)
-    split = split_module(gm, gm, lambda node: assign[node], keep_original_order=True)
+    _views_where_used(work, assign)
+    split = split_module(work, work, lambda node: assign[node], keep_original_order=True)
     original = {id(t): k for k, t in gm.state_dict(keep_vars=True).items()}
     key_map: dict[str, str] = {}
     unit_names: list[str] = []
@@ -87,6 +92,67 @@ def materialize_units(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     split.meta[PLAN_META] = plan_of(gm)
     split.meta[UNITS_META] = unit_names
     return split
+
+
+_VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "squeeze", "unsqueeze",
+    "flatten", "unflatten", "expand", "expand_as", "narrow", "select", "split", "chunk", "unbind",
+    "t", "movedim", "swapaxes", "diagonal", "as_strided", "detach",
+})
+_VIEW_FUNCTIONS = frozenset({
+    torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.flatten,
+    torch.narrow, torch.select, torch.split, torch.chunk, torch.unbind, torch.t, torch.movedim,
+    torch.swapaxes, torch.diagonal, torch.as_strided, torch.detach, operator.getitem,
+})
+_VIEW_MODULES = (nn.Flatten, nn.Unflatten)
+
+
+def _is_view(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` returns (or may return) a view of its input: known aliasing torch
+    functions, tensor methods and modules."""
+    if node.op == "call_method":
+        return node.target in _VIEW_METHODS
+    if node.op == "call_function":
+        return node.target in _VIEW_FUNCTIONS
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), _VIEW_MODULES)
+    return False
+
+
+def _views_where_used(gm: torch.fx.GraphModule, assign: dict[torch.fx.Node, int]) -> None:
+    """Compute a view in each later unit that uses it, never at the end of the unit before.
+
+    A unit returning a view makes FSDP2 warn that an in-place op on it would skip the unit's
+    pre-backward hook ("returned a view tensor ... wrong gradients"); the cut, not the model,
+    put the view on a unit boundary. Views cost nothing, so each consuming unit recomputes it
+    from its base (numerics unchanged); a chain of views moves whole, the base of a parameter
+    stays where the parameter is.
+    """
+    graph = gm.graph
+    position: dict[torch.fx.Node, float] = {n: float(i) for i, n in enumerate(graph.nodes)}
+    for node in reversed(list(graph.nodes)):
+        if node.op in ("placeholder", "output") or not _is_view(gm, node):
+            continue
+        if any(a.op == "get_attr" for a in node.all_input_nodes):
+            continue
+        home = assign[node]
+        by_unit: dict[int, list[torch.fx.Node]] = {}
+        for user in node.users:
+            if user.op != "output" and assign[user] != home:
+                by_unit.setdefault(assign[user], []).append(user)
+        for unit, users in by_unit.items():
+            first = min(users, key=position.__getitem__)
+            with graph.inserting_before(first):
+                copy_ = graph.node_copy(node)
+            assign[copy_] = unit
+            position[copy_] = position[first] - 0.5
+            for user in users:
+                user.replace_input_with(node, copy_)
+        if not node.users:
+            graph.erase_node(node)
+            del assign[node]
+    graph.lint()
+    gm.recompile()
 
 
 def unit_modules(split: nn.Module) -> list[nn.Module]:

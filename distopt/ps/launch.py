@@ -44,7 +44,6 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
 from distopt import rendezvous
@@ -303,11 +302,8 @@ def shutdown(*, graceful: bool = True) -> None:
                     bye.wait()
     finally:
         client.disconnect()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        if rpc.api._is_current_rpc_agent_set():
-            # Never the graceful store barrier: see distopt.ps.server.serve.
-            rpc.shutdown(graceful=False)
+        rendezvous.leave_gloo()
+        rendezvous.leave_rpc(me=membership.name if membership else "trainer", graceful=graceful)
     if graceful and membership is not None:
         job = membership.job
         rendezvous.leave(job.plan, me=membership.name, timeout_s=job.options.start_timeout_s)

@@ -292,7 +292,6 @@ def ps_server_set_latency(latency_ms: float) -> float:
 def serve(config: dict[str, Any]) -> None:
     """Join the RPC group as a parameter server and serve until every trainer is done."""
     global _STATE
-    import torch.distributed.rpc as rpc
 
     from distopt import rendezvous
 
@@ -316,12 +315,9 @@ def serve(config: dict[str, Any]) -> None:
             transport=options, timeout_s=options.join_timeout_s,
         )  # fmt: skip
         watch_trainers(_STATE, options.trainer_timeout_s)
-        # Serve until every trainer said it is done. Not rpc.shutdown(graceful=True): its store
-        # barrier uses a process-wide counter in torch that a trainer joining its second job no
-        # longer agrees on, which stalls shutdown until the store timeout.
+        # Serve until every trainer said it is done, then leave together with them.
         _STATE.stop.wait()
-        time.sleep(0.2)  # let the reply to the last trainer_done leave before the pipes close
-        rpc.shutdown(graceful=False)
+        rendezvous.leave_rpc(me=name, graceful=True)
         # Trainers mark themselves left in the RPC store after leaving the group: a hosting server
         # keeps the stores up until they have (bounded, in case one died after saying it was done).
         late = hosted.wait_until_left(trainers, timeout_s=options.rpc_timeout_s)

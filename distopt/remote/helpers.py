@@ -150,6 +150,11 @@ def _user_function(fn: types.FunctionType) -> bool:
     )
 
 
+def is_rpc_helper(fn: Any) -> bool:
+    """Whether ``fn`` is a helper :func:`declare_helpers` found wrapping a blocking RPC."""
+    return id(fn) in _DECLARED and _DECLARED[id(fn)] is fn
+
+
 def declare_helpers(namespaces: Sequence[dict[str, Any]]) -> list[Any]:
     """Register every blocking-RPC helper found in ``namespaces`` (once per function); returns them."""
     found = []

@@ -21,7 +21,7 @@ DLRM = ROOT / "configs" / "jobs" / "dlrm_criteo.yaml"
 
 @pytest.fixture(scope="module")
 def clicks(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_criteo(tmp_path_factory.mktemp("data") / "clicks.tsv", num_samples=200, seed=0)
+    return write_criteo(tmp_path_factory.mktemp("data") / "clicks.tsv", num_samples=1200, seed=0)
 
 
 def _launch(tmp_path: Path, *overrides: str, scheduler: str = "local_cwd", **cfg: object):
