@@ -87,7 +87,8 @@ def remote_to_here(
     return rpc.remote(to, func, args, kwargs, timeout).to_here()
 
 
-def _to_here(rref: Any) -> Any:
+def wait_rref(rref: Any) -> Any:
+    """The wait of an ``rpc.remote`` issue: ``rref.to_here()`` (``pair_user_waits`` knows it)."""
     return rref.to_here()
 
 
@@ -239,13 +240,13 @@ def _register() -> None:
         aliases=[(ns, "rpc_sync") for ns in places],
     )  # fmt: skip
     register_remote(
-        remote_to_here, issue=rpc.remote, wait=_to_here, effect=rpc_effect, resource=rpc_resource,
+        remote_to_here, issue=rpc.remote, wait=wait_rref, effect=rpc_effect, resource=rpc_resource,
     )  # fmt: skip
     register_remote(
         rref_call, issue=rref_call_async, effect=_rref_call_effect, resource=_rref_call_resource,
     )  # fmt: skip
     register_remote(
-        rref_call_to_here, issue=rref_call_remote, wait=_to_here, effect=_rref_call_effect,
+        rref_call_to_here, issue=rref_call_remote, wait=wait_rref, effect=_rref_call_effect,
         resource=_rref_call_resource,
     )  # fmt: skip
     register_remote(
