@@ -163,7 +163,7 @@ def measure(bench: DataLoadingConfig) -> dict[str, Any]:
     """Run the interleaved rounds; the results as plain data."""
     import distopt.ps as ps
     from distopt.data.generate import write_criteo
-    from distopt.job.ps_roles import job_tables
+    from distopt.job.ps_setup import job_tables
 
     out = Path(bench.output_dir)
     clicks = write_criteo(out / "clicks.tsv", num_samples=bench.samples, seed=0)

@@ -14,7 +14,7 @@ both give the same value, ties included.
 
 The model runs in eval mode under ``torch.no_grad`` and every module's training flag is restored
 afterwards. Parameter-server models need nothing more: fetches made without grad mode are not
-recorded for pushing (:mod:`distopt.ps.context`). A model whose forward is collective (FSDP
+recorded for pushing (:mod:`distopt.ps.client.context`). A model whose forward is collective (FSDP
 gathers parameters in it) needs ``lockstep``: shards differ by up to one batch, so trainers agree
 before each batch whether any still has one, and a trainer that has run out repeats its last
 batch uncounted until all have.

@@ -43,6 +43,7 @@ from distopt.job.recovery import Agreement
 from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
 from distopt.pipeline import Prefetcher, check_pipelined, provided
+from distopt.ps.client import calls as ps_calls
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,7 @@ def train(
                                   batch_size=config.batch_size, seed=config.seed)
     keep = job_device.host_inputs(model)
     model.to(device)
-    if ps.client.is_connected():
+    if ps_calls.is_connected():
         ps.set_device(device)  # fetched rows land next to the dense parameters
 
     checkpoint_dir = Path(config.checkpoint_dir or Path(config.output_dir) / run_id / "checkpoints")
@@ -270,7 +271,7 @@ def train(
     eval_model = trained.module if isinstance(trained, nn.parallel.DistributedDataParallel) else trained
     eval_loader = source.eval_loader(rank=env.rank, world_size=env.num_trainers,
                                      batch_size=config.eval.batch_size or config.batch_size)
-    waits = ps.client.is_connected()
+    waits = ps_calls.is_connected()
     saved_paths: list[Path] = []
     loss_value = float("nan")
     evaluation: EvalResult | None = None

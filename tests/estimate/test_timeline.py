@@ -97,7 +97,7 @@ def test_the_staleness_to_hide_is_the_least_whose_window_covers_the_latency() ->
 
 
 def test_a_read_waits_for_the_previous_push_so_a_long_latency_shrinks_the_window() -> None:
-    """A table's prefetch leaves once the previous step's push is done (distopt.ps.ordering)."""
+    """A table's prefetch leaves once the previous step's push is done (distopt.ps.client.ordering)."""
     import dataclasses
 
     from distopt.estimate.predict import (

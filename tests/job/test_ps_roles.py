@@ -7,7 +7,8 @@ import pytest
 from distopt.errors import ConfigError
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
-from distopt.job.ps_roles import serve, server_options, store_plan
+from distopt.job.ps_roles import serve
+from distopt.job.ps_setup import server_options, store_plan
 from distopt.ps.spec import ServerOptions
 
 _ENV = {

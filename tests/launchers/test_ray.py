@@ -145,7 +145,7 @@ def test_the_head_runs_actors_at_its_own_priority() -> None:
     try:
         script = (
             "import os, ray\n"
-            "from distopt.ps.ray_cluster import single_host\n"
+            "from distopt.ps.cluster.ray_placement import single_host\n"
             "single_host()\n"
             f"ray.init(address={head.gcs_address!r}, log_to_driver=False)\n"
             "@ray.remote\n"

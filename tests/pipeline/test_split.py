@@ -113,4 +113,4 @@ def test_explain_shows_the_prefetch_stage_next_to_the_main_stage(server) -> None
     text = distopt.explain(main)
     assert "pipeline: 1 read(s) prefetched a step ahead" in text
     assert "slot 0: fetch_batched: " in text and "ps.fetch(self.tables[k], sparse[k])" in text
-    assert "prefetch stage:" in text and "distopt_ps_registration_fetch_batched" in text
+    assert "prefetch stage:" in text and "distopt_ps_client_registration_fetch_batched" in text

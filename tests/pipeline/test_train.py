@@ -10,6 +10,7 @@ import distopt.ps as ps
 from distopt.errors import ConfigError
 from distopt.models.dlrm import dlrm_loss, make_batch
 from distopt.pipeline import TrainPipeline
+from distopt.ps.client import calls
 from tests.pipeline.conftest import CONFIG, bitwise_equal, optimized_dlrm
 
 STEPS = 8
@@ -90,7 +91,7 @@ def test_deterministic_stale_runs_repeat_bitwise_and_pushes_are_ordered_again_af
     assert bitwise_equal(ps.state_dict(), first_tables)
     assert pipe.stats.staleness_max == 1 == first.stats.staleness_max
     _pipelined(server, staleness=1)  # relaxed: pushes may overtake each other while it runs
-    assert ps.client.set_stale_pushes(False) is False  # and the issue order is back after it
+    assert calls.set_stale_pushes(False) is False  # and the issue order is back after it
 
 
 def test_the_data_ends_cleanly_between_steps(server) -> None:

@@ -12,9 +12,10 @@ import torch.distributed.rpc as rpc
 import distopt.ps as ps
 from distopt.capture import DistoptTracer
 from distopt.errors import ConfigError, RemoteCallError
-from distopt.ps.server import ps_server_fetch, ps_server_set_latency
+from distopt.ps.client import calls, context, ordering
+from distopt.ps.server.table import ShardTable, initial_rows
 from distopt.ps.spec import ServerOptions, TableSpec
-from distopt.ps.table import ShardTable, initial_rows
+from distopt.ps.transport.rpc import HANDLERS
 from distopt.remote import effect_of, lookup
 
 pytestmark = pytest.mark.slow
@@ -95,16 +96,16 @@ def test_a_stale_read_sees_earlier_pushes_and_does_not_hold_back_later_ones(job:
     with torch.no_grad():
         before = ps.fetch("stale")
     ps.push_async("stale", torch.tensor([1, 3]), torch.ones(2, 2), lr=1.0)  # in flight, 20 ms
-    rpc.rpc_sync("ps1", ps_server_set_latency, args=(1000.0,))
+    rpc.rpc_sync("ps1", HANDLERS["set_latency"], args=(1000.0,))
     try:
-        with ps.ordering.stale_reads() if stale else contextlib.nullcontext(), torch.no_grad():
+        with ordering.stale_reads() if stale else contextlib.nullcontext(), torch.no_grad():
             read = ps.fetch_async("stale", torch.tensor([1, 3]))
         push = ps.push_async("stale", torch.tensor([0, 2]), torch.ones(2, 2), lr=1.0)
         ps.wait(push)
         assert read.done() is not stale  # exact reads hold the push back; stale ones do not
         rows = read.wait()
     finally:
-        rpc.rpc_sync("ps1", ps_server_set_latency, args=(20.0,))
+        rpc.rpc_sync("ps1", HANDLERS["set_latency"], args=(20.0,))
     torch.testing.assert_close(rows, before[[1, 3]] - 1)  # the push issued before it is seen
     with torch.no_grad():
         torch.testing.assert_close(ps.fetch("stale"), before - torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0])[:, None])
@@ -114,8 +115,8 @@ def test_a_stale_read_sees_earlier_pushes_and_does_not_hold_back_later_ones(job:
 def test_stale_pushes_overtake_earlier_pushes_and_fetches_still_see_all(job: ps.PSJob, stale: bool) -> None:
     with torch.no_grad():
         before = ps.fetch("stale")
-    rpc.rpc_sync("ps1", ps_server_set_latency, args=(1000.0,))
-    previous = ps.client.set_stale_pushes(stale)
+    rpc.rpc_sync("ps1", HANDLERS["set_latency"], args=(1000.0,))
+    previous = calls.set_stale_pushes(stale)
     try:
         slow = ps.push_async("stale", torch.tensor([1, 3]), torch.ones(2, 2), lr=1.0)  # ps1: 1 s
         fast = ps.push_async("stale", torch.tensor([0, 2]), torch.ones(2, 2), lr=1.0)
@@ -124,15 +125,15 @@ def test_stale_pushes_overtake_earlier_pushes_and_fetches_still_see_all(job: ps.
         with torch.no_grad():
             after = ps.fetch("stale", torch.tensor([0, 1, 2, 3]))  # waits for both pushes
     finally:
-        ps.client.set_stale_pushes(previous)
-        rpc.rpc_sync("ps1", ps_server_set_latency, args=(20.0,))
+        calls.set_stale_pushes(previous)
+        rpc.rpc_sync("ps1", HANDLERS["set_latency"], args=(20.0,))
     torch.testing.assert_close(after, before[:4] - 1)
 
 
 @pytest.mark.parametrize("stale", [False, True])
 def test_a_failed_push_fails_every_later_operation_of_its_table(job: ps.PSJob, stale: bool) -> None:
     """Even after the failure is known (done), and in stale mode: the table's state is unknown."""
-    previous = ps.client.set_stale_pushes(stale)
+    previous = calls.set_stale_pushes(stale)
     try:
         bad = ps.push_async("poisoned", torch.tensor([64]), torch.ones(1, 2), lr=1.0)  # no row 64
         with pytest.raises(RemoteCallError):
@@ -142,7 +143,7 @@ def test_a_failed_push_fails_every_later_operation_of_its_table(job: ps.PSJob, s
         with torch.no_grad(), pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
             ps.fetch("poisoned", torch.tensor([0]))
     finally:
-        ps.client.set_stale_pushes(previous)
+        calls.set_stale_pushes(previous)
 
 
 def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(job: ps.PSJob) -> None:
@@ -230,7 +231,7 @@ def test_push_gradients_of_remote_embedding(job: ps.PSJob) -> None:
     expected = ShardTable(spec, shard=0, num_shards=1, seed=SEED)
     expected.push(ids.reshape(-1), (upstream / 3).repeat_interleave(3, dim=0), lr=0.2)
     futures = ps.push_gradients(lr=0.2)
-    assert len(futures) == 1 and not ps.context.current()
+    assert len(futures) == 1 and not context.current()
     assert ps.push_gradients(lr=0.2) == []  # nothing fetched since
     with torch.no_grad():
         torch.testing.assert_close(ps.fetch("bag"), expected.weight)
@@ -255,7 +256,7 @@ def test_registration_for_the_passes(job: ps.PSJob) -> None:
     push_spec = lookup(ps.push)
     assert push_spec is not None and effect_of(push_spec, ("read",), {}) == "write"
     raw = lookup(rpc.rpc_sync)
-    assert effect_of(raw, ("ps0", ps_server_fetch, ("read", torch.tensor([0]))), {}) == "read"
+    assert effect_of(raw, ("ps0", HANDLERS["fetch"], ("read", torch.tensor([0]))), {}) == "read"
 
 
 def test_remote_embedding_traces_to_one_fetch_node(job: ps.PSJob) -> None:

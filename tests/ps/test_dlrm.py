@@ -10,6 +10,7 @@ import torch
 import distopt.ps as ps
 from distopt.capture import DistoptTracer
 from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm_tables, make_batch
+from distopt.ps.client import context
 from distopt.ps.spec import ServerOptions
 
 CONFIG = DLRMConfig(num_tables=3, num_rows=50, embedding_dim=8, batch_size=6, bag_size=3)
@@ -46,7 +47,7 @@ def _step(model: DLRM, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     model.zero_grad()
     out = model(batch.dense, batch.sparse)
     dlrm_loss(out, batch.labels).backward()
-    rows = {r.table: r.rows.grad for r in ps.context.take()}
+    rows = {r.table: r.rows.grad for r in context.take()}
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, rows
 
 
@@ -82,7 +83,6 @@ def test_training_steps_push_and_change_the_tables(job: ps.PSJob) -> None:
 def test_verification_rows_are_never_pushed(job: ps.PSJob) -> None:
     """optimize() verifies with real fetches; those rows must not join the user's step."""
     import distopt
-    from distopt.ps import context
 
     batch = make_batch(CONFIG, 0)
     model = DLRM(CONFIG)

@@ -11,7 +11,8 @@ import torch
 
 import distopt.ps as ps
 from distopt.errors import RemoteCallError
-from distopt.ps.launch import LAUNCHER, PSJob, stop_servers
+from distopt.ps import PSJob, stop_servers
+from distopt.ps.cluster.job import LAUNCHER
 from distopt.ps.spec import ServerOptions, TableSpec
 from distopt.rendezvous import StorePlan
 from tests.conftest import free_port

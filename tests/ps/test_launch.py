@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import distopt.ps as ps
-from distopt.ps.launch import stop_servers
+from distopt.ps import stop_servers
 from distopt.ps.spec import ServerOptions, TableSpec
 
 pytestmark = pytest.mark.slow

@@ -18,8 +18,8 @@ from distopt.config import from_dict
 from distopt.errors import ConfigError, RemoteCallError
 from distopt.models.dlrm import DLRM, DLRMConfig, dlrm_tables, make_batch
 from distopt.passes.remote.nodes import remote_ops
+from distopt.ps.server.table import ShardTable, initial_rows
 from distopt.ps.spec import ServerOptions, TableSpec
-from distopt.ps.table import ShardTable, initial_rows
 from distopt.remote.wait import is_wait
 from distopt.report import report_of
 
@@ -187,7 +187,7 @@ def test_a_private_instance_stays_on_loopback_and_runs_actors_at_the_trainers_pr
 
     script = (
         "import ray\n"
-        "from distopt.ps.ray_server import ensure_ray\n"
+        "from distopt.ps.cluster.ray import ensure_ray\n"
         "from distopt.ps.spec import ServerOptions\n"
         "ensure_ray('local', ServerOptions(backend='ray'))\n"
         "@ray.remote\n"

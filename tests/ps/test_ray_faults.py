@@ -18,8 +18,8 @@ import torch
 import distopt.ps as ps
 from distopt.errors import RemoteCallError
 from distopt.models.dlrm import DLRM, DLRMConfig, dlrm_loss, dlrm_tables, make_batch
+from distopt.ps.server.table import initial_rows
 from distopt.ps.spec import ServerOptions
-from distopt.ps.table import initial_rows
 from tests.pipeline.conftest import bitwise_equal
 
 pytest.importorskip("ray")
@@ -94,7 +94,7 @@ def test_killed_actor_restarts_from_the_checkpoint_and_the_run_ends_as_an_uninte
 
     checkpoint = tmp_path / f"step-{CHECKPOINT_AT}"
     checkpoint.mkdir()
-    caplog.set_level(logging.WARNING, logger="distopt.ps.ray_recovery")
+    caplog.set_level(logging.WARNING, logger="distopt.ps.cluster.ray_recovery")
     with ps.local_job(TABLES, options):
         trainer, step, failures = Trainer(), 0, []
         while step < STEPS:
@@ -155,7 +155,7 @@ def test_without_restarts_a_killed_actor_keeps_failing_with_one_line(ray_cluster
 def test_a_restart_before_any_checkpoint_starts_from_the_seeded_tables_and_says_so(
     ray_cluster, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.WARNING, logger="distopt.ps.ray_recovery")
+    caplog.set_level(logging.WARNING, logger="distopt.ps.cluster.ray_recovery")
     with ps.local_job(TABLES, _options(max_restarts=1)):
         trainer = Trainer()
         for step in range(2):

@@ -1,4 +1,4 @@
-"""Tensors to and from Ray server actors as NumPy arrays (``distopt.ps.ray_wire``)."""
+"""Tensors to and from Ray server actors as NumPy arrays (``distopt.ps.transport.ray_wire``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from distopt.ps.ray_wire import from_wire, to_wire
+from distopt.ps.transport.ray_wire import from_wire, to_wire
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from distopt.errors import ConfigError
+from distopt.ps.server.table import ShardTable, accumulate, initial_rows
 from distopt.ps.spec import TableSpec
-from distopt.ps.table import ShardTable, accumulate, initial_rows
 
 
 def _whole(spec: TableSpec, num_shards: int, seed: int = 0) -> list[ShardTable]:

@@ -2,8 +2,8 @@
 
 What the passes get for ``distopt.ps.fetch(table, ids)``:
 
-- ``issue``: :func:`~distopt.ps.client.fetch_async` (same arguments) → a ``FetchFuture``;
-- ``wait``: :func:`~distopt.ps.client.wait` → exactly what ``fetch`` returns (rows as a leaf,
+- ``issue``: :func:`~distopt.ps.client.calls.fetch_async` (same arguments) → a ``FetchFuture``;
+- ``wait``: :func:`~distopt.ps.client.calls.wait` → exactly what ``fetch`` returns (rows as a leaf,
   recorded for ``push_gradients``); the wait runs in ``record_function("distopt.wait:ps.fetch:T")``;
 - ``effect="read"``, ``resource=("distopt.ps", table)``: reads of any tables reorder freely; a read
   of ``T`` never moves above a write (push) of ``T``;
@@ -14,7 +14,8 @@ What the passes get for ``distopt.ps.fetch(table, ids)``:
 
 ``distopt.ps.push(table, ids, grads, lr)`` is a write on the same resource, issued by
 ``push_async``. The server-side read handlers are declared with ``register_read`` in
-``distopt.ps.server``, so raw ``rpc_sync("ps0", ps_server_fetch, args=(table, ids))`` is a read too.
+:mod:`distopt.ps.transport.rpc`, so a raw ``rpc_sync("ps0", ps_server_fetch, args=(table, ids))``
+is a read too.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import sys
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from distopt.ps import client, context
+from distopt.ps.client import calls, context
+from distopt.ps.client.futures import FetchFuture
 from distopt.remote import register_remote
 from distopt.verify import register_isolation_hook
 
@@ -39,28 +41,28 @@ def table_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
 
 def server_group(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
     """Batch key of a fetch: the servers holding its table (unknown before ``init_trainer``)."""
-    route = client.routes().get(_arg(args, kwargs, 0, "table")) if client.is_connected() else None
+    route = calls.routes().get(_arg(args, kwargs, 0, "table")) if calls.is_connected() else None
     return ("distopt.ps", route.servers if route is not None else None)
 
 
 def fetch_batched(
     args_list: Sequence[Sequence[Any]], kwargs_list: Sequence[Mapping[str, Any]]
-) -> client.FetchFuture:
+) -> FetchFuture:
     """Batched form of ``fetch`` for the batch pass: ``wait`` of the result is a list of rows."""
     requests = [
         (_arg(a, k, 0, "table"), _arg(a, k, 1, "ids"))
         for a, k in zip(args_list, kwargs_list, strict=True)
     ]
-    return client.fetch_many_async(requests)
+    return calls.fetch_many_async(requests)
 
 
 def register(package_namespace: dict[str, Any] | None = None) -> None:
     """Register ``fetch`` and ``push``; ``package_namespace`` re-exports them (``distopt.ps``)."""
-    namespaces = [vars(client)] + ([package_namespace] if package_namespace is not None else [])
+    namespaces = [vars(calls)] + ([package_namespace] if package_namespace is not None else [])
     register_remote(
-        client.fetch,
-        issue=client.fetch_async,
-        wait=client.wait,
+        calls.fetch,
+        issue=calls.fetch_async,
+        wait=calls.wait,
         effect="read",
         resource=table_resource,
         batched=fetch_batched,
@@ -68,9 +70,9 @@ def register(package_namespace: dict[str, Any] | None = None) -> None:
         aliases=[(ns, "fetch") for ns in namespaces],
     )
     register_remote(
-        client.push,
-        issue=client.push_async,
-        wait=client.wait,
+        calls.push,
+        issue=calls.push_async,
+        wait=calls.wait,
         effect="write",
         resource=table_resource,
         aliases=[(ns, "push") for ns in namespaces],

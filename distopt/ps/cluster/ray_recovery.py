@@ -31,9 +31,10 @@ With ``max_restarts: 0`` a dead actor stays dead: every later call fails and :fu
 
 **The record.** An actor's constructor arguments are fixed when the job creates it, so the
 restarted actor learns which checkpoint is the last one from a file:
-``<ServerOptions.ray_state_dir>/<namespace>.last-checkpoint.json``, whose path is an argument. The
-trainer rewrites it, atomically (:mod:`distopt.atomic`), when :func:`~distopt.ps.save_servers` has
-heard every server's file written, or :func:`~distopt.ps.load_servers` every server's load done.
+``<ServerOptions.ray_state_dir>/<namespace>.last-checkpoint.json``, whose path is a constructor
+argument (:mod:`distopt.ps.server.checkpoint`). The trainer rewrites it, atomically, when
+:func:`~distopt.ps.save_servers` has heard every server's file written, or
+:func:`~distopt.ps.load_servers` every server's load done.
 Before a save into the directory the record names, the record is removed. So the record only
 ever names a directory holding one complete file per server, all from the same save: a checkpoint
 being written when an actor dies is never loaded, half or whole. A file rather than a small
@@ -46,71 +47,34 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-from distopt.atomic import atomic_write_text
-from distopt.errors import ConfigError, RemoteCallError
-from distopt.ps import client as ps_client
-from distopt.ps import context
-from distopt.ps.ordering import TableOrder
+from distopt.errors import RemoteCallError
+from distopt.ps.client import context
+from distopt.ps.cluster.backend import Membership
+from distopt.ps.cluster.job import PSJob
+from distopt.ps.server.checkpoint import read_record, record_path, write_record
 from distopt.ps.spec import ServerOptions
+from distopt.ps.transport.ray import RayTransport, ray_message
 
 logger = logging.getLogger(__name__)
 
 
-def record_path(options: ServerOptions, namespace: str) -> Path:
-    """Where the job in Ray ``namespace`` records its last checkpoint."""
-    root = Path(options.ray_state_dir) if options.ray_state_dir else Path(tempfile.gettempdir()) / "distopt-ps-ray"
-    return root / f"{namespace}.last-checkpoint.json"
-
-
-def read_record(path: str | Path) -> str | None:
-    """The checkpoint directory the record at ``path`` names; ``None`` when the job saved none."""
-    try:
-        data = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"unreadable checkpoint record {path}: {err}") from None
-    directory = data.get("checkpoint") if isinstance(data, dict) else None
-    if not isinstance(directory, str):
-        raise ConfigError(f"checkpoint record {path} names no checkpoint: {data!r}")
-    return directory
-
-
-def _joined() -> tuple[Any, Any] | None:
-    """``(job, transport)`` of the Ray job this process joined as a trainer, else ``None``."""
-    from distopt.ps import launch
-
-    membership = launch._JOINED[-1] if launch._JOINED else None
-    if membership is None or membership.transport is None:
-        return None
-    return membership.job, membership.transport
-
-
 @contextlib.contextmanager
-def recording(directory: str) -> Iterator[None]:
-    """Around a save into or a load from ``directory`` by every server: on success, record it as
-    the job's last checkpoint (a no-op outside a Ray job)."""
-    joined = _joined()
-    if joined is None:
-        yield
-        return
-    job, _ = joined
+def recording(job: PSJob, directory: str) -> Iterator[None]:
+    """Around a save into or a load from ``directory`` by every server of ``job``: on success,
+    record it as the job's last checkpoint."""
+    assert job.ray_namespace is not None
     path = record_path(job.options, job.ray_namespace)
     directory = os.path.abspath(directory)
     if read_record(path) == directory:
         path.unlink(missing_ok=True)  # its files are about to be rewritten one by one
     yield
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"checkpoint": directory}) + "\n")
+    write_record(path, directory)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -123,58 +87,35 @@ class Recovery:
     """Servers Ray had restarted since they last recovered (``ps1``, ...)."""
 
 
-def _ray_job(what: str) -> tuple[Any, Any]:
-    joined = _joined()
-    if joined is None:
-        raise RemoteCallError(f"distopt.ps.{what}: only a ps.backend=ray job's servers come back after a "
-                              "failure (RPC jobs restart whole: distopt.supervise, docs/reliability.md)")  # fmt: skip
-    return joined
+def _transport(membership: Membership) -> RayTransport:
+    assert isinstance(membership.transport, RayTransport)
+    return membership.transport
 
 
-def _answers(transport: Any, method: str, args: tuple[Any, ...], timeout_s: float) -> dict[str, Any]:
-    """``method(*args)`` on every actor: its answer, or the exception, by server; ``None`` for no
-    answer within ``timeout_s``."""
-    import ray
-
-    refs = {name: getattr(handle, method).remote(*args) for name, handle in transport.handles.items()}
-    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
-    out: dict[str, Any] = {}
-    for name, ref in refs.items():
-        if ref not in ready:
-            out[name] = None
-            continue
-        try:
-            out[name] = ray.get(ref)
-        except Exception as err:
-            out[name] = err
-    return out
-
-
-def _poll(transport: Any, timeout_s: float, *, give_up: bool) -> dict[str, Any]:
+def _poll(transport: RayTransport, timeout_s: float, *, give_up: bool) -> dict[str, Any]:
     """Every actor's ``incarnation()`` answer, asked again until all answer or ``timeout_s`` has
     passed (a dead actor fails calls until Ray has restarted it); with ``give_up``, after the first
     round. Missing answers are the exception (``None``: no answer in time)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        answers = _answers(transport, "incarnation", (), max(0.1, deadline - time.monotonic()))
-        if give_up or time.monotonic() >= deadline or all(isinstance(a, dict) for a in answers.values()):
+        answers = transport.ask_all("incarnation", (), max(0.1, deadline - time.monotonic()))
+        done = all(isinstance(a, dict) for a in answers.values())
+        if give_up or time.monotonic() >= deadline or done:
             return answers
         time.sleep(0.2)
 
 
-def servers_ready(timeout_s: float = 5.0) -> bool:
+def servers_ready(membership: Membership, timeout_s: float) -> bool:
     """Whether every server actor of this trainer's Ray job answers within ``timeout_s`` (a
     restarted one once its constructor has reloaded the checkpoint)."""
-    job, transport = _ray_job("servers_ready")
-    answers = _poll(transport, timeout_s, give_up=job.options.max_restarts == 0)
+    give_up = membership.job.options.max_restarts == 0
+    answers = _poll(_transport(membership), timeout_s, give_up=give_up)
     return all(isinstance(a, dict) for a in answers.values())
 
 
-def _wait_for_servers(transport: Any, options: ServerOptions) -> dict[str, dict[str, Any]]:
+def _wait_for_servers(transport: RayTransport, options: ServerOptions) -> dict[str, dict[str, Any]]:
     """Every actor's ``incarnation()``, once each answers; a one-line error naming the first that
     does not within ``options.start_timeout_s`` (at once with ``max_restarts: 0``)."""
-    from distopt.ps.ray_transport import ray_message
-
     answers = _poll(transport, options.start_timeout_s, give_up=options.max_restarts == 0)
     missing = {name: a for name, a in answers.items() if not isinstance(a, dict)}
     if not missing:
@@ -182,14 +123,18 @@ def _wait_for_servers(transport: Any, options: ServerOptions) -> dict[str, dict[
     name, answer = sorted(missing.items())[0]
     why = "no answer" if answer is None else ray_message(answer)
     if options.max_restarts == 0:
-        raise RemoteCallError(f"distopt.ps.recover: {name} is gone and Ray does not restart it "
-                              f"(ps.max_restarts=0): {why}")  # fmt: skip
+        raise RemoteCallError(
+            f"distopt.ps.recover: {name} is gone and Ray does not restart it "
+            f"(ps.max_restarts=0): {why}"
+        )
     raise RemoteCallError(
         f"distopt.ps.recover: {name} did not come back within {options.start_timeout_s:g} s "
-        f"(ps.start_timeout_s; Ray restarts it at most ps.max_restarts={options.max_restarts} times): {why}")  # fmt: skip
+        f"(ps.start_timeout_s; Ray restarts it at most ps.max_restarts={options.max_restarts} "
+        f"times): {why}"
+    )
 
 
-def recover(directory: str | None = None) -> Recovery:
+def recover(membership: Membership, directory: str | None = None) -> Recovery:
     """Bring every server of this trainer's ``ps.backend: ray`` job back to one checkpoint.
 
     ``directory``: the checkpoint to reload (a :func:`~distopt.ps.save_servers` directory); by
@@ -200,15 +145,16 @@ def recover(directory: str | None = None) -> Recovery:
     back. Several trainers: all stop, call ``recover`` after a barrier (it is idempotent), and
     start again after another barrier.
     """
-    from distopt.ps.ray_transport import ray_message
-
-    job, transport = _ray_job("recover")
-    options: ServerOptions = job.options
-    ps_client.flush()
+    job, client, transport = membership.job, membership.client, _transport(membership)
+    assert client is not None and job.ray_namespace is not None
+    options = job.options
+    client.flush()
     unanswered = transport.quiesce(options.rpc_timeout_s)
     if unanswered:
-        raise RemoteCallError(f"distopt.ps.recover: {unanswered} calls still unanswered after "
-                              f"{options.rpc_timeout_s:g} s (ps.rpc_timeout_s): a server is stuck")  # fmt: skip
+        raise RemoteCallError(
+            f"distopt.ps.recover: {unanswered} calls still unanswered after "
+            f"{options.rpc_timeout_s:g} s (ps.rpc_timeout_s): a server is stuck"
+        )
     before = _wait_for_servers(transport, options)
     restarted = tuple(sorted(name for name, info in before.items() if info["fenced"]))
     for name in restarted:
@@ -217,16 +163,19 @@ def recover(directory: str | None = None) -> Recovery:
         directory = read_record(record_path(options, job.ray_namespace))
     else:
         directory = os.path.abspath(directory)
-    for name, answer in sorted(_answers(transport, "restore", (directory,), options.rpc_timeout_s).items()):
+    reloaded = transport.ask_all("restore", (directory,), options.rpc_timeout_s)
+    for name, answer in sorted(reloaded.items()):
         if not isinstance(answer, str):
             why = "no answer" if answer is None else ray_message(answer)
             raise RemoteCallError(f"distopt.ps.recover: reloading {name} failed: {why}")
-    client = ps_client._client()
-    with client.lock:
-        stale, client.order = client.order.stale_pushes, TableOrder()
-        client.order.stale_pushes = stale
+    client.forget_order()
     context.discard_step()
-    where = directory if directory is not None else "the seeded initial tables (no checkpoint saved)"
-    logger.warning("distopt.ps: recovered %s: every server reloaded from %s",
-                   ", ".join(restarted) or "no restarted server", where)  # fmt: skip
+    where = (
+        directory if directory is not None else "the seeded initial tables (no checkpoint saved)"
+    )
+    logger.warning(
+        "distopt.ps: recovered %s: every server reloaded from %s",
+        ", ".join(restarted) or "no restarted server",
+        where,
+    )
     return Recovery(checkpoint=directory, restarted=restarted)

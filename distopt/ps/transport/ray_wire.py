@@ -22,17 +22,30 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_map
 
-_NUMPY_DTYPES = frozenset({
-    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16, torch.int8,
-    torch.uint8, torch.bool,
-})  # fmt: skip
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    }
+)
 
 
 def to_wire(tree: Any) -> Any:
     """``tree`` with its CPU tensors of NumPy dtypes as arrays (detached; no copy)."""
 
     def one(leaf: Any) -> Any:
-        if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and leaf.dtype in _NUMPY_DTYPES:
+        if (
+            isinstance(leaf, torch.Tensor)
+            and leaf.device.type == "cpu"
+            and leaf.dtype in _NUMPY_DTYPES
+        ):
             return leaf.detach().resolve_conj().resolve_neg().numpy()
         return leaf
 
