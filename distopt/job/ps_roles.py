@@ -151,8 +151,9 @@ def _train(config: JobConfig, env: JobEnv, options: ServerOptions) -> TrainResul
         recover=lambda found: recovery.recover_servers(agreement, found),
     )
     header = {"ps_latency_ms": options.latency_ms}
-    return recovery.retrying(lambda: train(config, env, hooks=hooks, header_extra=header, agreement=agreement),
-                             agreement)  # fmt: skip
+    return recovery.retrying(
+        lambda: train(config, env, hooks=hooks, header_extra=header, agreement=agreement), agreement
+    )
 
 
 def run_ps_role(config: JobConfig, env: JobEnv) -> int:

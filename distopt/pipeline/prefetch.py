@@ -85,14 +85,20 @@ class PushJournal:
 
     def record(self, table: str, ids: torch.Tensor) -> None:
         self.clock[table] += 1
-        self.log[table].append((self.clock[table], self.key(table, ids)))  # a new tensor: ids may be reused
+        self.log[table].append(
+            (self.clock[table], self.key(table, ids))
+        )  # a new tensor: ids may be reused
 
-    def missed(self, requests: Sequence[tuple[str, torch.Tensor]], since: dict[str, int]) -> torch.Tensor:
+    def missed(
+        self, requests: Sequence[tuple[str, torch.Tensor]], since: dict[str, int]
+    ) -> torch.Tensor:
         """Per fetched id, in request order: how many pushes of its table after number
         ``since[table]`` updated it (a push counts once however often it names the id)."""
         counts = torch.zeros(sum(ids.numel() for _, ids in requests), dtype=torch.int64)
-        pending = {table: [ids for seq, ids in self.log.get(table, ()) if seq > since[table]]
-                   for table, _ in requests}
+        pending = {
+            table: [ids for seq, ids in self.log.get(table, ()) if seq > since[table]]
+            for table, _ in requests
+        }
         if any(pending.values()):  # exact mode never has any: skip the keys
             keys = torch.cat([self.key(table, ids) for table, ids in requests])
             for depth in range(max(len(entries) for entries in pending.values())):
@@ -127,8 +133,11 @@ def _arrived_bytes(issued: Sequence[Issued]) -> int:
                 value = future.value()
             except Exception:
                 continue  # reported at the wait
-            total += sum(t.untyped_storage().nbytes() for t in tree_leaves(value)
-                         if isinstance(t, torch.Tensor))
+            total += sum(
+                t.untyped_storage().nbytes()
+                for t in tree_leaves(value)
+                if isinstance(t, torch.Tensor)
+            )
     return total
 
 
@@ -157,7 +166,9 @@ class Prefetcher(Generic[B]):
         self._queue: collections.deque[_InFlight[B]] = collections.deque()
         self._journal = PushJournal()
         self._last: list[Issued] = []
-        self._stop_listening = ps_calls.on_push(self._journal.record) if ps_calls.is_connected() else None
+        self._stop_listening = (
+            ps_calls.on_push(self._journal.record) if ps_calls.is_connected() else None
+        )
         self._exact_pushes: bool | None = None
         if self.relaxed and ps_calls.is_connected():
             self._exact_pushes = not ps_calls.set_stale_pushes(True)
@@ -178,7 +189,9 @@ class Prefetcher(Generic[B]):
                 batch = self.to_device(batch)
             stale = stale_reads() if self.relaxed else contextlib.nullcontext()
             with torch.no_grad(), stale:
-                issued = [(f, tuple(a), dict(k)) for f, a, k in self.split.prefetch(*self.inputs(batch))]
+                issued = [
+                    (f, tuple(a), dict(k)) for f, a, k in self.split.prefetch(*self.inputs(batch))
+                ]
             clocks = {table: self._journal.clock[table] for table, _ in _ps_requests(issued)}
             self._queue.append(_InFlight(batch, issued, clocks))
 

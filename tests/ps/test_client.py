@@ -39,7 +39,9 @@ TABLES = (
 
 @pytest.fixture(scope="module")
 def job() -> Iterator[ps.PSJob]:
-    options = ServerOptions(num_servers=2, seed=SEED, latency_ms=20, rpc_timeout_s=10, start_timeout_s=20)
+    options = ServerOptions(
+        num_servers=2, seed=SEED, latency_ms=20, rpc_timeout_s=10, start_timeout_s=20
+    )
     with ps.local_job(TABLES, options) as job:
         yield job
 
@@ -90,7 +92,9 @@ def test_async_push_then_fetch_sees_the_push(job: ps.PSJob) -> None:
 
 
 @pytest.mark.parametrize("stale", [False, True])
-def test_a_stale_read_sees_earlier_pushes_and_does_not_hold_back_later_ones(job: ps.PSJob, stale: bool) -> None:
+def test_a_stale_read_sees_earlier_pushes_and_does_not_hold_back_later_ones(
+    job: ps.PSJob, stale: bool
+) -> None:
     """Odd ids live on ps1, made slow (1 s); a push of even ids (ps0) issued after a slow read of
     the same table waits for it, unless the read was issued as stale."""
     with torch.no_grad():
@@ -108,11 +112,15 @@ def test_a_stale_read_sees_earlier_pushes_and_does_not_hold_back_later_ones(job:
         rpc.rpc_sync("ps1", HANDLERS["set_latency"], args=(20.0,))
     torch.testing.assert_close(rows, before[[1, 3]] - 1)  # the push issued before it is seen
     with torch.no_grad():
-        torch.testing.assert_close(ps.fetch("stale"), before - torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0])[:, None])
+        torch.testing.assert_close(
+            ps.fetch("stale"), before - torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0])[:, None]
+        )
 
 
 @pytest.mark.parametrize("stale", [False, True])
-def test_stale_pushes_overtake_earlier_pushes_and_fetches_still_see_all(job: ps.PSJob, stale: bool) -> None:
+def test_stale_pushes_overtake_earlier_pushes_and_fetches_still_see_all(
+    job: ps.PSJob, stale: bool
+) -> None:
     with torch.no_grad():
         before = ps.fetch("stale")
     rpc.rpc_sync("ps1", HANDLERS["set_latency"], args=(1000.0,))
@@ -140,13 +148,18 @@ def test_a_failed_push_fails_every_later_operation_of_its_table(job: ps.PSJob, s
             ps.wait(bad)
         with pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
             ps.wait(ps.push_async("poisoned", torch.tensor([0]), torch.ones(1, 2), lr=1.0))
-        with torch.no_grad(), pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
+        with (
+            torch.no_grad(),
+            pytest.raises(RemoteCallError, match="an earlier push to the table failed"),
+        ):
             ps.fetch("poisoned", torch.tensor([0]))
     finally:
         calls.set_stale_pushes(previous)
 
 
-def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(job: ps.PSJob) -> None:
+def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(
+    job: ps.PSJob,
+) -> None:
     """Three pushes (one table twice) over two servers: one request each, and the rows are what
     the same pushes made one by one give, seen by a fetch issued while the push is in flight."""
     pushes = [
@@ -154,7 +167,10 @@ def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(
         ("many_ada", torch.tensor([[2, 3], [3, 11]]), torch.randn(2, 2, 3)),
         ("many_sgd", torch.tensor([1, 7]), torch.randn(2, 4)),
     ]
-    expected = {name: ShardTable(_spec(name), shard=0, num_shards=1, seed=SEED) for name in ("many_sgd", "many_ada")}
+    expected = {
+        name: ShardTable(_spec(name), shard=0, num_shards=1, seed=SEED)
+        for name in ("many_sgd", "many_ada")
+    }
     for name, ids, grads in pushes:
         expected[name].push(ids.reshape(-1), grads.reshape(ids.numel(), -1), lr=0.5)
     before = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
@@ -172,19 +188,35 @@ def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(
 
 
 def test_a_failed_batched_push_fails_later_operations_of_each_of_its_tables(job: ps.PSJob) -> None:
-    bad = ps.push_many_async([("many_bad", torch.tensor([64]), torch.ones(1, 2)),  # no row 64
-                              ("many_sgd", torch.tensor([0]), torch.ones(1, 4))], lr=1.0)
+    bad = ps.push_many_async(
+        [
+            ("many_bad", torch.tensor([64]), torch.ones(1, 2)),  # no row 64
+            ("many_sgd", torch.tensor([0]), torch.ones(1, 4)),
+        ],
+        lr=1.0,
+    )
     with pytest.raises(RemoteCallError, match="many_bad"):
         ps.wait(bad)
     for table in ("many_bad", "many_sgd"):  # failed as one request: later operations of each fail
-        with torch.no_grad(), pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
+        with (
+            torch.no_grad(),
+            pytest.raises(RemoteCallError, match="an earlier push to the table failed"),
+        ):
             ps.fetch(table, torch.tensor([0]))
 
 
 def test_batched_push_names_the_table_whose_grads_do_not_fit(job: ps.PSJob) -> None:
-    with pytest.raises(ConfigError, match=r"push to 'many_ada': grads of shape \(2, 4\) do not match 2 ids of dim 3"):
-        ps.push_many_async([("many_sgd", torch.tensor([0]), torch.ones(1, 4)),
-                            ("many_ada", torch.tensor([0, 1]), torch.ones(2, 4))], lr=1.0)
+    with pytest.raises(
+        ConfigError,
+        match=r"push to 'many_ada': grads of shape \(2, 4\) do not match 2 ids of dim 3",
+    ):
+        ps.push_many_async(
+            [
+                ("many_sgd", torch.tensor([0]), torch.ones(1, 4)),
+                ("many_ada", torch.tensor([0, 1]), torch.ones(2, 4)),
+            ],
+            lr=1.0,
+        )
 
 
 def test_batched_fetch_is_one_request_per_server(job: ps.PSJob) -> None:
@@ -205,7 +237,12 @@ def test_batched_fetch_is_one_request_per_server(job: ps.PSJob) -> None:
 
 def test_state_dict_round_trip(job: ps.PSJob) -> None:
     saved = ps.state_dict()
-    assert set(saved) == {"ps0", "ps1"} and set(saved["ps1"]["ckpt"]) == {"weight", "accum", "shard", "num_shards"}
+    assert set(saved) == {"ps0", "ps1"} and set(saved["ps1"]["ckpt"]) == {
+        "weight",
+        "accum",
+        "shard",
+        "num_shards",
+    }
     with torch.no_grad():
         original = ps.fetch("ckpt")
     ps.push("ckpt", torch.arange(6), torch.ones(6, 2), lr=0.1)
@@ -216,7 +253,9 @@ def test_state_dict_round_trip(job: ps.PSJob) -> None:
 
 def test_server_exception_surfaces_at_the_wait(job: ps.PSJob) -> None:
     fut = ps.fetch_async("read", torch.tensor([2, 99]))  # 99 lives on ps1 and is out of range
-    with pytest.raises(RemoteCallError, match=r"fetch of 'read' on ps1 failed: .*row id 99 outside 0\.\.9"):
+    with pytest.raises(
+        RemoteCallError, match=r"fetch of 'read' on ps1 failed: .*row id 99 outside 0\.\.9"
+    ):
         ps.wait(fut)
     with pytest.raises(ConfigError, match="unknown table 'nope'"):  # caught before any RPC
         ps.fetch("nope", torch.tensor([0]))
@@ -251,7 +290,9 @@ def test_registration_for_the_passes(job: ps.PSJob) -> None:
     assert spec.resource(("read", None), {}) == ("distopt.ps", "read")
     assert spec.batch_key(("read", None), {}) == ("distopt.ps", ("ps0", "ps1"))
     with torch.no_grad():
-        rows = spec.wait(spec.batched([("read", torch.tensor([1])), ("bag", torch.tensor([2]))], [{}, {}]))
+        rows = spec.wait(
+            spec.batched([("read", torch.tensor([1])), ("bag", torch.tensor([2]))], [{}, {}])
+        )
     assert [r.shape for r in rows] == [(1, 4), (1, 4)]
     push_spec = lookup(ps.push)
     assert push_spec is not None and effect_of(push_spec, ("read",), {}) == "write"

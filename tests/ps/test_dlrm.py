@@ -42,7 +42,9 @@ def job() -> Iterator[ps.PSJob]:
         yield job
 
 
-def _step(model: DLRM, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _step(
+    model: DLRM, step: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     batch = make_batch(CONFIG, step)
     model.zero_grad()
     out = model(batch.dense, batch.sparse)
@@ -58,7 +60,9 @@ def test_hand_async_matches_baseline_outputs_and_gradients(job: ps.PSJob) -> Non
         out_b, grads_b, rows_b = _step(base, step)
         out_h, grads_h, rows_h = _step(hand, step)
         assert torch.equal(out_b, out_h)
-        assert grads_b.keys() == grads_h.keys() and all(torch.equal(grads_b[k], grads_h[k]) for k in grads_b)
+        assert grads_b.keys() == grads_h.keys() and all(
+            torch.equal(grads_b[k], grads_h[k]) for k in grads_b
+        )
         assert rows_b.keys() == {"emb0", "emb1", "emb2"} == rows_h.keys()
         assert all(torch.equal(rows_b[k], rows_h[k]) for k in rows_b)
 

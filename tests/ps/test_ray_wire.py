@@ -11,8 +11,18 @@ import torch
 from distopt.ps.transport.ray_wire import from_wire, to_wire
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.int64, torch.int32,
-                                   torch.uint8, torch.bool])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.int64,
+        torch.int32,
+        torch.uint8,
+        torch.bool,
+    ],
+)
 def test_a_round_trip_through_pickle_keeps_values_dtype_and_shape(dtype: torch.dtype) -> None:
     value = (torch.arange(24).reshape(4, 6) % 3).to(dtype)
     wire = to_wire(("t0", value, [value[1:], {"rows": value.t()}], 0.5))

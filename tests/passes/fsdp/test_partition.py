@@ -8,7 +8,6 @@ import torch.fx
 from torch import nn
 
 import distopt
-from distopt.collectives import AlphaBeta, fit, min_unit_bytes
 from distopt.errors import ConfigError, PassError
 from distopt.models import build, make_inputs
 from distopt.parallel import materialize_units, plan_of, unit_modules
@@ -215,25 +214,6 @@ def test_fuse_units_requires_partition() -> None:
     gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="partition"):
         fuse_units(gm, PassContext(options={"min_unit_bytes": 1}))
-
-
-def test_alpha_beta_fit_and_minimum() -> None:
-    alpha, beta = fit([(1000, 1e-3 + 1000 * 1e-9), (10**6, 1e-3 + 10**6 * 1e-9)])
-    assert alpha == pytest.approx(1e-3) and beta == pytest.approx(1e-9)
-    model = AlphaBeta(backend="gloo", world_size=2, all_gather_alpha=1e-3, all_gather_beta=1e-9,
-                      reduce_scatter_alpha=2e-3, reduce_scatter_beta=1e-9)
-    assert min_unit_bytes(model) == pytest.approx(2e-3 / 1e-9, rel=1e-6)  # n½ of the slower one
-    assert min_unit_bytes(model, latency_fraction=0.2) == pytest.approx(4 * 2e-3 / 1e-9, rel=1e-6)
-
-
-@pytest.mark.slow
-def test_alpha_beta_is_measured_once_and_cached(tmp_path) -> None:
-    from distopt.collectives import alpha_beta, cache_path
-
-    first = alpha_beta(cache_dir=tmp_path)
-    assert cache_path("gloo", 2, tmp_path).is_file()
-    assert first.all_gather_beta > 0 and first.reduce_scatter_beta > 0
-    assert alpha_beta(cache_dir=tmp_path) == first  # served from the cache, not re-measured
 
 
 def test_profiling_never_talks_to_servers() -> None:
