@@ -36,6 +36,12 @@ from distopt.ps.transport.base import Transport
 from distopt.rendezvous import HostedStores, StorePlan
 
 
+class Beating(Protocol):
+    """What a backend keeps running while a trainer is a member (RPC: its heartbeat)."""
+
+    def stop(self, *, wait: bool) -> None: ...
+
+
 class Servers(Protocol):
     """The servers a backend started in this process (processes, actors), until it stops them."""
 
@@ -63,8 +69,18 @@ class Membership:
     transport: Transport
     client: Client | None = None
     """Set once the servers told which tables they hold."""
-    heartbeat: Any = None
+    heartbeat: Beating | None = None
     """What the backend runs while the trainer is a member (RPC: its heartbeat thread)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Recovery:
+    """What :func:`distopt.ps.recover` did."""
+
+    checkpoint: str | None
+    """The checkpoint every server now holds; ``None``: the seeded initial tables (step 0)."""
+    restarted: tuple[str, ...]
+    """Servers the cluster had restarted since they last recovered (``ps1``, ...)."""
 
 
 class Backend(abc.ABC):
@@ -113,7 +129,7 @@ class Backend(abc.ABC):
         """Whether a job's servers come back after one dies (and its trainers roll back)."""
         return False
 
-    def recover(self, membership: Membership, directory: str | None) -> Any:
+    def recover(self, membership: Membership, directory: str | None) -> Recovery:
         """Every server back at checkpoint ``directory`` (see :func:`distopt.ps.recover`)."""
         raise not_recoverable("recover")
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from distopt import rendezvous
 from distopt.errors import RemoteCallError
 from distopt.ps.cluster import ray_placement, ray_recovery
-from distopt.ps.cluster.backend import Backend, Membership, Servers, connect_client
+from distopt.ps.cluster.backend import Backend, Membership, Recovery, Servers, connect_client
 from distopt.ps.cluster.job import LAUNCHER, PSJob
 from distopt.ps.server.checkpoint import record_path
 from distopt.ps.spec import ServerOptions, TableSpec, server_name
@@ -228,7 +228,7 @@ class RayBackend(Backend):
         """With ``ps.max_restarts`` other than 0."""
         return options.max_restarts != 0
 
-    def recover(self, membership: Membership, directory: str | None) -> ray_recovery.Recovery:
+    def recover(self, membership: Membership, directory: str | None) -> Recovery:
         return ray_recovery.recover(membership, directory)
 
     def servers_ready(self, membership: Membership, timeout_s: float) -> bool:

@@ -46,7 +46,6 @@ files it points to need the same shared filesystem anyway.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import time
@@ -55,7 +54,7 @@ from typing import Any
 
 from distopt.errors import RemoteCallError
 from distopt.ps.client import context
-from distopt.ps.cluster.backend import Membership
+from distopt.ps.cluster.backend import Membership, Recovery
 from distopt.ps.cluster.job import PSJob
 from distopt.ps.server.checkpoint import read_record, record_path, write_record
 from distopt.ps.spec import ServerOptions
@@ -75,16 +74,6 @@ def recording(job: PSJob, directory: str) -> Iterator[None]:
         path.unlink(missing_ok=True)  # its files are about to be rewritten one by one
     yield
     write_record(path, directory)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Recovery:
-    """What :func:`recover` did."""
-
-    checkpoint: str | None
-    """The checkpoint every server now holds; ``None``: the seeded initial tables (step 0)."""
-    restarted: tuple[str, ...]
-    """Servers Ray had restarted since they last recovered (``ps1``, ...)."""
 
 
 def _transport(membership: Membership) -> RayTransport:

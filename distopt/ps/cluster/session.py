@@ -31,12 +31,12 @@ from distopt.ps.cluster.backend import (
     Backend,
     Launched,
     Membership,
+    Recovery,
     leave_process_groups,
     not_recoverable,
 )
 from distopt.ps.cluster.job import LAUNCHER, PSJob
 from distopt.ps.cluster.ray import RayBackend
-from distopt.ps.cluster.ray_recovery import Recovery
 from distopt.ps.cluster.rpc import RpcBackend
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables, trainer_name
 from distopt.rendezvous import StorePlan

@@ -16,6 +16,7 @@ never aliases memory nobody may write.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -37,27 +38,38 @@ _NUMPY_DTYPES = frozenset(
 )
 
 
+def _tensor_to_wire(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor) and leaf.device.type == "cpu" and leaf.dtype in _NUMPY_DTYPES:
+        return leaf.detach().resolve_conj().resolve_neg().numpy()
+    return leaf
+
+
+def _array_from_wire(leaf: Any) -> Any:
+    if isinstance(leaf, np.ndarray):
+        return torch.from_numpy(leaf if leaf.flags.writeable else leaf.copy())
+    return leaf
+
+
+def _map(fn: Callable[[Any], Any], tree: Any) -> Any:
+    """``tree_map(fn, tree)``, without its flatten and unflatten for the shapes every call has: a
+    leaf, or a plain tuple or list of leaves (a fetch's arguments, a batched fetch's rows)."""
+    kind = type(tree)
+    if kind is tuple or kind is list:
+        if not any(isinstance(item, _CONTAINERS) for item in tree):
+            return kind(fn(item) for item in tree)
+    elif not isinstance(tree, _CONTAINERS):
+        return fn(tree)
+    return tree_map(fn, tree)
+
+
+_CONTAINERS = (tuple, list, dict)
+
+
 def to_wire(tree: Any) -> Any:
     """``tree`` with its CPU tensors of NumPy dtypes as arrays (detached; no copy)."""
-
-    def one(leaf: Any) -> Any:
-        if (
-            isinstance(leaf, torch.Tensor)
-            and leaf.device.type == "cpu"
-            and leaf.dtype in _NUMPY_DTYPES
-        ):
-            return leaf.detach().resolve_conj().resolve_neg().numpy()
-        return leaf
-
-    return tree_map(one, tree)
+    return _map(_tensor_to_wire, tree)
 
 
 def from_wire(tree: Any) -> Any:
     """``tree`` with its arrays as tensors (copied when Ray gave them read-only)."""
-
-    def one(leaf: Any) -> Any:
-        if isinstance(leaf, np.ndarray):
-            return torch.from_numpy(leaf if leaf.flags.writeable else leaf.copy())
-        return leaf
-
-    return tree_map(one, tree)
+    return _map(_array_from_wire, tree)
