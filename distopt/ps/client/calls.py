@@ -1,40 +1,15 @@
 """Trainer-side calls to the parameter servers, as users write them in model code.
 
-Blocking calls (what distopt's passes rewrite)::
+Blocking calls (what distopt's passes rewrite) and their asynchronous counterparts (what the
+passes emit, or a hand-optimized model calls)::
 
     rows = distopt.ps.fetch(self.table, ids)        # [*ids.shape, dim]; a leaf with requires_grad
-    distopt.ps.push(self.table, ids, grads, lr=0.1)
+    fut = distopt.ps.fetch_many_async([(t1, ids1), (t2, ids2)])   # ONE request per server
+    rows1, rows2 = distopt.ps.wait(fut)              # inside record_function("distopt.wait:...")
 
-Asynchronous counterparts (what the passes emit, or a hand-optimized model calls)::
-
-    fut = distopt.ps.fetch_async(table, ids)         # a torch.futures.Future, issued now
-    rows = distopt.ps.wait(fut)                      # inside record_function("distopt.wait:ps.fetch:T")
-    futs = distopt.ps.fetch_many_async([(t1, ids1), (t2, ids2)])   # ONE request per server
-    rows1, rows2 = distopt.ps.wait(futs)
-
-Registration for the graph passes (``fetch`` a read, ``push`` a write, per table): see
-:mod:`distopt.ps.client.registration`.
-
-The calls go through the :class:`Client` of the job this process joined (:func:`current`; set by
-:func:`distopt.ps.init_trainer`), which sends each request over the job's transport
-(:mod:`distopt.ps.transport`): the ordering, errors and devices below are the same on both.
-
-Ordering: per table, operations take effect in the order this process issued them, so hoisting
-reads and deferring pushes never changes results; the pipeline's stale mode relaxes it (see
-:mod:`distopt.ps.client.ordering`).
-
-Errors: anything raised on a server surfaces at the wait as :class:`RemoteCallError` with the
-server's name and its one-line message; a dead server fails the wait within ``rpc_timeout_s``.
-
-Devices: rows come back on the trainer's device (:func:`set_device`). On CUDA the answer is
-copied into a pinned host buffer and sent to the GPU with a non-blocking copy on a side stream as
-soon as it arrives (on the RPC thread), so the copy overlaps whatever the trainer computes until
-its wait; the wait makes the current stream wait for the copy. Ids and gradients travel to the
-servers from host memory: keep ids on the host (``host_inputs`` of a model, see
-:mod:`distopt.models`) to spare a device-to-host copy per fetch.
-
-Wait time: :func:`take_wait_time` returns the seconds this process spent blocked in :func:`wait`
-since the last call (the trainer logs it per step).
+Every call goes through the :class:`Client` of the job this process joined (:func:`current`),
+over the job's transport. Ordering, errors, devices and wait time: ``docs/ps_runtime.md``
+("The client").
 """
 
 from __future__ import annotations

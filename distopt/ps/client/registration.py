@@ -1,21 +1,9 @@
 """Declare the client's blocking calls to ``distopt.remote`` so the graph passes can schedule them.
 
-What the passes get for ``distopt.ps.fetch(table, ids)``:
-
-- ``issue``: :func:`~distopt.ps.client.calls.fetch_async` (same arguments) → a ``FetchFuture``;
-- ``wait``: :func:`~distopt.ps.client.calls.wait` → exactly what ``fetch`` returns (rows as a leaf,
-  recorded for ``push_gradients``); the wait runs in ``record_function("distopt.wait:ps.fetch:T")``;
-- ``effect="read"``, ``resource=("distopt.ps", table)``: reads of any tables reorder freely; a read
-  of ``T`` never moves above a write (push) of ``T``;
-- ``batched``: :func:`fetch_batched` ``(list_of_args, list_of_kwargs)`` → one
-  future; ``wait`` of it returns the list of rows in call order. Calls may be batched together when
-  their ``batch_key`` (``("distopt.ps", servers holding the table)``) is equal; the batched call
-  sends ONE request per server.
-
-``distopt.ps.push(table, ids, grads, lr)`` is a write on the same resource, issued by
-``push_async``. The server-side read handlers are declared with ``register_read`` in
-:mod:`distopt.ps.transport.rpc`, so a raw ``rpc_sync("ps0", ps_server_fetch, args=(table, ids))``
-is a read too.
+``distopt.ps.fetch(table, ids)`` is a read of resource ``("distopt.ps", table)``, issued by
+``fetch_async`` and waited by ``wait``, batchable (:func:`fetch_batched`: ONE request per server)
+with the calls whose tables live on the same servers; ``distopt.ps.push`` is a write of the same
+resource, issued by ``push_async``. Details: ``docs/ps_runtime.md`` ("What the passes see").
 """
 
 from __future__ import annotations

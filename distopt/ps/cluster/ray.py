@@ -1,31 +1,10 @@
-"""Parameter servers as Ray actors (``ps.backend: ray``): the same shards, updates and checkpoint
-files as the RPC server processes, reached through Ray instead of TensorPipe.
+"""Parameter servers as Ray actors (``ps.backend: ray``): :class:`RayBackend`.
 
-Server ``i`` is the actor named ``ps{i}`` (:class:`~distopt.ps.transport.ray_actor.PSServerActor`)
-in the job's Ray namespace (``ServerOptions.ray_namespace`` plus a per-job suffix, so consecutive
-jobs never meet a dying actor's name). The actors are created by the launcher
-(:func:`distopt.ps.start_servers`; in a ``distopt.train`` job, trainer 0:
-:mod:`distopt.job.ray_roles`) in one placement group (:mod:`distopt.ps.cluster.ray_placement`),
-owned by it (they die with it: never an orphan, no heartbeat needed), and killed by
-:func:`distopt.ps.stop_servers`. Trainers of a Ray job form no RPC group; only the trainers' gloo
-store is hosted for them.
-
-Faults. Calls in flight on an actor whose process dies fail at the trainer's wait with a one-line
-:class:`~distopt.errors.RemoteCallError` naming the table and the actor, within
-``ps.rpc_timeout_s``. Ray restarts a dead actor ``ps.max_restarts`` times (0: never; later calls
-keep failing); a restarted actor reloads the job's last checkpoint and refuses data calls until
-:func:`distopt.ps.recover` (:mod:`distopt.ps.cluster.ray_recovery`).
-
-Ordering. An actor runs ``max_concurrency = num_worker_threads`` calls at once (fetches of a slow
-server overlap, like the RPC thread pool), and a threaded Ray actor does **not** execute calls in
-submission order. Per-table ordering therefore never relies on Ray: the client sends a table's push
-only after the answers to that table's previous push and to every fetch issued before it have
-arrived, and a fetch only after the previous push's answer (:mod:`distopt.ps.client.ordering`). So
-at any moment the calls of one trainer that are in flight on an actor for one table are fetches
-only, which commute; calls for different tables touch different shards, each guarded by its own
-lock. (A pipeline's stale mode lets pushes overtake on purpose; the same holds on RPC.) Calls that
-address the whole server (state_dict, save, load, set_latency) are sent after
-:func:`distopt.ps.flush`. Across trainers there is no order, as with RPC.
+The same shards, updates and checkpoint files as the RPC server processes, reached through Ray:
+server ``i`` is the actor ``ps{i}`` (:class:`~distopt.ps.transport.ray_actor.PSServerActor`) in a
+namespace of the job's own, in one placement group (:mod:`distopt.ps.cluster.ray_placement`),
+owned by the process that created it. Faults, restarts and why per-table order never relies on
+Ray: ``docs/ps_runtime.md`` ("Ray jobs").
 """
 
 from __future__ import annotations

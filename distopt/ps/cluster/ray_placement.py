@@ -1,15 +1,10 @@
 """Where the server actors of a ``ps.backend: ray`` job run: the Ray cluster and their placement.
 
-:func:`connect` joins the cluster named by ``ps.ray_address`` with ``ray.init(address=...)``
-semantics, but first probes its address under ``ps.start_timeout_s``: ``ray.init`` itself keeps
-retrying an address where nothing listens for a minute or more, and a job must fail in one line
-naming the key and the address instead.
-
-:func:`reserve` takes one placement group for all of a job's server actors, one bundle per actor
-(``ps.ray_num_cpus`` CPUs, ``ps.ray_memory_mb`` MB, strategy ``ps.ray_placement``), so the servers
-start whole or not at all; :func:`placed` puts actor ``i`` in bundle ``i``. The group is not
-detached: Ray removes it, and kills the actors in it, when the process that created it exits, so a
-job that fails never leaves servers behind; :func:`release` removes it at the end of a job.
+:func:`connect` joins the cluster at ``ps.ray_address``, failing in one line within
+``ps.start_timeout_s`` where ``ray.init`` would retry for a minute; :func:`reserve` takes one
+placement group for all of a job's actors (they start whole or not at all, and die with the
+process that created them); :func:`placed` puts actor ``i`` in bundle ``i``; :func:`release`
+removes the group at the end of a job.
 """
 
 from __future__ import annotations

@@ -1,46 +1,9 @@
 """Going on after Ray restarted a parameter-server actor (``ps.backend: ray``, ``ps.max_restarts``).
 
-When a server actor's process dies, the calls in flight on it fail at the trainer's wait with a
-one-line :class:`~distopt.errors.RemoteCallError` naming the table and the actor. With
-``max_restarts > 0`` Ray then runs the actor's constructor again in a new process. That actor:
-
-1. reloads its shards from the job's **last checkpoint**: the directory named by the job's record
-   file (below), or keeps the seeded initial tables when the job never saved one, and says which in
-   a log line (its Ray worker log, and the trainer's log when it recovers);
-2. refuses fetches, pushes and saves (``ServerRestarted``) until a trainer calls :func:`recover`.
-   Its shards now hold the checkpoint, the other servers hold later steps, and the trainer's dense
-   model holds later steps still: answering would train on a mix. Refusing also makes a restart
-   that happened while nothing was in flight visible at the next call.
-
-:func:`recover` waits for this trainer's calls to be answered (none can land later), for every
-actor to answer again, reloads **every** server from the same checkpoint, and clears the client's
-per-table order (a failed push marks its table unknown until then). The training loop rolls its
-dense model, optimizer and data position back to the same checkpoint::
-
-    try:
-        step_once(step)
-    except distopt.RemoteCallError:
-        restored = distopt.ps.recover()          # every server back at the last checkpoint
-        step = load_dense(restored.checkpoint)   # the loop's own checkpoint of the same step
-        continue
-
-A checkpoint is the loop's dense state written first, then :func:`~distopt.ps.save_servers` into
-the same directory: the record (below) then only names checkpoints whose dense state exists.
-
-With ``max_restarts: 0`` a dead actor stays dead: every later call fails and :func:`recover` raises.
-
-**The record.** An actor's constructor arguments are fixed when the job creates it, so the
-restarted actor learns which checkpoint is the last one from a file:
-``<ServerOptions.ray_state_dir>/<namespace>.last-checkpoint.json``, whose path is a constructor
-argument (:mod:`distopt.ps.server.checkpoint`). The trainer rewrites it, atomically, when
-:func:`~distopt.ps.save_servers` has heard every server's file written, or
-:func:`~distopt.ps.load_servers` every server's load done.
-Before a save into the directory the record names, the record is removed. So the record only
-ever names a directory holding one complete file per server, all from the same save: a checkpoint
-being written when an actor dies is never loaded, half or whole. A file rather than a small
-registry actor: it survives any process of the job dying (a registry actor would lose the record
-in a restart of its own; Ray's internal key-value store is a private API), and the checkpoint
-files it points to need the same shared filesystem anyway.
+:func:`recover` brings every server back to one checkpoint (the job's last, named by its record
+file), :func:`servers_ready` says whether every actor answers, :func:`recording` keeps the record
+up to date around the servers' saves and loads. The recipe, and why a record file:
+``docs/ps_runtime.md`` ("Going on after a Ray restart").
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Parameter servers as processes in one ``torch.distributed.rpc`` group (``ps.backend: rpc``).
 
-One job has two kinds of process in ONE RPC group: trainers ``trainer0..trainer{T-1}`` (ranks
-``0..T-1``) and servers ``ps0..ps{S-1}`` (ranks ``T..T+S-1``; each runs
-:mod:`distopt.ps.cluster.rpc_process`). Every member meets through ``job.plan``
-(:mod:`distopt.rendezvous`): here the launching process hosts both stores, the RPC group's and the
-trainers' gloo group's, on free ports of ``ServerOptions.host``, so it must outlive the job;
-``distopt.train`` jobs make the same calls with a plan in which ``ps0`` hosts them
-(:mod:`distopt.job.ps_roles`). Every listener binds to ``ServerOptions.host``/``interface``
-(loopback by default). A process keeps one RPC rank for life (torch's distributed-autograd
-container), so it may join later jobs only with the same rank.
-
-A job ends the same way whoever launched it:
-
-- a trainer's ``leave`` drains its pushes, tells every server it is done, leaves the RPC group and
-  marks itself left in the RPC store; a trainer that fails once the group has formed calls
-  ``abort`` instead, which asks every server to exit with status 1;
-- a server exits with status 0 once every trainer has told it so, with 1 on an abort or when a
-  trainer falls silent for ``ServerOptions.trainer_timeout_s`` (trainers send a heartbeat every
-  fifth of it);
-- the store host closes the stores last: the launcher in ``stop``, which also reaps the servers
-  (killing by PID whatever has not exited in time); ``ps0`` once every trainer has left.
+:class:`RpcBackend` spawns the server processes (:mod:`distopt.ps.cluster.rpc_process`), forms
+one RPC group of trainers ``trainer0..`` (ranks ``0..T-1``) and servers ``ps0..`` (ranks
+``T..T+S-1``), keeps each trainer's :class:`Heartbeat`, and ends the job. Who hosts the stores and
+how a job ends, whoever launched it: ``docs/ps_runtime.md`` ("RPC jobs").
 """
 
 from __future__ import annotations

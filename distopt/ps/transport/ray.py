@@ -1,17 +1,9 @@
 """The Ray transport's trainer end (``ps.backend: ray``): calls to the job's server actors.
 
-``call(server, "fetch", args, ...)`` sends ``handle.fetch.remote(*args)`` to the actor named
-``server``, whose methods are the servers' operations (:mod:`distopt.ps.transport.ray_actor`),
-with the signature and error semantics of :class:`~distopt.ps.transport.rpc.RpcTransport`. The
-answer completes a ``torch.futures.Future``; a failure completes it with a
-:class:`RemoteCallError` naming the actor and the server's one-line message, and a call with no
-answer within ``timeout_s`` (a stuck actor, or one Ray has not yet declared dead) fails with the
-same message as an RPC timeout. Tensors cross as NumPy arrays (:mod:`distopt.ps.transport.ray_wire`).
-
-Threads: Ray runs an ``ObjectRef``'s done-callbacks on its own core-worker thread, where submitting
-more actor calls (which the client's ordering callbacks do) must not happen. So the callback only
-queues the answer; one reactor thread per transport completes the futures, runs their callbacks,
-and fails the calls whose deadline passed.
+:class:`RayTransport` sends ``call(server, "fetch", args, ...)`` as ``handle.fetch.remote(*args)``
+with the error semantics of the RPC transport. Ray runs an answer's callbacks on its own thread,
+where the client's ordering must not start more calls: the callback only queues the answer, and
+one reactor thread per transport completes the futures and fails the calls past their deadline.
 """
 
 from __future__ import annotations

@@ -1,17 +1,10 @@
 """Tensors between trainers and Ray server actors as NumPy arrays.
 
-Ray pickles a ``torch.Tensor`` through torch's own ``__reduce__``, which writes each storage with
-``torch.save`` into a buffer: about 0.3 ms per tensor however small, so a batched fetch of 16
-tables spent more time pickling than in its one round trip. Ray sends a NumPy array as a pickle-5
-out-of-band buffer (no copy, no per-array file format). So every tensor argument and result of a
-server call crosses as an array, and becomes a tensor again on the other side::
-
-    before:  handle.push.remote("t0", ids, grads, 0.05)               # two torch.save calls
-    after:   handle.push.remote("t0", ids.numpy(), grads.numpy(), 0.05)   # two raw buffers
-
-What NumPy cannot hold (``bfloat16``, a tensor on an accelerator) crosses as a tensor, as before.
-Arrays Ray hands over read-only (those it maps from its object store) are copied, so a fetched row
-never aliases memory nobody may write.
+Ray pickles a ``torch.Tensor`` through ``torch.save`` (about 0.3 ms per tensor, however small) but
+sends a NumPy array as an out-of-band buffer, so every tensor argument and result of a server call
+crosses as an array and becomes a tensor again on the other side. What NumPy cannot hold
+(``bfloat16``, an accelerator's tensor) crosses as a tensor; read-only arrays are copied.
+Why and how: ``docs/ps_runtime.md`` ("Ray jobs").
 """
 
 from __future__ import annotations
