@@ -42,7 +42,8 @@ class AlphaBeta:
     def time(self, nbytes: int) -> float:
         """Predicted seconds of one all-gather plus one reduce-scatter of ``nbytes``."""
         return (
-            self.all_gather_alpha + self.reduce_scatter_alpha
+            self.all_gather_alpha
+            + self.reduce_scatter_alpha
             + (self.all_gather_beta + self.reduce_scatter_beta) * nbytes
         )
 
@@ -64,7 +65,9 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def measure(group: dist.ProcessGroup | None = None, *, sizes: tuple[int, ...] = SIZES, iters: int = 5) -> AlphaBeta:
+def measure(
+    group: dist.ProcessGroup | None = None, *, sizes: tuple[int, ...] = SIZES, iters: int = 5
+) -> AlphaBeta:
     """Time all-gather/reduce-scatter on ``group`` (a collective call: every rank runs it)."""
     world = dist.get_world_size(group)
     results: dict[str, list[tuple[int, float]]] = {"ag": [], "rs": []}
@@ -84,7 +87,9 @@ def measure(group: dist.ProcessGroup | None = None, *, sizes: tuple[int, ...] = 
                 if i:  # the first call pays connection set-up
                     samples.append(time.perf_counter() - start)
             elapsed = torch.tensor([statistics.median(samples)])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)  # the slowest rank sets pace
+            dist.all_reduce(
+                elapsed, op=dist.ReduceOp.MAX, group=group
+            )  # the slowest rank sets pace
             results[name].append((numel * world * 4, float(elapsed)))
     ag, rs = fit(results["ag"]), fit(results["rs"])
     return AlphaBeta(
@@ -113,8 +118,12 @@ def measure_local(world_size: int = 2) -> AlphaBeta:
         return AlphaBeta(**json.loads(Path(out).read_text()))
 
 
-def cache_path(backend: str, world_size: int, cache_dir: str | os.PathLike[str] | None = None) -> Path:
-    root = Path(cache_dir or os.environ.get("DISTOPT_CACHE_DIR") or Path.home() / ".cache" / "distopt")
+def cache_path(
+    backend: str, world_size: int, cache_dir: str | os.PathLike[str] | None = None
+) -> Path:
+    root = Path(
+        cache_dir or os.environ.get("DISTOPT_CACHE_DIR") or Path.home() / ".cache" / "distopt"
+    )
     return root / f"alpha_beta-{socket.gethostname()}-{backend}-w{world_size}.json"
 
 
@@ -133,7 +142,10 @@ def _store(path: Path, model: AlphaBeta) -> None:
 
 
 def alpha_beta(
-    *, group: dist.ProcessGroup | None = None, cache_dir: str | os.PathLike[str] | None = None, refresh: bool = False
+    *,
+    group: dist.ProcessGroup | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    refresh: bool = False,
 ) -> AlphaBeta:
     """The cached α–β model of ``group`` (the default group if initialized, else local gloo).
 
@@ -149,7 +161,9 @@ def alpha_beta(
         # missing == 0 after the all-reduce: every rank, this one included, has a cached model.
         model = measure(group) if int(missing) else cast(AlphaBeta, cached)
         box = [model]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
+        dist.broadcast_object_list(
+            box, src=dist.get_global_rank(group, 0) if group else 0, group=group
+        )
         model = box[0]
         if dist.get_rank(group) == 0 and (int(missing) or refresh):
             _store(path, model)

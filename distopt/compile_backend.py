@@ -115,7 +115,9 @@ def compiled_report(module: nn.Module) -> OptimizeReport | None:
             return True
         return code.co_filename in files and code.co_name.startswith("torch_dynamo_resume_in_")
 
-    report = OptimizeReport(model=type(original).__qualname__, tier="dynamo (torch.compile backend='distopt')")
+    report = OptimizeReport(
+        model=type(original).__qualname__, tier="dynamo (torch.compile backend='distopt')"
+    )
     report.graphs = [graph.record for graph in _COMPILED if ours(graph)]
     if not report.graphs:
         report.warnings.append("no graph compiled yet: call the module once, then explain it")
@@ -134,7 +136,9 @@ def distopt_backend(
     opts = dict(options or {})
     unknown = set(opts) - {"inner", "passes", "pass_options"}
     if unknown:
-        raise ConfigError(f"options: unknown key {sorted(unknown)[0]!r} (known: inner, pass_options, passes)")
+        raise ConfigError(
+            f"options: unknown key {sorted(unknown)[0]!r} (known: inner, pass_options, passes)"
+        )
     pipeline = resolve_pipeline(opts.get("passes"))
     report = OptimizeReport(model="", tier="dynamo", pass_names=[s.name for s in pipeline])
     backend = make_backend(

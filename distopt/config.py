@@ -240,7 +240,9 @@ class CaptureConfig:
     """Fall back to Dynamo capture (``torch.compile``) when symbolic tracing fails."""
 
     def __post_init__(self) -> None:
-        check(self.symbolic or self.dynamo, "capture", "symbolic or dynamo (or both) on", "both off")
+        check(
+            self.symbolic or self.dynamo, "capture", "symbolic or dynamo (or both) on", "both off"
+        )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)

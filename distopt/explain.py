@@ -55,8 +55,12 @@ def _print_code(code: str, console: Console, *, diff: bool) -> None:
     """Generated code, one line per line: never wrapped inside an expression nor padded (on a
     terminal the terminal wraps long lines; elsewhere they stay whole)."""
     for line in code.splitlines():
-        style = _DIFF_STYLES.get(line[:1], "") if diff and not line.startswith(("+++", "---")) else ""
-        console.print(Text(line.rstrip(), style=style), soft_wrap=True)  # a blank context line is ' '
+        style = (
+            _DIFF_STYLES.get(line[:1], "") if diff and not line.startswith(("+++", "---")) else ""
+        )
+        console.print(
+            Text(line.rstrip(), style=style), soft_wrap=True
+        )  # a blank context line is ' '
 
 
 def changed_passes(report: OptimizeReport) -> list[str]:
@@ -119,7 +123,9 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
         console.print(f"graph {index + 1}/{len(report.graphs)}")
         table = Table()
         for column in ("pass", "changed", "nodes", "time (ms)", "detail"):
-            table.add_column(column, justify="right" if column in ("nodes", "time (ms)") else "left")
+            table.add_column(
+                column, justify="right" if column in ("nodes", "time (ms)") else "left"
+            )
         for rec in graph.passes:
             table.add_row(
                 escape(rec.name),
@@ -140,7 +146,9 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
     if report.parallel is not None:
         _render_parallel(report.parallel, console)
     if report.pipeline is not None:
-        console.print(f"  pipeline: {plural(len(report.pipeline.slots), 'read')} prefetched a step ahead")
+        console.print(
+            f"  pipeline: {plural(len(report.pipeline.slots), 'read')} prefetched a step ahead"
+        )
         for slot, line in enumerate(report.pipeline.slots):
             console.print(f"    slot {slot}: {escape(line)}")
         if show_code:
@@ -157,7 +165,9 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
 
 def _render_parallel(record: ParallelRecord, console: Console) -> None:
     sizes = ", ".join(f"{b / 2**20:.2f}" for b in record.unit_bytes) or "none"
-    console.print(f"  parallelize: [cyan]{record.strategy}[/cyan], {record.units} units (MiB: {sizes})")
+    console.print(
+        f"  parallelize: [cyan]{record.strategy}[/cyan], {record.units} units (MiB: {sizes})"
+    )
     schedule = record.schedule
     if schedule is not None:
         console.print(
@@ -211,7 +221,9 @@ def explain(
     # The text returned, and printed where the output is not a terminal (a file, a pipe, a CI
     # log): no colour, no line wrapped or padded to a width; on a terminal, its width and colours.
     buffer = io.StringIO()
-    plain = Console(file=buffer, width=_UNWRAPPED, force_terminal=False, color_system=None, soft_wrap=True)
+    plain = Console(
+        file=buffer, width=_UNWRAPPED, force_terminal=False, color_system=None, soft_wrap=True
+    )
     render(report, show_code=show_code, console=plain)
     text = buffer.getvalue()
     if out.is_terminal:

@@ -60,7 +60,9 @@ def _normalize_inputs(model: nn.Module, example_inputs: Any) -> tuple[Any, ...] 
         inspect.signature(model.forward).bind(*inputs)
     except TypeError as err:
         params = inspect.signature(model.forward).parameters
-        arity = len([p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)])
+        arity = len(
+            [p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        )
         raise ConfigError(
             f"example_inputs: {type(model).__name__}.forward takes {arity} positional input(s), "
             f"got {len(inputs)} ({err})"
@@ -70,17 +72,27 @@ def _normalize_inputs(model: nn.Module, example_inputs: Any) -> tuple[Any, ...] 
     return inputs
 
 
-def check_pass_options(pipeline: Sequence[PassSpec], options: Mapping[str, Mapping[str, Any]]) -> None:
+def check_pass_options(
+    pipeline: Sequence[PassSpec], options: Mapping[str, Mapping[str, Any]]
+) -> None:
     """Every ``pass_options`` entry names a pass of the pipeline and options that pass declares."""
     by_name = {spec.name: spec for spec in pipeline}
     for name, values in options.items():
         spec = by_name.get(name)
         if spec is None:
-            raise ConfigError(f"pass_options.{key_text(name)}: {name!r} is not a pass in this pipeline")
+            raise ConfigError(
+                f"pass_options.{key_text(name)}: {name!r} is not a pass in this pipeline"
+            )
         unknown = sorted(set(values) - set(spec.options))
         if unknown:
-            known = f"known options: {', '.join(spec.options)}" if spec.options else "it takes no options"
-            raise ConfigError(f"pass_options.{key_text(name)}.{key_text(unknown[0])}: unknown option ({known})")
+            known = (
+                f"known options: {', '.join(spec.options)}"
+                if spec.options
+                else "it takes no options"
+            )
+            raise ConfigError(
+                f"pass_options.{key_text(name)}.{key_text(unknown[0])}: unknown option ({known})"
+            )
 
 
 def optimize(
@@ -197,8 +209,12 @@ def _capture_and_transform(
         compiled = dynamo_capture(model, backend)
     except Exception as err:
         if strict:
-            raise CaptureError(f"{report.model}: Dynamo capture failed: {describe_failure(err)}") from err
-        return _fall_back(model, report, f"{report.reason}; Dynamo capture failed: {describe_failure(err)}")
+            raise CaptureError(
+                f"{report.model}: Dynamo capture failed: {describe_failure(err)}"
+            ) from err
+        return _fall_back(
+            model, report, f"{report.reason}; Dynamo capture failed: {describe_failure(err)}"
+        )
     # Dynamo captures lazily; without inputs the graphs appear on the first call.
     if inputs is None:
         report.warnings.append("Dynamo graphs are captured on the first call (no example_inputs)")
@@ -242,7 +258,11 @@ def _verify_or_fall_back(
             return _skip_verification(optimized, cfg, report, [err.write])
         # Only backward writes (a push of the rows' gradients): the outputs can still be
         # compared, with no backward and so nothing sent.
-        _warn_undeclared(report.model, err.write, "has its outputs verified but not its gradients: backward sends")
+        _warn_undeclared(
+            report.model,
+            err.write,
+            "has its outputs verified but not its gradients: backward sends",
+        )
         unsent = err.write
         verify_cfg = dataclasses.replace(cfg.verify, check_grads=False)
         reference = run_reference(model, inputs, verify_cfg, allow_writes=False)
@@ -252,15 +272,21 @@ def _verify_or_fall_back(
         if strict:
             raise
         # Dynamo captures (and runs our passes) during this first call.
-        return _fall_back(model, report, f"running the optimized model failed: {describe_failure(err)}")
+        return _fall_back(
+            model, report, f"running the optimized model failed: {describe_failure(err)}"
+        )
     if unsent is not None:
-        record.partial = f"gradients not compared: backward sends {unsent.describe()}; " + _declare_hint(unsent)
+        record.partial = (
+            f"gradients not compared: backward sends {unsent.describe()}; " + _declare_hint(unsent)
+        )
     report.verification = record
     if record.passed:
         return optimized
     culprit = None
     if cfg.verify.bisect and pipeline:
-        culprit = _bisect_culprit(model, inputs, pipeline, dataclasses.replace(cfg, verify=verify_cfg), reference)
+        culprit = _bisect_culprit(
+            model, inputs, pipeline, dataclasses.replace(cfg, verify=verify_cfg), reference
+        )
         record.culprit = culprit
     where = f"pass {culprit!r} broke equivalence" if culprit else "outputs differ"
     message = f"verification failed for {report.model}: {where}: {record.message}"
@@ -309,7 +335,12 @@ def _skip_verification(
     more = f" and {len(writes) - 1} more" if len(writes) > 1 else ""
     reason = f"the model writes to remote state ({writes[0].describe()}{more}); {_declare_hint(writes[0])}"
     report.verification = VerifyRecord(
-        passed=True, max_abs_diff=0.0, rtol=cfg.verify.rtol, atol=cfg.verify.atol, compared=0, skipped=reason
+        passed=True,
+        max_abs_diff=0.0,
+        rtol=cfg.verify.rtol,
+        atol=cfg.verify.atol,
+        compared=0,
+        skipped=reason,
     )
     return optimized
 
@@ -353,5 +384,3 @@ def _bisect_culprit(
     except Exception:
         return None
     return pipeline[hi - 1].name
-
-

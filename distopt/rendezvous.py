@@ -83,19 +83,25 @@ class StorePlan:
         check(bool(self.hosted_by), "rendezvous.hosted_by", "a member name", self.hosted_by)
         for key in ("rpc_port", "gloo_port"):
             port = getattr(self, key)
-            check(port is None or 0 <= port < 65536, f"rendezvous.{key}", "a port in 0..65535", port)
+            check(
+                port is None or 0 <= port < 65536, f"rendezvous.{key}", "a port in 0..65535", port
+            )
 
     def port(self, store: Store) -> int:
         """The port of ``store``; a one-line error when the plan has none."""
         port = self.rpc_port if store == "rpc" else self.gloo_port
         if not port:
             name = _STORE_NAMES[store]
-            raise ConfigError(f"rendezvous.{store}_port: expected the port of the {name}, got {port!r}")
+            raise ConfigError(
+                f"rendezvous.{store}_port: expected the port of the {name}, got {port!r}"
+            )
         return port
 
     def describe(self, store: Store) -> str:
         """``RPC group store (hosted by ps0) at 127.0.0.1:29500``: how errors name a store."""
-        return f"{_STORE_NAMES[store]} (hosted by {self.hosted_by}) at {self.host}:{self.port(store)}"
+        return (
+            f"{_STORE_NAMES[store]} (hosted by {self.hosted_by}) at {self.host}:{self.port(store)}"
+        )
 
 
 class HostedStores:
@@ -137,7 +143,10 @@ def host_stores(plan: StorePlan, *, me: str, timeout_s: float) -> HostedStores:
     if me != plan.hosted_by:
         return HostedStores(plan, {})
     stores: dict[Store, dist.TCPStore] = {}
-    wanted: tuple[tuple[Store, int | None], ...] = (("rpc", plan.rpc_port), ("gloo", plan.gloo_port))
+    wanted: tuple[tuple[Store, int | None], ...] = (
+        ("rpc", plan.rpc_port),
+        ("gloo", plan.gloo_port),
+    )
     for store, port in wanted:
         if port is None:
             continue
@@ -188,7 +197,13 @@ class RpcTransport(Protocol):
 
 
 def init_rpc(
-    plan: StorePlan, *, name: str, rank: int, world_size: int, transport: RpcTransport, timeout_s: float
+    plan: StorePlan,
+    *,
+    name: str,
+    rank: int,
+    world_size: int,
+    transport: RpcTransport,
+    timeout_s: float,
 ) -> None:
     """Join the RPC group as ``name`` through ``plan``'s RPC store; it must form within ``timeout_s``.
 
@@ -241,8 +256,12 @@ def leave_rpc(*, me: str, graceful: bool) -> None:
         try:
             rpc.api._get_current_rpc_agent().join(shutdown=True)
         except RuntimeError as err:
-            print(f"{me}: left the RPC group without the others (they did not all reach shutdown "
-                  f"within the RPC timeout): {first_line(err)}", file=sys.stderr, flush=True)
+            print(
+                f"{me}: left the RPC group without the others (they did not all reach shutdown "
+                f"within the RPC timeout): {first_line(err)}",
+                file=sys.stderr,
+                flush=True,
+            )
     _QUIET_LEAVE[:] = []
     rpc.shutdown(graceful=False)
 
@@ -311,8 +330,9 @@ def collective(what: str, *, me: str | None = None) -> Iterator[None]:
         raise collective_error(err, what, me=me) or err from None
 
 
-def collective_error(err: BaseException, what: str, *, me: str | None = None,
-                     peers: str = "ranks") -> RemoteCallError | None:
+def collective_error(
+    err: BaseException, what: str, *, me: str | None = None, peers: str = "ranks"
+) -> RemoteCallError | None:
     """gloo's error of a collective as one line naming this rank and ``what``; ``None`` when it
     is no timeout or lost peer (an error of the caller's own, kept as it is)."""
     text = str(err)
@@ -365,8 +385,9 @@ def spawned_gloo(*, timeout_s: float = 60.0) -> Iterator[StorePlan]:
         yield hosted.plan
 
 
-def run_spawned(fn: Callable[..., None], *args: Any, world_size: int, what: str,
-                timeout_s: float = 120.0) -> None:
+def run_spawned(
+    fn: Callable[..., None], *args: Any, world_size: int, what: str, timeout_s: float = 120.0
+) -> None:
     """``fn(rank, *args)`` on ``world_size`` spawned processes of one gloo group (as TorchRec's
     multi-process test helper), each ended in order: ``fn``'s frame, then its garbage, then the
     group (:func:`leave_gloo`), so no gloo group is freed while the interpreter is torn down.
@@ -380,8 +401,12 @@ def run_spawned(fn: Callable[..., None], *args: Any, world_size: int, what: str,
 
     with spawned_gloo(timeout_s=timeout_s) as plan:
         try:
-            mp.spawn(_spawned_rank, args=(fn, plan, world_size, timeout_s, args), nprocs=world_size,
-                     join=True)
+            mp.spawn(
+                _spawned_rank,
+                args=(fn, plan, world_size, timeout_s, args),
+                nprocs=world_size,
+                join=True,
+            )
         except mp.ProcessExitedException as err:
             raise RemoteCallError(
                 f"{what}: rank {err.error_index} {str(err).partition(' ')[2].partition(' ')[2]} "
@@ -392,8 +417,14 @@ def run_spawned(fn: Callable[..., None], *args: Any, world_size: int, what: str,
             raise RemoteCallError(f"{what}: rank {err.error_index} failed: {last}") from None
 
 
-def _spawned_rank(rank: int, fn: Callable[..., None], plan: StorePlan, world_size: int,
-                  timeout_s: float, args: tuple[Any, ...]) -> None:
+def _spawned_rank(
+    rank: int,
+    fn: Callable[..., None],
+    plan: StorePlan,
+    world_size: int,
+    timeout_s: float,
+    args: tuple[Any, ...],
+) -> None:
     faulthandler.enable(all_threads=True)
     init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world_size, timeout_s=timeout_s)
     try:
@@ -467,7 +498,9 @@ def probe(host: str, port: int, *, timeout_s: float) -> OSError | None:
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic())):
+            with socket.create_connection(
+                (host, port), timeout=max(0.05, deadline - time.monotonic())
+            ):
                 return None
         except OSError as err:
             if time.monotonic() + _PROBE_INTERVAL_S >= deadline:
@@ -488,7 +521,12 @@ def _connect(plan: StorePlan, store: Store, *, me: str, timeout_s: float) -> dis
         # The store answered: give the handshake time even when the probe used up the deadline.
         remaining = max(deadline - time.monotonic(), _MIN_HANDSHAKE_S)
         return dist.TCPStore(
-            host, port, None, False, timeout=datetime.timedelta(seconds=remaining), wait_for_workers=False
+            host,
+            port,
+            None,
+            False,
+            timeout=datetime.timedelta(seconds=remaining),
+            wait_for_workers=False,
         )
     except (RuntimeError, dist.DistNetworkError) as err:
         raise RemoteCallError(

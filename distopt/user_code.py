@@ -28,7 +28,9 @@ def import_module(name: str) -> ModuleType:
     except ModuleNotFoundError as err:
         cwd = os.getcwd()
         # Only the package itself missing; a missing dependency of the user's module stays an error.
-        missing_package = err.name is not None and (name == err.name or name.startswith(f"{err.name}."))
+        missing_package = err.name is not None and (
+            name == err.name or name.startswith(f"{err.name}.")
+        )
         if not missing_package or cwd in sys.path or "" in sys.path:
             raise
         sys.path.append(cwd)

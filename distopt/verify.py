@@ -127,7 +127,11 @@ def _run(
 
 
 def run_reference(
-    original: nn.Module, example_inputs: tuple[Any, ...], config: VerifyConfig, *, allow_writes: bool = True
+    original: nn.Module,
+    example_inputs: tuple[Any, ...],
+    config: VerifyConfig,
+    *,
+    allow_writes: bool = True,
 ) -> Reference:
     """Run ``original`` once, its remote calls for real and recorded (the model ends unchanged).
 
@@ -182,7 +186,8 @@ def _compare(ref: RunResult, opt: RunResult, config: VerifyConfig, seconds: floa
     max_diff = 0.0
     compared = 0
     pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
-        (f"output[{i}]", a, b) for i, (a, b) in enumerate(zip(ref.outputs, opt.outputs, strict=False))
+        (f"output[{i}]", a, b)
+        for i, (a, b) in enumerate(zip(ref.outputs, opt.outputs, strict=False))
     ]
     for name in ref.grads:
         pairs.append((f"grad of {name}", ref.grads[name], opt.grads.get(name)))
@@ -197,7 +202,9 @@ def _compare(ref: RunResult, opt: RunResult, config: VerifyConfig, seconds: floa
             continue
         compared += 1
         if a.shape != b.shape or a.dtype != b.dtype:
-            problems.append(f"{label}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}")
+            problems.append(
+                f"{label}: shape/dtype {tuple(a.shape)}/{a.dtype} vs {tuple(b.shape)}/{b.dtype}"
+            )
             continue
         if a.is_floating_point() or a.is_complex():
             diff = (a - b).abs().max().item() if a.numel() else 0.0
@@ -212,6 +219,7 @@ def _compare(ref: RunResult, opt: RunResult, config: VerifyConfig, seconds: floa
         rtol=config.rtol,
         atol=config.atol,
         compared=compared,
-        message="; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""),
+        message="; ".join(problems[:3])
+        + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""),
         seconds=seconds,
     )

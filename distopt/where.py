@@ -19,7 +19,11 @@ _DISTOPT_DIR = os.path.dirname(os.path.abspath(__file__))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _USER_DIRS = (os.path.join(_DISTOPT_DIR, "models") + os.sep,)
 _STDLIB_DIRS = tuple(
-    {os.path.abspath(p) + os.sep for p in (sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")) if p}
+    {
+        os.path.abspath(p) + os.sep
+        for p in (sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib"))
+        if p
+    }
 )
 
 
@@ -85,7 +89,7 @@ def frames_of(stack_trace: str) -> list[traceback.FrameSummary]:
             continue
         try:
             file_part, line_part, name_part = stripped.split(", ", 2)
-            filename = file_part[len('File "'):-1]
+            filename = file_part[len('File "') : -1]
             lineno = int(line_part.removeprefix("line "))
             name = name_part.removeprefix("in ")
         except ValueError:

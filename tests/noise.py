@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import re
 
-_NOISE = re.compile(r"Warning|warn\(|\[W\d{4}|Traceback|Error|EOF: end of file|pipe closed", re.IGNORECASE)
+_NOISE = re.compile(
+    r"Warning|warn\(|\[W\d{4}|Traceback|Error|EOF: end of file|pipe closed", re.IGNORECASE
+)
 
 
 def noise(text: str) -> list[str]:

@@ -46,7 +46,10 @@ def test_backend_by_name_matches_eager(name: str, mode: str) -> None:
             torch.testing.assert_close(got, want)
 
 
-@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("gcc") is None, reason="inductor needs a C++ compiler")
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("gcc") is None,
+    reason="inductor needs a C++ compiler",
+)
 def test_inner_inductor_matches_eager() -> None:
     model = build("mlp")
     (x,) = make_inputs("mlp", model, 4)
@@ -77,4 +80,6 @@ def test_explain_before_the_first_call_says_so() -> None:
     import distopt
 
     compiled = torch.compile(build("mlp"), backend="distopt")
-    assert "no graph compiled yet: call the module once" in distopt.explain(compiled, show_code=False)
+    assert "no graph compiled yet: call the module once" in distopt.explain(
+        compiled, show_code=False
+    )

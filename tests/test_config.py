@@ -55,7 +55,10 @@ def test_overrides_are_parsed_as_yaml(tmp_path) -> None:
 @pytest.mark.parametrize(
     "data,message",
     [
-        ({"name": "x", "stpes": 1}, "stpes: unknown key (known keys: inner, limit, name, steps, tags)"),
+        (
+            {"name": "x", "stpes": 1},
+            "stpes: unknown key (known keys: inner, limit, name, steps, tags)",
+        ),
         ({"name": "x", "steps": "3"}, "steps: expected an integer, got '3'"),
         ({"name": "x", "steps": True}, "steps: expected an integer, got True"),
         ({"name": "x", "inner": {"rate": 0}}, "inner.rate: expected a number > 0, got 0"),
@@ -110,12 +113,24 @@ def test_find_config_file_prefers_the_working_directory(tmp_path, monkeypatch) -
     assert find_config_file("elsewhere/ps_dlrm.yaml") == Path("elsewhere/ps_dlrm.yaml")
 
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=5))
-values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=6)
+scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=5)
+)
+values = st.recursive(
+    scalars,
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+    max_leaves=6,
+)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(st.sampled_from(["capture", "verify", "passes", "pass_options", "dump_graph", "junk"]), values, max_size=4))
+@given(
+    st.dictionaries(
+        st.sampled_from(["capture", "verify", "passes", "pass_options", "dump_graph", "junk"]),
+        values,
+        max_size=4,
+    )
+)
 def test_fuzzed_optimize_configs_never_escape_as_tracebacks(data) -> None:
     """Any mapping either builds a valid OptimizeConfig or raises a one-line ConfigError."""
     try:

@@ -12,7 +12,7 @@ def test_report_lists_tier_passes_diff_and_verification() -> None:
     text = distopt.explain(optimized)
     assert "capture tier: symbolic_trace" in text
     assert "remove_identity" in text and "1 node " in text
-    assert "-    _1 = getattr(self, \"1\")(_0)" in text or "self, \"1\"" in text
+    assert '-    _1 = getattr(self, "1")(_0)' in text or 'self, "1"' in text
     assert "verification passed" in text
 
 
@@ -30,7 +30,9 @@ def test_graph_picture_reports_missing_tools_or_writes_file(tmp_path) -> None:
         assert "pydot" in warnings[0] or "Graphviz" in warnings[0]
     else:
         assert (tmp_path / "g.svg").read_bytes().startswith(b"<?xml")
-    assert draw_graph(gm, tmp_path / "g.bmp") == [f"graph picture {tmp_path / 'g.bmp'}: unsupported format 'bmp' (use .svg, .png or .dot)"]
+    assert draw_graph(gm, tmp_path / "g.bmp") == [
+        f"graph picture {tmp_path / 'g.bmp'}: unsupported format 'bmp' (use .svg, .png or .dot)"
+    ]
 
 
 def test_explain_rejects_foreign_modules() -> None:

@@ -16,14 +16,58 @@ from distopt.job.config import JobConfig
 from distopt.passes.core.base import resolve_pipeline
 from distopt.report import report_of
 
-JOB_KEYS = ["model", "model_kwargs", "variant", "optimize", "parallel", "steps", "batch_size", "optim",
-            "data", "eval", "device", "precision", "seed", "checkpoint_every", "resume", "ps",
-            "num_threads", "bogus"]
-scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 300), st.floats(allow_nan=True),
-                    st.sampled_from(["mlp", "dlrm", "ddp", "fsdp", "optimized", "x", ""]))
-values = st.recursive(scalars, lambda c: st.lists(c, max_size=3) | st.dictionaries(
-    st.sampled_from(["latency_ms", "num_servers", "host", "depth", "junk", "name", "lr", "source",
-                     "every", "kwargs"]), c, max_size=3), max_leaves=5)
+JOB_KEYS = [
+    "model",
+    "model_kwargs",
+    "variant",
+    "optimize",
+    "parallel",
+    "steps",
+    "batch_size",
+    "optim",
+    "data",
+    "eval",
+    "device",
+    "precision",
+    "seed",
+    "checkpoint_every",
+    "resume",
+    "ps",
+    "num_threads",
+    "bogus",
+]
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 300),
+    st.floats(allow_nan=True),
+    st.sampled_from(["mlp", "dlrm", "ddp", "fsdp", "optimized", "x", ""]),
+)
+values = st.recursive(
+    scalars,
+    lambda c: (
+        st.lists(c, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "latency_ms",
+                    "num_servers",
+                    "host",
+                    "depth",
+                    "junk",
+                    "name",
+                    "lr",
+                    "source",
+                    "every",
+                    "kwargs",
+                ]
+            ),
+            c,
+            max_size=3,
+        )
+    ),
+    max_leaves=5,
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -35,8 +79,15 @@ def test_fuzzed_job_configs_give_a_config_or_a_one_line_error(data) -> None:
         assert "\n" not in str(err) and str(err)
 
 
-OPS = st.lists(st.tuples(st.sampled_from(["linear", "relu", "identity", "add", "mul", "cat_split"]),
-                         st.integers(0, 1000), st.integers(0, 1000)), min_size=1, max_size=12)
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["linear", "relu", "identity", "add", "mul", "cat_split"]),
+        st.integers(0, 1000),
+        st.integers(0, 1000),
+    ),
+    min_size=1,
+    max_size=12,
+)
 
 
 class RandomDag(nn.Module):
@@ -79,13 +130,23 @@ def test_random_graphs_through_the_full_pipeline_stay_equivalent(steps) -> None:
     passes = [spec.name for spec in resolve_pipeline(None)] + ["partition"]
     with warnings.catch_warnings():
         warnings.simplefilter("error", distopt.DistoptFallbackWarning)
-        optimized = distopt.optimize(model, (x,), passes=passes,
-                                     config={"pass_options": {"partition": {"num_units": 2}}}, strict=True)
+        optimized = distopt.optimize(
+            model,
+            (x,),
+            passes=passes,
+            config={"pass_options": {"partition": {"num_units": 2}}},
+            strict=True,
+        )
     assert report_of(optimized).verification.passed
     assert list(optimized.state_dict()) == list(model.state_dict())
     torch.testing.assert_close(optimized(x), model(x))
-    again = distopt.optimize(optimized, (x,), passes=passes,
-                             config={"pass_options": {"partition": {"num_units": 2}}}, strict=True)
+    again = distopt.optimize(
+        optimized,
+        (x,),
+        passes=passes,
+        config={"pass_options": {"partition": {"num_units": 2}}},
+        strict=True,
+    )
     # Idempotent up to node names (DCE in the first run can shift the name counters).
     shape = [(n.op, str(n.target), len(n.args)) for n in optimized.graph.nodes]
     assert [(n.op, str(n.target), len(n.args)) for n in again.graph.nodes] == shape

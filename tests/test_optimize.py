@@ -26,7 +26,9 @@ def _outputs_and_grads(model: nn.Module, inputs: tuple) -> tuple[torch.Tensor, d
         p.grad = None
     out = model(*inputs)
     out.float().pow(2).mean().backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), {
+        n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None
+    }
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
@@ -53,8 +55,15 @@ def test_state_dict_keys_identical(name: str) -> None:
     assert list(optimized.state_dict().keys()) == list(model.state_dict().keys())
 
 
-@pytest.mark.parametrize("name,tier", [("mlp", "symbolic_trace"), ("cnn", "symbolic_trace"),
-                                       ("gpt", "symbolic_trace"), ("control_flow", "dynamo")])
+@pytest.mark.parametrize(
+    "name,tier",
+    [
+        ("mlp", "symbolic_trace"),
+        ("cnn", "symbolic_trace"),
+        ("gpt", "symbolic_trace"),
+        ("control_flow", "dynamo"),
+    ],
+)
 def test_capture_tier(name: str, tier: str) -> None:
     model, inputs = _build(name)
     assert report_of(distopt.optimize(model, inputs)).tier == tier
@@ -78,7 +87,9 @@ def wrong_pass():
 
 def test_wrong_pass_is_caught_and_named(wrong_pass: str) -> None:
     model, inputs = _build("mlp")
-    with pytest.warns(distopt.DistoptFallbackWarning, match=f"pass '{wrong_pass}' broke equivalence"):
+    with pytest.warns(
+        distopt.DistoptFallbackWarning, match=f"pass '{wrong_pass}' broke equivalence"
+    ):
         result = distopt.optimize(model, inputs, passes=["remove_identity", wrong_pass])
     assert result is model
     assert report_of(model).verification.culprit == wrong_pass
@@ -124,34 +135,73 @@ _LINEAR = nn.Linear(2, 2)
     "call,message",
     [
         (lambda: distopt.optimize([_LINEAR]), "model: expected a torch.nn.Module, got list"),
-        (lambda: distopt.optimize(_LINEAR, (torch.randn(1, 2), torch.randn(1, 2))),
-         "example_inputs: Linear.forward takes 1 positional input(s), got 2 (too many positional arguments)"),
-        (lambda: distopt.optimize(_LINEAR, "x"),
-         "example_inputs: expected a tensor or a tuple of positional inputs, got str"),
-        (lambda: distopt.optimize(_LINEAR, passes="remove_identity"),
-         "passes: expected a list of pass names, got the string 'remove_identity'"),
-        (lambda: distopt.optimize(_LINEAR, config={"verify": {"rtol": -1}}),
-         "config.verify.rtol: expected a number >= 0, got -1.0"),
-        (lambda: distopt.optimize(_LINEAR, config={"verfy": {}}),
-         "config.verfy: unknown key (known keys: capture, dump_graph, pass_options, passes, verify)"),
-        (lambda: distopt.optimize(_LINEAR, config={"capture": {"dynamo": "yes"}}),
-         "config.capture.dynamo: expected true or false, got 'yes'"),
-        (lambda: distopt.optimize(_LINEAR, verify=True), "verify=True needs example_inputs to run both models"),
-        (lambda: distopt.optimize(_LINEAR, config={"pass_options": {"nope": {}}}),
-         "pass_options.nope: 'nope' is not a pass in this pipeline"),
-        (lambda: distopt.optimize(_LINEAR, config={"pass_options": {"batch_fetch": {"max_batch_request": 2}}}),
-         "pass_options.batch_fetch.max_batch_request: unknown option (known options: max_batch_requests, max_batch_bytes)"),
-        (lambda: distopt.optimize(_LINEAR, config={"pass_options": {"sink_wait": {"depth": 2}}}),
-         "pass_options.sink_wait.depth: unknown option (it takes no options)"),
-        (lambda: distopt.optimize(_LINEAR, passes=["remove_identity"], config={"passes": ["sink_wait"]}),
-         "passes: given twice, as passes=['remove_identity'] and as config passes=['sink_wait'] (give one)"),
-        (lambda: distopt.optimize(_TwoLayers(), config={"capture": {"leaf_modules": ["torch.nn.Linaer"]}}),
-         "capture.leaf_modules: 'torch.nn.Linaer': module 'torch.nn' has no attribute 'Linaer'"),
-        (lambda: distopt.optimize(_TwoLayers(), config={"capture": {"leaf_modules": ["block.0"]}}),
-         "capture.leaf_modules: 'block.0' is neither a submodule of _TwoLayers nor an importable "
-         "nn.Module class ('package.module.Class')"),
-        (lambda: distopt.optimize(_TwoLayers(), config={"capture": {"leaf_functions": ["math.sqrtt"]}}),
-         "capture.leaf_functions: 'math.sqrtt': module 'math' has no attribute 'sqrtt'"),
+        (
+            lambda: distopt.optimize(_LINEAR, (torch.randn(1, 2), torch.randn(1, 2))),
+            "example_inputs: Linear.forward takes 1 positional input(s), got 2 (too many positional arguments)",
+        ),
+        (
+            lambda: distopt.optimize(_LINEAR, "x"),
+            "example_inputs: expected a tensor or a tuple of positional inputs, got str",
+        ),
+        (
+            lambda: distopt.optimize(_LINEAR, passes="remove_identity"),
+            "passes: expected a list of pass names, got the string 'remove_identity'",
+        ),
+        (
+            lambda: distopt.optimize(_LINEAR, config={"verify": {"rtol": -1}}),
+            "config.verify.rtol: expected a number >= 0, got -1.0",
+        ),
+        (
+            lambda: distopt.optimize(_LINEAR, config={"verfy": {}}),
+            "config.verfy: unknown key (known keys: capture, dump_graph, pass_options, passes, verify)",
+        ),
+        (
+            lambda: distopt.optimize(_LINEAR, config={"capture": {"dynamo": "yes"}}),
+            "config.capture.dynamo: expected true or false, got 'yes'",
+        ),
+        (
+            lambda: distopt.optimize(_LINEAR, verify=True),
+            "verify=True needs example_inputs to run both models",
+        ),
+        (
+            lambda: distopt.optimize(_LINEAR, config={"pass_options": {"nope": {}}}),
+            "pass_options.nope: 'nope' is not a pass in this pipeline",
+        ),
+        (
+            lambda: distopt.optimize(
+                _LINEAR, config={"pass_options": {"batch_fetch": {"max_batch_request": 2}}}
+            ),
+            "pass_options.batch_fetch.max_batch_request: unknown option (known options: max_batch_requests, max_batch_bytes)",
+        ),
+        (
+            lambda: distopt.optimize(_LINEAR, config={"pass_options": {"sink_wait": {"depth": 2}}}),
+            "pass_options.sink_wait.depth: unknown option (it takes no options)",
+        ),
+        (
+            lambda: distopt.optimize(
+                _LINEAR, passes=["remove_identity"], config={"passes": ["sink_wait"]}
+            ),
+            "passes: given twice, as passes=['remove_identity'] and as config passes=['sink_wait'] (give one)",
+        ),
+        (
+            lambda: distopt.optimize(
+                _TwoLayers(), config={"capture": {"leaf_modules": ["torch.nn.Linaer"]}}
+            ),
+            "capture.leaf_modules: 'torch.nn.Linaer': module 'torch.nn' has no attribute 'Linaer'",
+        ),
+        (
+            lambda: distopt.optimize(
+                _TwoLayers(), config={"capture": {"leaf_modules": ["block.0"]}}
+            ),
+            "capture.leaf_modules: 'block.0' is neither a submodule of _TwoLayers nor an importable "
+            "nn.Module class ('package.module.Class')",
+        ),
+        (
+            lambda: distopt.optimize(
+                _TwoLayers(), config={"capture": {"leaf_functions": ["math.sqrtt"]}}
+            ),
+            "capture.leaf_functions: 'math.sqrtt': module 'math' has no attribute 'sqrtt'",
+        ),
     ],
 )
 def test_bad_input_is_a_one_line_error(call, message: str) -> None:
@@ -168,6 +218,8 @@ def test_unknown_pass_lists_the_known_ones() -> None:
 
 
 def test_leaves_by_path_and_by_class_are_accepted() -> None:
-    gm = distopt.optimize(_TwoLayers(), config={"capture": {"leaf_modules": ["blocks.0", "torch.nn.ReLU"]}})
+    gm = distopt.optimize(
+        _TwoLayers(), config={"capture": {"leaf_modules": ["blocks.0", "torch.nn.ReLU"]}}
+    )
     assert isinstance(gm, torch.fx.GraphModule)
     assert any(n.op == "call_module" and n.target == "blocks.0" for n in gm.graph.nodes)

@@ -29,7 +29,9 @@ def test_pyproject_lists_every_package() -> None:
     """A package missing from [tool.setuptools] packages would be left out of the wheel."""
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = {".".join(p.parent.relative_to(REPO).parts) for p in REPO.glob("distopt/**/__init__.py")}
+    found = {
+        ".".join(p.parent.relative_to(REPO).parts) for p in REPO.glob("distopt/**/__init__.py")
+    }
     assert set(setuptools["packages"]) == found | {"distopt.configs"}
     assert setuptools["package-dir"] == {"distopt.configs": "configs"}
 
@@ -37,7 +39,9 @@ def test_pyproject_lists_every_package() -> None:
 def _run(*cmd: str | Path, cwd: Path, env: dict[str, str], timeout: float) -> str:
     proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)  # fmt: skip
-    assert proc.returncode == 0, f"{cmd}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, (
+        f"{cmd}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
     return proc.stdout
 
 
@@ -67,8 +71,10 @@ def _builtins(venv: Path, cwd: Path, env: dict[str, str]) -> set[str]:
 
 def _schedulers(venv: Path, cwd: Path, env: dict[str, str]) -> list[str]:
     """TorchX's schedulers in ``venv``, its default (``torchx run`` without ``-s``) first."""
-    probe = ("from torchx.schedulers import get_default_scheduler_name as d, get_scheduler_factories as f; "
-             "print(d(), *f())")
+    probe = (
+        "from torchx.schedulers import get_default_scheduler_name as d, get_scheduler_factories as f; "
+        "print(d(), *f())"
+    )
     return _run(venv / "bin" / "python", "-c", probe, cwd=cwd, env=env, timeout=300).split()
 
 
@@ -111,12 +117,18 @@ def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
     out = _run("distopt", "demo", "--steps", "3", "--out", tmp_path / "runs",
                cwd=elsewhere, env=env, timeout=600)  # fmt: skip
     assert "baseline job finished" in out and "optimized job finished" in out, out
-    assert "baseline: held-out auc " in out and "optimized: held-out auc " in out, out  # a click log
+    assert "baseline: held-out auc " in out and "optimized: held-out auc " in out, (
+        out
+    )  # a click log
     for variant in ("baseline", "optimized"):
         (run,) = (tmp_path / "runs").glob(f"demo-*-{variant}")
-        assert sorted(p.name for p in run.glob("qps-rank*.jsonl")) == ["qps-rank0.jsonl",
-                                                                        "qps-rank1.jsonl"]
+        assert sorted(p.name for p in run.glob("qps-rank*.jsonl")) == [
+            "qps-rank0.jsonl",
+            "qps-rank1.jsonl",
+        ]
     assert not any(elsewhere.iterdir())  # everything went under --out
-    print(f"packaging: build {built - started:.0f}s, venv+install {installed - built:.0f}s, "
-          f"demo {time.monotonic() - installed:.0f}s")
+    print(
+        f"packaging: build {built - started:.0f}s, venv+install {installed - built:.0f}s, "
+        f"demo {time.monotonic() - installed:.0f}s"
+    )
     shutil.rmtree(venv)  # about 1 GB; kept when the test fails, to look into

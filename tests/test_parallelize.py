@@ -61,7 +61,9 @@ def _train(model: nn.Module, rank: int) -> list[float]:
     return losses
 
 
-def _worker(rank: int, world: int, plan: StorePlan, strategy: str, cache_dir: str, memory_slack: float) -> None:
+def _worker(
+    rank: int, world: int, plan: StorePlan, strategy: str, cache_dir: str, memory_slack: float
+) -> None:
     torch.set_num_threads(1)  # two ranks share two cores: more threads only oversubscribe
     init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world, timeout_s=60.0)
     try:
@@ -71,7 +73,12 @@ def _worker(rank: int, world: int, plan: StorePlan, strategy: str, cache_dir: st
         example = make_inputs("gpt", original, 2)
         ref = _reference(strategy, original)
         ours = distopt.parallelize(
-            ours_model, strategy, example_inputs=example, num_units=3, min_unit_bytes=4096, cache_dir=cache_dir,
+            ours_model,
+            strategy,
+            example_inputs=example,
+            num_units=3,
+            min_unit_bytes=4096,
+            cache_dir=cache_dir,
             memory_slack=memory_slack,
         )
         if strategy != "ddp":
@@ -80,7 +87,9 @@ def _worker(rank: int, world: int, plan: StorePlan, strategy: str, cache_dir: st
             # Unbounded memory: every unit is gathered once per step (held by the root or kept
             # from forward into backward), so training runs on the no-reshard path throughout.
             schedule = timing_of(ours).schedule
-            assert len(schedule.root_held | schedule.keep_after_forward) == timing_of(ours).units, schedule
+            assert len(schedule.root_held | schedule.keep_after_forward) == timing_of(ours).units, (
+                schedule
+            )
         ref_losses, our_losses = _train(ref, rank), _train(ours, rank)
         torch.testing.assert_close(our_losses, ref_losses, rtol=RTOL, atol=ATOL)
         # Plain DDP prefixes its keys with ``module.``; ours are the model's for every strategy.
@@ -88,7 +97,9 @@ def _worker(rank: int, world: int, plan: StorePlan, strategy: str, cache_dir: st
         our_state = ours.state_dict()
         assert list(our_state) == keys, list(our_state)[:5]
         for key, value in our_state.items():
-            torch.testing.assert_close(_full(value), _full(ref_state[key]), rtol=RTOL, atol=ATOL, msg=key)
+            torch.testing.assert_close(
+                _full(value), _full(ref_state[key]), rtol=RTOL, atol=ATOL, msg=key
+            )
         # Round trip: the reference's checkpoint loads into the parallelized model under the same keys.
         ours.load_state_dict(ref_state)
         for key, value in ours.state_dict().items():
@@ -103,7 +114,9 @@ def _worker(rank: int, world: int, plan: StorePlan, strategy: str, cache_dir: st
 )
 def test_training_matches_plain_wrapper(strategy: str, memory_slack: float, tmp_path) -> None:
     with spawned_gloo() as plan:
-        mp.spawn(_worker, args=(2, plan, strategy, str(tmp_path), memory_slack), nprocs=2, join=True)
+        mp.spawn(
+            _worker, args=(2, plan, strategy, str(tmp_path), memory_slack), nprocs=2, join=True
+        )
 
 
 def test_config_rejects_unknown_strategy() -> None:

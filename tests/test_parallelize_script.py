@@ -17,7 +17,7 @@ import distopt
 from distopt.errors import ConfigError
 from tests.noise import noise
 
-SCRIPT = '''
+SCRIPT = """
 import sys
 
 import torch
@@ -70,8 +70,7 @@ def main(strategy):
 
 if __name__ == "__main__":
     main(sys.argv[1])
-'''
-
+"""
 
 
 def _torchrun(tmp_path: Path, strategy: str) -> subprocess.CompletedProcess[str]:
@@ -80,8 +79,14 @@ def _torchrun(tmp_path: Path, strategy: str) -> subprocess.CompletedProcess[str]
     torchrun = str(Path(sys.executable).with_name("torchrun"))
     # OMP_NUM_THREADS as a user sets it: torchrun otherwise prints a banner saying it set it.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", str(script), strategy],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    return subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", str(script), strategy],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -97,7 +102,9 @@ def test_a_torchrun_script_keeps_its_keys_exits_and_is_quiet(tmp_path: Path, str
     except subprocess.TimeoutExpired as err:
         pytest.fail(f"torchrun did not exit within 120 s: {err.stderr!r}")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert sorted(proc.stdout.splitlines()) == [f"rank {r}: trained with the original keys" for r in (0, 1)]
+    assert sorted(proc.stdout.splitlines()) == [
+        f"rank {r}: trained with the original keys" for r in (0, 1)
+    ]
     assert noise(proc.stderr) == []
 
 

@@ -72,7 +72,9 @@ def test_only_the_planned_host_hosts() -> None:
 
 
 def test_a_plan_port_is_checked_on_load() -> None:
-    with pytest.raises(Exception, match=r"rendezvous.gloo_port: expected a port in 0..65535, got 70000"):
+    with pytest.raises(
+        Exception, match=r"rendezvous.gloo_port: expected a port in 0..65535, got 70000"
+    ):
         StorePlan(host="127.0.0.1", hosted_by="trainer0", gloo_port=70000)
 
 
@@ -193,8 +195,10 @@ def test_a_spawned_rank_that_aborts_names_itself(capfd: pytest.CaptureFixture[st
     """Issue 22 item 9: a spawned rank killed by SIGABRT is one line naming it, and its stack."""
     with pytest.raises(RemoteCallError) as info:
         rendezvous.run_spawned(_aborting_rank, world_size=2, what="bench", timeout_s=30.0)
-    assert str(info.value) == ("bench: rank 1 terminated with signal SIGABRT (its stack, where Python "
-                               "could print one, is above)")
+    assert str(info.value) == (
+        "bench: rank 1 terminated with signal SIGABRT (its stack, where Python "
+        "could print one, is above)"
+    )
     err = capfd.readouterr().err
     assert "Fatal Python error: Aborted" in err and "in _aborting_rank" in err, err[-2000:]
 
@@ -207,4 +211,6 @@ def test_a_collective_that_times_out_names_the_rank_and_the_step() -> None:
     assert re.fullmatch(
         r"test: rank 1 failed: distopt\.errors\.RemoteCallError: rank 1: timed out waiting for the "
         r"other ranks in a step that needs rank 0: \[\S+\] Timed out waiting 1000ms for (recv|send) "
-        r"operation to complete", str(info.value)), str(info.value)
+        r"operation to complete",
+        str(info.value),
+    ), str(info.value)

@@ -193,7 +193,11 @@ def test_two_rank_ddp_with_torchrun(tmp_path: Path) -> None:
     ]  # fmt: skip
     found = latest_complete(run_dir / "checkpoints")
     assert found is not None and sorted(found.manifest["files"]) == [
-        "dense/.metadata", "dense/__0_0.distcp", "dense/__1_0.distcp", "rank0.pt", "rank1.pt",
+        "dense/.metadata",
+        "dense/__0_0.distcp",
+        "dense/__1_0.distcp",
+        "rank0.pt",
+        "rank1.pt",
     ]  # fmt: skip  -- one dense copy for both DDP ranks, one RNG file per rank
 
 
@@ -226,7 +230,9 @@ def _assert_ok(results: dict[str, tuple[int, str]]) -> None:
 
 @pytest.mark.slow
 def test_ps_dlrm_job_one_server_two_ddp_trainers(tmp_path: Path) -> None:
-    _assert_ok(_run_with_servers(tmp_path, config=DLRM_TINY, sets=("run_id=ps", "checkpoint_every=10")))
+    _assert_ok(
+        _run_with_servers(tmp_path, config=DLRM_TINY, sets=("run_id=ps", "checkpoint_every=10"))
+    )
     run = load_run(tmp_path / "ps")
     assert sorted(run.ranks) == [0, 1] and run.header["num_ps"] == 1
     assert run.header["ps_latency_ms"] == 1.0 and run.config["model"] == "dlrm"
@@ -244,7 +250,12 @@ def test_ps_dlrm_optimized_and_hand_variants_compare(tmp_path: Path) -> None:
         _assert_ok(_run_with_servers(tmp_path, config=DLRM_TINY, num_trainers=1, sets=sets))
     runs = [load_run(tmp_path / "optimized"), load_run(tmp_path / "hand")]
     assert [r.variant for r in runs] == ["optimized", "hand"]
-    predicted = ("predicted_gain", "predicted_step_time_s", "predicted_saving_s", "predicted_rpc_latency_s")
+    predicted = (
+        "predicted_gain",
+        "predicted_step_time_s",
+        "predicted_saving_s",
+        "predicted_rpc_latency_s",
+    )
     assert [k for k in runs[0].header if k.startswith("predicted_")] == list(predicted)
     assert not any(k.startswith("predicted_") for k in runs[1].header)  # hand-written: no graph
     result = compare_runs(runs, warmup=2)

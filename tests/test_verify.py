@@ -65,8 +65,12 @@ def _pushes_in_backward(config: dict | None = None):
     from tests.passes.remote.inprocess_server import STORE
 
     STORE.reset()
-    optimized = distopt.optimize(PushesInBackward(), inputs(), config=config,
-                                 passes=["split_remote", "hoist_issue", "sink_wait"])
+    optimized = distopt.optimize(
+        PushesInBackward(),
+        inputs(),
+        config=config,
+        passes=["split_remote", "hoist_issue", "sink_wait"],
+    )
     record = report_of(optimized).verification
     assert record is not None
     return record, STORE.log
@@ -75,7 +79,9 @@ def _pushes_in_backward(config: dict | None = None):
 def test_a_push_in_backward_is_never_sent_and_the_outputs_are_compared() -> None:
     record, log = _pushes_in_backward()
     assert record.passed and not record.gradients and record.compared == 1
-    assert record.partial is not None and record.partial.startswith("gradients not compared: backward sends push at ")
+    assert record.partial is not None and record.partial.startswith(
+        "gradients not compared: backward sends push at "
+    )
     assert [kind for kind, _, _ in log] == ["read", "read"]  # the two reference runs read; no push
 
 

@@ -60,7 +60,9 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def _interleaved(variants: dict[str, Callable[[], object]], rounds: int, warmup: int) -> dict[str, float]:
+def _interleaved(
+    variants: dict[str, Callable[[], object]], rounds: int, warmup: int
+) -> dict[str, float]:
     for fn in variants.values():
         for _ in range(warmup):
             fn()
@@ -76,7 +78,9 @@ def _model(cfg: CnnFusionConfig) -> ResNet:
     return ResNet(cfg.blocks, cfg.width, cfg.num_classes, cfg.image_size)
 
 
-def _eval_variants(cfg: CnnFusionConfig, console: Console) -> tuple[dict[str, float], dict[str, float]]:
+def _eval_variants(
+    cfg: CnnFusionConfig, console: Console
+) -> tuple[dict[str, float], dict[str, float]]:
     from torch.fx.experimental.optimization import fuse
 
     model = _model(cfg).eval()
@@ -87,8 +91,11 @@ def _eval_variants(cfg: CnnFusionConfig, console: Console) -> tuple[dict[str, fl
     setup["fx fuse"] = time.perf_counter() - start
     start = time.perf_counter()
     ours = distopt.optimize(
-        model, x, passes=["fold_conv_bn", "channels_last"],
-        config={"verify": {"check_grads": False, "rtol": 1e-3, "atol": 1e-3}}, strict=True,
+        model,
+        x,
+        passes=["fold_conv_bn", "channels_last"],
+        config={"verify": {"check_grads": False, "rtol": 1e-3, "atol": 1e-3}},
+        strict=True,
     )
     setup["distopt optimize()"] = time.perf_counter() - start
     variants: dict[str, Callable[[], object]] = {
@@ -107,6 +114,7 @@ def _eval_variants(cfg: CnnFusionConfig, console: Console) -> tuple[dict[str, fl
     with torch.no_grad():
         ref = model(x)
         for name, fn in variants.items():
+
             def msg(m: str, n: str = name) -> str:
                 return f"{n}: {m}"
 
@@ -115,7 +123,9 @@ def _eval_variants(cfg: CnnFusionConfig, console: Console) -> tuple[dict[str, fl
         return _interleaved(variants, cfg.rounds, cfg.warmup), setup
 
 
-def _train_variants(cfg: CnnFusionConfig, console: Console) -> tuple[dict[str, float], dict[str, float]]:
+def _train_variants(
+    cfg: CnnFusionConfig, console: Console
+) -> tuple[dict[str, float], dict[str, float]]:
     x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
     y = torch.randint(0, cfg.num_classes, (cfg.batch_size,))
     eager = _model(cfg)
@@ -162,7 +172,9 @@ def run(config: dict, args: argparse.Namespace) -> int:
         f"batch {cfg.batch_size}×3×{cfg.image_size}², {torch.get_num_threads()} threads"
     )
     eval_times, setup = _eval_variants(cfg, console)
-    console.print(_table(f"eval latency (median of {cfg.rounds}, interleaved)", eval_times, "eager"))
+    console.print(
+        _table(f"eval latency (median of {cfg.rounds}, interleaved)", eval_times, "eager")
+    )
     ours = eval_times["distopt (fold + channels-last)"]
     speedup = eval_times["eager"] / ours
     vs_fuse = eval_times["fx fuse"] / ours
@@ -175,7 +187,11 @@ def run(config: dict, args: argparse.Namespace) -> int:
     if cfg.train_steps:
         train_times, train_setup = _train_variants(cfg, console)
         setup.update(train_setup)
-        console.print(_table(f"training step (median of {cfg.rounds}, interleaved)", train_times, "eager (NCHW)"))
+        console.print(
+            _table(
+                f"training step (median of {cfg.rounds}, interleaved)", train_times, "eager (NCHW)"
+            )
+        )
     setup_table = Table(title="setup time")
     setup_table.add_column("step")
     setup_table.add_column("seconds", justify="right")

@@ -77,7 +77,12 @@ class DataLoadingConfig:
         check(self.samples >= 100, "samples", "an integer >= 100", self.samples)
         check(self.num_workers >= 1, "num_workers", "an integer >= 1", self.num_workers)
         check(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
-        check(self.steps > self.warmup >= 0, "steps", f"an integer > warmup ({self.warmup})", self.steps)
+        check(
+            self.steps > self.warmup >= 0,
+            "steps",
+            f"an integer > warmup ({self.warmup})",
+            self.steps,
+        )
         check(0 < self.target_ratio, "target_ratio", "a number > 0", self.target_ratio)
 
 
@@ -108,13 +113,18 @@ class OneStream:
 class OneJobData(DataSource):
     """A data source whose training loader (workers included) is made once, for every chunk."""
 
-    streams: dict[tuple[int, ...], OneStream] = dataclasses.field(default_factory=dict, compare=False)
+    streams: dict[tuple[int, ...], OneStream] = dataclasses.field(
+        default_factory=dict, compare=False
+    )
 
     def train_loader(self, *, rank: int, world_size: int, batch_size: int, seed: int) -> Loader:
         key = (rank, world_size, batch_size, seed)
         if key not in self.streams:
-            self.streams[key] = OneStream(DataSource.train_loader(
-                self, rank=rank, world_size=world_size, batch_size=batch_size, seed=seed))
+            self.streams[key] = OneStream(
+                DataSource.train_loader(
+                    self, rank=rank, world_size=world_size, batch_size=batch_size, seed=seed
+                )
+            )
         return self.streams[key]  # type: ignore[return-value]  # the trainer only calls batches()
 
 
@@ -122,17 +132,32 @@ def _sources(job: JobConfig, bench: DataLoadingConfig) -> dict[str, DataSource]:
     from distopt import models
 
     model = models.build(job.model_name, **job.model_kwargs)
-    built = build_data(dataclasses.replace(job.data, num_workers=bench.num_workers),
-                       model_name=job.model_name, model=model, batch_size=job.batch_size,
-                       seed=job.seed)
+    built = build_data(
+        dataclasses.replace(job.data, num_workers=bench.num_workers),
+        model_name=job.model_name,
+        model=model,
+        batch_size=job.batch_size,
+        seed=job.seed,
+    )
     loading = OneJobData(**{f.name: getattr(built, f.name) for f in dataclasses.fields(DataSource)})
     # The first `steps` batches of the same loader (in this process), kept in memory.
-    reader = build_data(dataclasses.replace(job.data, num_workers=0), model_name=job.model_name,
-                        model=model, batch_size=job.batch_size, seed=job.seed)
+    reader = build_data(
+        dataclasses.replace(job.data, num_workers=0),
+        model_name=job.model_name,
+        model=model,
+        batch_size=job.batch_size,
+        seed=job.seed,
+    )
     stream = reader.train_loader(rank=0, world_size=1, batch_size=job.batch_size, seed=job.seed)
     batches = [to_batch(b) for _, b in zip(range(bench.steps), stream.batches(), strict=False)]
-    prebuilt = DataSource(train=PrebuiltBatches(batches), eval=None, collate_fn=None, batched=True,
-                          task=loading.task, config=dataclasses.replace(job.data, num_workers=0))
+    prebuilt = DataSource(
+        train=PrebuiltBatches(batches),
+        eval=None,
+        collate_fn=None,
+        batched=True,
+        task=loading.task,
+        config=dataclasses.replace(job.data, num_workers=0),
+    )
     return {"loader": loading, "prebuilt": prebuilt}
 
 
@@ -156,15 +181,26 @@ def measure(bench: DataLoadingConfig) -> dict[str, Any]:
     """Run the interleaved rounds; the results as plain data."""
     import distopt.ps as ps
     from distopt.data.generate import write_criteo
-    from distopt.job.ps_roles import job_tables
+    from distopt.job.ps_setup import job_tables
 
     out = Path(bench.output_dir)
     clicks = write_criteo(out / "clicks.tsv", num_samples=bench.samples, seed=0)
-    job = load_config(JobConfig, bench.job, [
-        f"data.path={clicks}", f"output_dir={out}", f"steps={bench.steps}", "parallel=none",
-        "eval={every: 0, at_end: false}", "checkpoint_every=0", "tensorboard=false",
-        "deterministic=false", "data.holdout_fraction=0.0", "log_every=1000000",
-    ])  # fmt: skip
+    job = load_config(
+        JobConfig,
+        bench.job,
+        [
+            f"data.path={clicks}",
+            f"output_dir={out}",
+            f"steps={bench.steps}",
+            "parallel=none",
+            "eval={every: 0, at_end: false}",
+            "checkpoint_every=0",
+            "tensorboard=false",
+            "deterministic=false",
+            "data.holdout_fraction=0.0",
+            "log_every=1000000",
+        ],
+    )
     options = dataclasses.replace(job.ps, num_servers=1, host="127.0.0.1")
     if bench.latency_ms is not None:
         options = dataclasses.replace(options, latency_ms=bench.latency_ms)
@@ -185,33 +221,55 @@ def measure(bench: DataLoadingConfig) -> dict[str, Any]:
         torch.set_num_threads(threads)
     qps = {arm: job.batch_size / statistics.median(t) for arm, t in times.items()}
     return {
-        "job": bench.job, "batch_size": job.batch_size, "num_workers": bench.num_workers,
-        "latency_ms": options.latency_ms, "rounds": bench.rounds, "steps_per_chunk": bench.steps,
-        "arms": {arm: {"median_qps": qps[arm], "median_step_s": statistics.median(times[arm]),
-                       "steps": len(times[arm]), "step_times_s": times[arm]} for arm in ARMS},
-        "ratio": qps["loader"] / qps["prebuilt"], "target_ratio": bench.target_ratio,
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
-        "cpu_count": os.cpu_count(), "num_threads": job.num_threads,
-    }  # fmt: skip
+        "job": bench.job,
+        "batch_size": job.batch_size,
+        "num_workers": bench.num_workers,
+        "latency_ms": options.latency_ms,
+        "rounds": bench.rounds,
+        "steps_per_chunk": bench.steps,
+        "arms": {
+            arm: {
+                "median_qps": qps[arm],
+                "median_step_s": statistics.median(times[arm]),
+                "steps": len(times[arm]),
+                "step_times_s": times[arm],
+            }
+            for arm in ARMS
+        },
+        "ratio": qps["loader"] / qps["prebuilt"],
+        "target_ratio": bench.target_ratio,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "cpu_count": os.cpu_count(),
+        "num_threads": job.num_threads,
+    }
 
 
 def run(config: dict[str, Any], args: argparse.Namespace) -> int:
     bench = from_dict(DataLoadingConfig, config)
     result = measure(bench)
     console = make_console()
-    table = Table(title=f"DLRM QPS: {bench.num_workers} loader workers vs pre-built batches "
-                        f"(batch {result['batch_size']}, {bench.rounds} rounds × {bench.steps} steps)")
+    table = Table(
+        title=f"DLRM QPS: {bench.num_workers} loader workers vs pre-built batches "
+        f"(batch {result['batch_size']}, {bench.rounds} rounds × {bench.steps} steps)"
+    )
     for column in ("arm", "median QPS", "median step (ms)", "steps"):
         table.add_column(column, justify="left" if column == "arm" else "right")
     for arm in ARMS:
         data = result["arms"][arm]
-        table.add_row(arm, f"{data['median_qps']:,.0f}", f"{1000 * data['median_step_s']:.2f}",
-                      str(data["steps"]))
+        table.add_row(
+            arm,
+            f"{data['median_qps']:,.0f}",
+            f"{1000 * data['median_step_s']:.2f}",
+            str(data["steps"]),
+        )
     console.print(table)
     load = " / ".join(f"{x:.2f}" for x in result["load_average_after"])
     ok = result["ratio"] >= bench.target_ratio
-    console.print(f"loader / prebuilt = {result['ratio']:.3f} (target ≥ {bench.target_ratio}): "
-                  f"{'met' if ok else 'MISSED'}; load average {load} on {result['cpu_count']} CPUs")
+    console.print(
+        f"loader / prebuilt = {result['ratio']:.3f} (target ≥ {bench.target_ratio}): "
+        f"{'met' if ok else 'MISSED'}; load average {load} on {result['cpu_count']} CPUs"
+    )
     if getattr(args, "json", None):
         Path(args.json).write_text(json.dumps(result, indent=1))
     return 0 if ok else 1

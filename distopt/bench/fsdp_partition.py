@@ -145,7 +145,11 @@ def _groups(model: nn.Module) -> tuple[int, list[int], list[bool]]:
         sizes.append(sum(p.numel() * p.element_size() for p in m.parameters() if id(p) in own))
     root_index = next(i for i, m in enumerate(fsdp) if m is model)
     inner = [i for i in range(len(fsdp)) if i != root_index]
-    return sizes[root_index], [sizes[i] for i in inner], [_kept_after_forward(fsdp[i]) for i in inner]
+    return (
+        sizes[root_index],
+        [sizes[i] for i in inner],
+        [_kept_after_forward(fsdp[i]) for i in inner],
+    )
 
 
 def peak_rss_bytes() -> int:
@@ -193,17 +197,23 @@ def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, out: str) -> None
     rss_all = [torch.zeros_like(rss) for _ in range(cfg.world_size)]
     dist.all_gather(rss_all, rss)
     if rank == 0:
-        Path(out).write_text(json.dumps({
-            "step_s": statistics.median(times),
-            "rss_bytes": [int(r) for r in rss_all],
-            "units": len(inner),
-            "root_bytes": root,
-            "inner_bytes": inner,
-            "total_bytes": total,
-            "kept_after_forward": sum(kept),
-            "analytic_peak_bytes": peak_param_bytes(total, root, inner, kept, cfg.world_size),
-            "wrap_s": wrap_s,
-        }))
+        Path(out).write_text(
+            json.dumps(
+                {
+                    "step_s": statistics.median(times),
+                    "rss_bytes": [int(r) for r in rss_all],
+                    "units": len(inner),
+                    "root_bytes": root,
+                    "inner_bytes": inner,
+                    "total_bytes": total,
+                    "kept_after_forward": sum(kept),
+                    "analytic_peak_bytes": peak_param_bytes(
+                        total, root, inner, kept, cfg.world_size
+                    ),
+                    "wrap_s": wrap_s,
+                }
+            )
+        )
 
 
 def _run_variant(cfg: FsdpPartitionConfig, variant: str) -> dict[str, Any]:
@@ -215,8 +225,14 @@ def _run_variant(cfg: FsdpPartitionConfig, variant: str) -> dict[str, Any]:
     try:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "result.json")
-            run_spawned(_worker, to_dict(cfg), variant, out, world_size=cfg.world_size,
-                        what=f"fsdp_partition ({variant})")
+            run_spawned(
+                _worker,
+                to_dict(cfg),
+                variant,
+                out,
+                world_size=cfg.world_size,
+                what=f"fsdp_partition ({variant})",
+            )
             return json.loads(Path(out).read_text())
     finally:
         if saved is None:
@@ -248,34 +264,76 @@ def run(config: dict, args: argparse.Namespace) -> int:
             "kept_after_forward": results[0].get("kept_after_forward", 0),
             "wrap_s": median([x["wrap_s"] for x in results]),
         }
-    table = Table(title=f"FSDP2 unit choices ({params / 1e6:.0f}M params, {cfg.world_size} ranks; medians)")
-    for col in ("variant", "inner units", "kept after fwd", "step s", "peak RSS MiB", "param peak MiB", "wrap s"):
+    table = Table(
+        title=f"FSDP2 unit choices ({params / 1e6:.0f}M params, {cfg.world_size} ranks; medians)"
+    )
+    for col in (
+        "variant",
+        "inner units",
+        "kept after fwd",
+        "step s",
+        "peak RSS MiB",
+        "param peak MiB",
+        "wrap s",
+    ):
         table.add_column(col, justify="left" if col == "variant" else "right")
     for variant, row in rows.items():
         table.add_row(
-            variant, str(row["units"]), str(row["kept_after_forward"]), f"{row['step_s']:.2f}", f"{row['peak_rss_bytes'] / 2**20:.0f}",
-            f"{row['analytic_peak_bytes'] / 2**20:.0f}", f"{row['wrap_s']:.2f}",
+            variant,
+            str(row["units"]),
+            str(row["kept_after_forward"]),
+            f"{row['step_s']:.2f}",
+            f"{row['peak_rss_bytes'] / 2**20:.0f}",
+            f"{row['analytic_peak_bytes'] / 2**20:.0f}",
+            f"{row['wrap_s']:.2f}",
         )
     console.print(table)
     checks = []
     if "distopt" in rows and "per_block" in rows:
         ours, hand = rows["distopt"], rows["per_block"]
         checks.append(("step time vs per-block", ours["step_s"] / hand["step_s"], 1.0))
-        checks.append(("peak RSS vs per-block", ours["peak_rss_bytes"] / hand["peak_rss_bytes"], 1.05))
-        checks.append(("param peak vs per-block", ours["analytic_peak_bytes"] / hand["analytic_peak_bytes"], 1.05))
+        checks.append(
+            ("peak RSS vs per-block", ours["peak_rss_bytes"] / hand["peak_rss_bytes"], 1.05)
+        )
+        checks.append(
+            (
+                "param peak vs per-block",
+                ours["analytic_peak_bytes"] / hand["analytic_peak_bytes"],
+                1.05,
+            )
+        )
     if "distopt" in rows and "no_inner_units" in rows:
         ours, flat = rows["distopt"], rows["no_inner_units"]
-        checks.append(("peak RSS vs no inner units", ours["peak_rss_bytes"] / flat["peak_rss_bytes"], 0.6))
-        checks.append(("param peak vs no inner units", ours["analytic_peak_bytes"] / flat["analytic_peak_bytes"], 0.6))
+        checks.append(
+            ("peak RSS vs no inner units", ours["peak_rss_bytes"] / flat["peak_rss_bytes"], 0.6)
+        )
+        checks.append(
+            (
+                "param peak vs no inner units",
+                ours["analytic_peak_bytes"] / flat["analytic_peak_bytes"],
+                0.6,
+            )
+        )
     if checks:
         ratio_table = Table(title="distopt ratios")
         for col in ("ratio", "value", "target"):
             ratio_table.add_column(col, justify="left" if col == "ratio" else "right")
         for name, value, target in checks:
-            ratio_table.add_row(name, f"{value:.2f}×", f"≤ {target}× {'ok' if value <= target else 'MISSED'}")
+            ratio_table.add_row(
+                name, f"{value:.2f}×", f"≤ {target}× {'ok' if value <= target else 'MISSED'}"
+            )
         console.print(ratio_table)
     if getattr(args, "json", None):
         with open(args.json, "w") as fh:
-            json.dump({"config": to_dict(cfg), "params": params, "variants": rows, "runs": runs,
-                       "ratios": {n: v for n, v, _ in checks}}, fh, indent=2)
+            json.dump(
+                {
+                    "config": to_dict(cfg),
+                    "params": params,
+                    "variants": rows,
+                    "runs": runs,
+                    "ratios": {n: v for n, v, _ in checks},
+                },
+                fh,
+                indent=2,
+            )
     return 0 if all(value <= target for _, value, target in checks) else 1

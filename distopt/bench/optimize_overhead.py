@@ -35,7 +35,9 @@ class OverheadConfig:
     target_s_per_1k: float = 0.5
 
     def __post_init__(self) -> None:
-        check(all(n >= 10 for n in self.node_counts), "node_counts", "sizes >= 10", self.node_counts)
+        check(
+            all(n >= 10 for n in self.node_counts), "node_counts", "sizes >= 10", self.node_counts
+        )
         check(self.repeats >= 1, "repeats", "an integer >= 1", self.repeats)
 
 
@@ -90,5 +92,9 @@ def run(config: dict, args: argparse.Namespace) -> int:
         console.print(f"growth: {size:.1f}× nodes → {growth:.1f}× time (linear = {size:.1f}×)")
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"kind": "optimize_overhead", "config": dataclasses.asdict(cfg), "rows": rows}, fh, indent=2)
+            json.dump(
+                {"kind": "optimize_overhead", "config": dataclasses.asdict(cfg), "rows": rows},
+                fh,
+                indent=2,
+            )
     return 0 if all(r["s_per_1k_nodes"] <= cfg.target_s_per_1k for r in rows) else 1

@@ -98,17 +98,41 @@ class PSOverlapConfig:
         check(all(k >= 1 for k in self.tables), "tables", "counts >= 1", self.tables)
         check(all(x >= 0 for x in self.latency_ms), "latency_ms", "values >= 0", self.latency_ms)
         check(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
-        check(self.min_variant_s >= 0, "min_variant_s", "a number of seconds >= 0", self.min_variant_s)
-        check(self.max_rounds >= self.rounds, "max_rounds", f"an integer >= rounds ({self.rounds})",
-              self.max_rounds)
-        check(0 <= self.h_consistency <= 1, "h_consistency", "a fraction in [0, 1]", self.h_consistency)
-        check(self.steps > self.warmup >= 0, "steps", f"an integer > warmup ({self.warmup})", self.steps)
+        check(
+            self.min_variant_s >= 0, "min_variant_s", "a number of seconds >= 0", self.min_variant_s
+        )
+        check(
+            self.max_rounds >= self.rounds,
+            "max_rounds",
+            f"an integer >= rounds ({self.rounds})",
+            self.max_rounds,
+        )
+        check(
+            0 <= self.h_consistency <= 1,
+            "h_consistency",
+            "a fraction in [0, 1]",
+            self.h_consistency,
+        )
+        check(
+            self.steps > self.warmup >= 0,
+            "steps",
+            f"an integer > warmup ({self.warmup})",
+            self.steps,
+        )
         unknown = [v for v in self.variants if v not in VARIANTS]
-        check(bool(self.variants) and not unknown, "variants", f"names among {', '.join(VARIANTS)}",
-              self.variants)
-        check(self.pipeline_staleness == "auto" or (isinstance(self.pipeline_staleness, int)
-                                                    and self.pipeline_staleness >= 0),
-              "pipeline_staleness", "an integer >= 0 or auto", self.pipeline_staleness)
+        check(
+            bool(self.variants) and not unknown,
+            "variants",
+            f"names among {', '.join(VARIANTS)}",
+            self.variants,
+        )
+        check(
+            self.pipeline_staleness == "auto"
+            or (isinstance(self.pipeline_staleness, int) and self.pipeline_staleness >= 0),
+            "pipeline_staleness",
+            "an integer >= 0 or auto",
+            self.pipeline_staleness,
+        )
         check(self.max_staleness >= 1, "max_staleness", "an integer >= 1", self.max_staleness)
 
 
@@ -126,7 +150,9 @@ class VariantResult:
         return self.batch_size / quantile(self.step_times, 1 - q)
 
 
-def _train_chunk(model, cfg: DLRMConfig, batches, opt, *, blocking_push: bool, lr: float) -> list[float]:
+def _train_chunk(
+    model, cfg: DLRMConfig, batches, opt, *, blocking_push: bool, lr: float
+) -> list[float]:
     stamps = []
     for batch in batches:
         stamps.append(time.perf_counter())
@@ -140,29 +166,47 @@ def _train_chunk(model, cfg: DLRMConfig, batches, opt, *, blocking_push: bool, l
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
-def _pipelined_chunk(model, batches, opt, *, staleness: int, lr: float, memory: dict) -> list[float]:
+def _pipelined_chunk(
+    model, batches, opt, *, staleness: int, lr: float, memory: dict
+) -> list[float]:
     """Step times of the optimized model in a pipeline (its first prefetch is in the first step);
     ``memory`` keeps the peak bytes measured in flight and of one batch's rows."""
-    pipe = TrainPipeline(model, opt, iter(batches), staleness=staleness,
-                         loss_fn=lambda out, b: dlrm_loss(out, b.labels),
-                         inputs=lambda b: (b.dense, b.sparse), push=lambda: ps.push_gradients(lr=lr))
+    pipe = TrainPipeline(
+        model,
+        opt,
+        iter(batches),
+        staleness=staleness,
+        loss_fn=lambda out, b: dlrm_loss(out, b.labels),
+        inputs=lambda b: (b.dense, b.sparse),
+        push=lambda: ps.push_gradients(lr=lr),
+    )
     stamps = [time.perf_counter()]
     for _ in pipe.run():
         stamps.append(time.perf_counter())
     pipe.close()
     ps.flush()
     stamps[-1] = time.perf_counter()  # the last async push belongs to this chunk
-    memory["inflight_bytes_max"] = max(memory.get("inflight_bytes_max", 0), pipe.stats.inflight_bytes_max)
+    memory["inflight_bytes_max"] = max(
+        memory.get("inflight_bytes_max", 0), pipe.stats.inflight_bytes_max
+    )
     memory["batch_bytes_max"] = max(memory.get("batch_bytes_max", 0), pipe.stats.batch_bytes_max)
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def _point(
-    bench: PSOverlapConfig, k: int, latency: float, compute: Literal["light", "heavy"],
+    bench: PSOverlapConfig,
+    k: int,
+    latency: float,
+    compute: Literal["light", "heavy"],
     console: Console,
 ) -> tuple[dict, GainPrediction]:
-    cfg = DLRMConfig(num_tables=k, compute=compute, batch_size=bench.batch_size,
-                     num_rows=bench.num_rows, embedding_dim=bench.embedding_dim)
+    cfg = DLRMConfig(
+        num_tables=k,
+        compute=compute,
+        batch_size=bench.batch_size,
+        num_rows=bench.num_rows,
+        embedding_dim=bench.embedding_dim,
+    )
     options = dataclasses.replace(bench.ps, num_servers=bench.num_servers, latency_ms=latency)
     batches = [make_batch(cfg, step) for step in range(bench.steps)]
     with ps.local_job(dlrm_tables(cfg), options):
@@ -173,9 +217,14 @@ def _point(
             optimize_start = time.perf_counter()
             optimized = distopt.optimize(copy.deepcopy(baseline), example, strict=True)
             optimize_s = time.perf_counter() - optimize_start
-            prediction = predict_gain(baseline, optimized, example, measure_step=True,
-                                      pipeline_staleness=bench.pipeline_staleness,
-                                      max_staleness=bench.max_staleness)
+            prediction = predict_gain(
+                baseline,
+                optimized,
+                example,
+                measure_step=True,
+                pipeline_staleness=bench.pipeline_staleness,
+                max_staleness=bench.max_staleness,
+            )
             staleness = prediction.pipeline_staleness
             assert staleness is not None
             ps.discard_step()
@@ -184,29 +233,43 @@ def _point(
             models[name] = distopt.optimize(copy.deepcopy(baseline), example, strict=True)
             ps.discard_step()
         variants = bench.variants
-        optimizers = {name: torch.optim.SGD(models[name].parameters(), lr=bench.lr) for name in variants}
+        optimizers = {
+            name: torch.optim.SGD(models[name].parameters(), lr=bench.lr) for name in variants
+        }
         times: dict[str, list[float]] = {name: [] for name in variants}
         round_medians: dict[str, list[float]] = {name: [] for name in variants}
         memory: dict[str, int] = {"window": max(1, staleness)}
         round_index = 0
         while round_index < bench.rounds or (
-            round_index < bench.max_rounds and min(sum(t) for t in times.values()) < bench.min_variant_s
+            round_index < bench.max_rounds
+            and min(sum(t) for t in times.values()) < bench.min_variant_s
         ):
             shift = round_index % len(variants)
             for name in variants[shift:] + variants[:shift]:
                 if name == "pipelined":
-                    chunk = _pipelined_chunk(models[name], batches, optimizers[name],
-                                             staleness=staleness, lr=bench.lr,
-                                             memory=memory)
+                    chunk = _pipelined_chunk(
+                        models[name],
+                        batches,
+                        optimizers[name],
+                        staleness=staleness,
+                        lr=bench.lr,
+                        memory=memory,
+                    )
                 else:
                     if name == "no_network":
                         ps.set_latency_ms(0.0)
-                    chunk = _train_chunk(models[name], cfg, batches, optimizers[name],
-                                         blocking_push=name == "baseline", lr=bench.lr)
+                    chunk = _train_chunk(
+                        models[name],
+                        cfg,
+                        batches,
+                        optimizers[name],
+                        blocking_push=name == "baseline",
+                        lr=bench.lr,
+                    )
                     if name == "no_network":
                         ps.set_latency_ms(latency)
-                times[name].extend(chunk[bench.warmup:])
-                round_medians[name].append(median(chunk[bench.warmup:]))
+                times[name].extend(chunk[bench.warmup :])
+                round_medians[name].append(median(chunk[bench.warmup :]))
             round_index += 1
     results = {name: VariantResult(times[name], bench.batch_size) for name in variants}
     median_s = {name: r.median_s for name, r in results.items()}
@@ -214,8 +277,10 @@ def _point(
     if {"baseline", "optimized", "hand"} <= set(variants):
         t_base, t_opt, t_hand = median_s["baseline"], median_s["optimized"], median_s["hand"]
         hideable = t_base - t_hand
-        hand_faster = sum(h_r < b_r for h_r, b_r in zip(round_medians["hand"], round_medians["baseline"],
-                                                         strict=True))
+        hand_faster = sum(
+            h_r < b_r
+            for h_r, b_r in zip(round_medians["hand"], round_medians["baseline"], strict=True)
+        )
         consistent = hand_faster >= bench.h_consistency * round_index
         h = (t_base - t_opt) / hideable if hideable > 0.05 * t_base and consistent else None
         ratio_vs_hand = t_hand / t_opt
@@ -228,11 +293,22 @@ def _point(
     forward = prediction.forward
     pipelined_step = prediction.step_s if prediction.pipelined is not None else None
     point = {
-        "tables": k, "latency_ms": latency, "compute": compute, "rounds": round_index,
+        "tables": k,
+        "latency_ms": latency,
+        "compute": compute,
+        "rounds": round_index,
         "hand_faster_rounds": hand_faster,
-        "variants": {n: {"median_step_s": r.median_s, "qps_median": bench.batch_size / r.median_s,
-                         "qps_p10": r.qps(0.10), "qps_p90": r.qps(0.90), "steps": len(r.step_times),
-                         "step_times_s": r.step_times} for n, r in results.items()},
+        "variants": {
+            n: {
+                "median_step_s": r.median_s,
+                "qps_median": bench.batch_size / r.median_s,
+                "qps_p10": r.qps(0.10),
+                "qps_p90": r.qps(0.90),
+                "steps": len(r.step_times),
+                "step_times_s": r.step_times,
+            }
+            for n, r in results.items()
+        },
         "hidden_fraction": h,
         "opt_vs_hand_qps": ratio_vs_hand,
         "pipelined_vs_no_network_qps": pipe_vs_net,
@@ -240,8 +316,11 @@ def _point(
         "predicted_forward_before_s": forward.before_s,
         "predicted_forward_after_s": forward.after_s,
         "predicted_saving_s": forward.saving_s,
-        "measured_saving_s": (median_s["baseline"] - median_s["optimized"]
-                              if {"baseline", "optimized"} <= set(variants) else None),
+        "measured_saving_s": (
+            median_s["baseline"] - median_s["optimized"]
+            if {"baseline", "optimized"} <= set(variants)
+            else None
+        ),
         "pipeline_staleness": staleness,
         "predicted_pipelined_step_s": pipelined_step,
         "measured_pipelined_step_s": median_s.get("pipelined"),
@@ -255,8 +334,12 @@ def _point(
 def _batching(bench: PSOverlapConfig) -> dict:
     """One fetch vs ``n`` fetches of different tables on one server through the batched path."""
     n = bench.batching_fetches
-    cfg = DLRMConfig(num_tables=n, batch_size=bench.batch_size, num_rows=bench.num_rows,
-                     embedding_dim=bench.embedding_dim)
+    cfg = DLRMConfig(
+        num_tables=n,
+        batch_size=bench.batch_size,
+        num_rows=bench.num_rows,
+        embedding_dim=bench.embedding_dim,
+    )
     batch = make_batch(cfg, 0)
     requests = [(table, batch.sparse[k]) for k, table in enumerate(cfg.table_names)]
     options = dataclasses.replace(bench.ps, num_servers=1, latency_ms=bench.batching_latency_ms)
@@ -271,19 +354,38 @@ def _batching(bench: PSOverlapConfig) -> dict:
             ps.wait(ps.fetch_many_async(requests))
             many.append(time.perf_counter() - start)
         ps.discard_step()
-    return {"fetches": n, "latency_ms": bench.batching_latency_ms, "one_fetch_s": median(one),
-            "batched_s": median(many), "ratio": median(many) / median(one)}
+    return {
+        "fetches": n,
+        "latency_ms": bench.batching_latency_ms,
+        "one_fetch_s": median(one),
+        "batched_s": median(many),
+        "ratio": median(many) / median(one),
+    }
 
 
-def _write_logs(bench: PSOverlapConfig, point: dict, prediction: GainPrediction, run_stamp: str) -> None:
+def _write_logs(
+    bench: PSOverlapConfig, point: dict, prediction: GainPrediction, run_stamp: str
+) -> None:
     within_step = dataclasses.replace(prediction, pipelined=None, pipeline_staleness=None)
     headers = {"optimized": within_step.to_header(), "pipelined": prediction.to_header()}
     for name in bench.variants:
-        run_id = f"{run_stamp}-K{point['tables']}-lat{point['latency_ms']:g}-{point['compute']}-{name}"
-        config = {**to_dict(bench), "point": {k: point[k] for k in ("tables", "latency_ms", "compute")}}
-        writer = QpsLogWriter.create(bench.output_dir, run_id=run_id, variant=name, rank=0, world_size=1,
-                                     global_batch_size=bench.batch_size, config=config,
-                                     extra=headers.get(name))
+        run_id = (
+            f"{run_stamp}-K{point['tables']}-lat{point['latency_ms']:g}-{point['compute']}-{name}"
+        )
+        config = {
+            **to_dict(bench),
+            "point": {k: point[k] for k in ("tables", "latency_ms", "compute")},
+        }
+        writer = QpsLogWriter.create(
+            bench.output_dir,
+            run_id=run_id,
+            variant=name,
+            rank=0,
+            world_size=1,
+            global_batch_size=bench.batch_size,
+            config=config,
+            extra=headers.get(name),
+        )
         with writer:
             for step, seconds in enumerate(point["variants"][name]["step_times_s"]):
                 writer.log_step(step, seconds)
@@ -300,10 +402,26 @@ def _ms(value: float | None) -> str:
 
 
 def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
-    table = Table(title="ps_overlap: QPS median [p10–p90] per variant, interleaved; H = hidden-latency "
-                        "fraction; pipe/net and pipe/opt: pipelined QPS over no_network and over optimized")
-    columns = ("K", "lat ms", "compute", "rounds", *bench.variants, "H", "opt/hand", "pipe s", "pipe/net", "pipe/opt",
-               "pred. saving ms", "meas. saving ms", "pred. pipe step ms", "meas. pipe step ms")
+    table = Table(
+        title="ps_overlap: QPS median [p10–p90] per variant, interleaved; H = hidden-latency "
+        "fraction; pipe/net and pipe/opt: pipelined QPS over no_network and over optimized"
+    )
+    columns = (
+        "K",
+        "lat ms",
+        "compute",
+        "rounds",
+        *bench.variants,
+        "H",
+        "opt/hand",
+        "pipe s",
+        "pipe/net",
+        "pipe/opt",
+        "pred. saving ms",
+        "meas. saving ms",
+        "pred. pipe step ms",
+        "meas. pipe step ms",
+    )
     for col in columns:
         table.add_column(col, justify="right")
     for p in points:
@@ -351,17 +469,25 @@ def run(config: dict, args: argparse.Namespace) -> int:
     points = []
     sweep = list(itertools.product(bench.tables, bench.latency_ms, bench.compute))
     for index, (k, latency, compute) in enumerate(sweep, 1):
-        console.print(f"[{index}/{len(sweep)}] K={k} latency={latency:g} ms compute={compute}: "
-                      f"{bench.rounds} rounds × {bench.steps} steps × {len(bench.variants)} variants"
-                      + (f" (more, up to {bench.max_rounds}, until each variant has {bench.min_variant_s:g} s)"
-                         if bench.min_variant_s else "") + "…")
+        console.print(
+            f"[{index}/{len(sweep)}] K={k} latency={latency:g} ms compute={compute}: "
+            f"{bench.rounds} rounds × {bench.steps} steps × {len(bench.variants)} variants"
+            + (
+                f" (more, up to {bench.max_rounds}, until each variant has {bench.min_variant_s:g} s)"
+                if bench.min_variant_s
+                else ""
+            )
+            + "…"
+        )
         point, prediction = _point(bench, k, latency, compute, console)
         _write_logs(bench, point, prediction, run_stamp)
         points.append(point)
     console.print(_table(points, bench))
     batching = None
     if bench.batching_fetches:
-        console.print(f"batching: 1 fetch vs {bench.batching_fetches} batched fetches to one server…")
+        console.print(
+            f"batching: 1 fetch vs {bench.batching_fetches} batched fetches to one server…"
+        )
         batching = _batching(bench)
         ok = batching["ratio"] <= bench.target_batching_ratio
         console.print(
@@ -373,13 +499,28 @@ def run(config: dict, args: argparse.Namespace) -> int:
     lines, targets_ok = _verdicts(points, bench)
     measured = [p["pipelined_memory"] for p in points if p["pipelined_memory"]]
     if measured:
-        within = sum(m["inflight_bytes_max"] <= m["window"] * m["batch_bytes_max"] for m in measured)
+        within = sum(
+            m["inflight_bytes_max"] <= m["window"] * m["batch_bytes_max"] for m in measured
+        )
         targets_ok = targets_ok and within == len(measured)
-        lines.append(f"prefetched rows in flight ≤ one batch of rows per step in the pipeline window at "
-                     f"{within}/{len(measured)} points (peak {max(m['inflight_bytes_max'] for m in measured) / 1024:.0f} KiB)")
-    console.print("; ".join(lines) + f". QPS logs: {Path(bench.output_dir).resolve()}/{run_stamp}-*")
+        lines.append(
+            f"prefetched rows in flight ≤ one batch of rows per step in the pipeline window at "
+            f"{within}/{len(measured)} points (peak {max(m['inflight_bytes_max'] for m in measured) / 1024:.0f} KiB)"
+        )
+    console.print(
+        "; ".join(lines) + f". QPS logs: {Path(bench.output_dir).resolve()}/{run_stamp}-*"
+    )
     if args.json:
-        Path(args.json).write_text(json.dumps({"kind": "ps_overlap", "config": to_dict(bench), "points": points,
-                                               "batching": batching}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "kind": "ps_overlap",
+                    "config": to_dict(bench),
+                    "points": points,
+                    "batching": batching,
+                },
+                indent=2,
+            )
+        )
     batching_ok = batching is None or batching["ratio"] <= bench.target_batching_ratio
     return 0 if targets_ok and batching_ok else 1

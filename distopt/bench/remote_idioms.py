@@ -66,7 +66,12 @@ class RemoteIdiomsConfig:
         check(bool(self.idioms), "idioms", "at least one idiom module", self.idioms)
         check(self.latency_ms >= 0, "latency_ms", "a number >= 0", self.latency_ms)
         check(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
-        check(self.steps > self.warmup >= 0, "steps", f"an integer > warmup ({self.warmup})", self.steps)
+        check(
+            self.steps > self.warmup >= 0,
+            "steps",
+            f"an integer > warmup ({self.warmup})",
+            self.steps,
+        )
 
 
 def _train_step(model: torch.nn.Module, optimizer: Any, batch: Any, loss: Callable) -> float:
@@ -93,7 +98,8 @@ def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
     optimizers = {
         v: DistributedOptimizer(
             torch.optim.SGD,
-            [rpc.RRef(p) for _, p in named_local_tensors(m, "_parameters")] + idiom.remote_parameters(owners[v]),
+            [rpc.RRef(p) for _, p in named_local_tensors(m, "_parameters")]
+            + idiom.remote_parameters(owners[v]),
             lr=bench.lr,
         )
         for v, m in models.items()
@@ -106,7 +112,7 @@ def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
     # Interleaved per step, not per chunk: with ~1 ms to hide in a ~20 ms step (the chained
     # idiom), load drifting between chunks moved H by more than the effect itself.
     for round_index in range(bench.rounds):
-        order = VARIANTS[round_index % 3:] + VARIANTS[: round_index % 3]
+        order = VARIANTS[round_index % 3 :] + VARIANTS[: round_index % 3]
         for step, batch in enumerate(batches):
             for variant in order:
                 took = _train_step(models[variant], optimizers[variant], batch, common.loss)
@@ -126,19 +132,34 @@ def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
 
 
 def _table(results: list[dict[str, Any]], bench: RemoteIdiomsConfig) -> Table:
-    table = Table(title=f"remote_idioms: median step ms (dist_autograd), {bench.latency_ms:g} ms server latency; "
-                  "H = share of the hand-written async model's hidden latency distopt hides")
+    table = Table(
+        title=f"remote_idioms: median step ms (dist_autograd), {bench.latency_ms:g} ms server latency; "
+        "H = share of the hand-written async model's hidden latency distopt hides"
+    )
     for col in ("idiom", "baseline", "optimized", "hand", "opt speed-up", "H", "opt/hand"):
         table.add_column(col, justify="left" if col == "idiom" else "right")
     for r in results:
         ms = {v: r["median_step_s"][v] * 1e3 for v in VARIANTS}
         h = r["hidden"]
-        cell = "n/a" if h is None else (f"{h:.2f}" if h >= bench.target_hidden else f"[red]{h:.2f}[/red]")
+        cell = (
+            "n/a"
+            if h is None
+            else (f"{h:.2f}" if h >= bench.target_hidden else f"[red]{h:.2f}[/red]")
+        )
         ratio = r["opt_vs_hand_qps"]
         scored = h is None  # the ratio is the target only where H is not
-        ratio_cell = f"{ratio:.2f}" if not scored or ratio >= bench.target_ratio_vs_hand else f"[red]{ratio:.2f}[/red]"
-        table.add_row(r["idiom"], *(f"{ms[v]:.2f}" for v in VARIANTS), f"{ms['baseline'] / ms['optimized']:.2f}×",
-                      cell, ratio_cell)
+        ratio_cell = (
+            f"{ratio:.2f}"
+            if not scored or ratio >= bench.target_ratio_vs_hand
+            else f"[red]{ratio:.2f}[/red]"
+        )
+        table.add_row(
+            r["idiom"],
+            *(f"{ms[v]:.2f}" for v in VARIANTS),
+            f"{ms['baseline'] / ms['optimized']:.2f}×",
+            cell,
+            ratio_cell,
+        )
     return table
 
 
@@ -153,19 +174,31 @@ def run(config: dict, args: argparse.Namespace) -> int:
     with contextlib.ExitStack() as stack:
         stack.enter_context(group(bench.num_servers, latency_ms=bench.latency_ms))
         for index, name in enumerate(bench.idioms, 1):
-            console.print(f"[{index}/{len(bench.idioms)}] {name}: {bench.rounds} rounds × {bench.steps} steps × 3 variants…")
+            console.print(
+                f"[{index}/{len(bench.idioms)}] {name}: {bench.rounds} rounds × {bench.steps} steps × 3 variants…"
+            )
             results.append(_idiom(bench, name, common))
     console.print(_table(results, bench))
     scored = [r for r in results if r["hidden"] is not None]
     missed = [r["idiom"] for r in scored if r["hidden"] < bench.target_hidden]
     small = [r for r in results if r["hidden"] is None]
     slower = [r["idiom"] for r in small if r["opt_vs_hand_qps"] < bench.target_ratio_vs_hand]
-    console.print(f"H ≥ {bench.target_hidden} at {len(scored) - len(missed)}/{len(scored)} idioms with hideable latency"
-                  + (f"; missed: {', '.join(missed)}" if missed else "")
-                  + (f"; optimized ≥ {bench.target_ratio_vs_hand}× hand QPS at {len(small) - len(slower)}/{len(small)} "
-                     "idioms where hand hides under 5% of the step" if small else "")
-                  + (f"; missed: {', '.join(slower)}" if slower else ""))
+    console.print(
+        f"H ≥ {bench.target_hidden} at {len(scored) - len(missed)}/{len(scored)} idioms with hideable latency"
+        + (f"; missed: {', '.join(missed)}" if missed else "")
+        + (
+            f"; optimized ≥ {bench.target_ratio_vs_hand}× hand QPS at {len(small) - len(slower)}/{len(small)} "
+            "idioms where hand hides under 5% of the step"
+            if small
+            else ""
+        )
+        + (f"; missed: {', '.join(slower)}" if slower else "")
+    )
     missed += slower
     if args.json:
-        Path(args.json).write_text(json.dumps({"kind": "remote_idioms", "config": to_dict(bench), "results": results}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"kind": "remote_idioms", "config": to_dict(bench), "results": results}, indent=2
+            )
+        )
     return 1 if missed else 0

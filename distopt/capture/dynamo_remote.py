@@ -64,7 +64,9 @@ def _fake_output(site: Site, tensors: Sequence[torch.Tensor]) -> tuple[torch.Ten
     if out is None:
         # A graph break, not an error: Dynamo runs this call as written, once, and goes on.
         missed(site, meta)
-        message = f"no run of the original model has shown the outputs of remote call site {site.index}"
+        message = (
+            f"no run of the original model has shown the outputs of remote call site {site.index}"
+        )
         try:
             from torch._dynamo.exc import unimplemented
 
@@ -78,7 +80,12 @@ def _fake_output(site: Site, tensors: Sequence[torch.Tensor]) -> tuple[torch.Ten
 
 
 def _fresh(value: Any) -> Any:
-    return value.detach().requires_grad_(value.requires_grad) if isinstance(value, torch.Tensor) else value
+    return (
+        value.detach().requires_grad_(value.requires_grad)
+        if isinstance(value, torch.Tensor)
+        else value
+    )
+
 
 @torch._dynamo.allow_in_graph
 def remote_call(site: int, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
@@ -114,7 +121,9 @@ def remote_call_async(site: int, tensors: list[torch.Tensor]) -> Pending:
     return Pending((s,), s.spec.issue(*args, **kwargs))
 
 
-def remote_call_batched(args_list: Sequence[Sequence[Any]], kwargs_list: Sequence[Mapping[str, Any]]) -> Pending:
+def remote_call_batched(
+    args_list: Sequence[Sequence[Any]], kwargs_list: Sequence[Mapping[str, Any]]
+) -> Pending:
     sites = tuple(SITES[a[0]] for a in args_list)
     replay = replayer()
     if replay is not None:
@@ -200,7 +209,9 @@ def _passthrough(fn: Callable[..., Any]) -> Callable[..., Any]:
     """A copy of ``fn`` Dynamo treats as it treats ``fn`` without a polyfill (same code, new object)."""
     if not isinstance(fn, types.FunctionType):
         return fn
-    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
     copy.__kwdefaults__ = fn.__kwdefaults__
     return copy
 
@@ -252,7 +263,6 @@ def polyfill_remote_calls() -> int:
 # -------------------------------------------------------------------------------- learning
 
 
-
 # -------------------------------------------------------------------------------- learning
 
 
@@ -269,7 +279,9 @@ class CapturedCall:
     :class:`~distopt.errors.DistoptFallbackWarning` naming the cause and the user's line.
     """
 
-    def __init__(self, compiled: Callable[..., Any], module: torch.nn.Module, *, learns: bool) -> None:
+    def __init__(
+        self, compiled: Callable[..., Any], module: torch.nn.Module, *, learns: bool
+    ) -> None:
         self.compiled = compiled
         self.module = module
         self.learns = learns
@@ -311,7 +323,9 @@ class CapturedCall:
 
 
 @contextlib.contextmanager
-def checking(module: torch.nn.Module, example_inputs: Sequence[Any], record: Recording) -> Iterator[None]:
+def checking(
+    module: torch.nn.Module, example_inputs: Sequence[Any], record: Recording
+) -> Iterator[None]:
     """A verification run of a Dynamo-captured ``module``: remote calls' shapes learned from the
     original's recorded run, their results answered from it, and Dynamo failures raised."""
     learn(record)

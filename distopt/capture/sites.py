@@ -142,10 +142,14 @@ def learn(recording: Recording) -> int:
     for call in recording.calls:
         if call.args is None or registry.lookup(call.fn) is None:
             continue
-        tensors = [leaf for leaf in leaves((call.args, call.kwargs)) if isinstance(leaf, torch.Tensor)]
+        tensors = [
+            leaf for leaf in leaves((call.args, call.kwargs)) if isinstance(leaf, torch.Tensor)
+        ]
         value = call.value.wait() if isinstance(call.value, torch._C.Future) else call.value
         with contextlib.suppress(TypeError):
-            ORACLE[(site_key(call.fn, call.args, call.kwargs or {}), in_meta(tensors))] = flat_output(value)[0]
+            ORACLE[(site_key(call.fn, call.args, call.kwargs or {}), in_meta(tensors))] = (
+                flat_output(value)[0]
+            )
             learned += 1
     return learned
 
@@ -168,7 +172,6 @@ def takemissed() -> tuple[Site, tuple[Any, ...]] | None:
     return missed
 
 
-
 def key_of(site: Site) -> Hashable:
     return (id(site.spec.fn), site.structure, tuple(_constant(c) for c in site.constants))
 
@@ -177,7 +180,9 @@ class _Replayer:
     """Recorded results by site key, taken in call order (a verification run of the optimized model)."""
 
     def __init__(self, recording: Recording) -> None:
-        self.values: dict[Hashable, collections.deque[Any]] = collections.defaultdict(collections.deque)
+        self.values: dict[Hashable, collections.deque[Any]] = collections.defaultdict(
+            collections.deque
+        )
         for call in recording.calls:
             if call.args is not None:
                 self.values[site_key(call.fn, call.args, call.kwargs or {})].append(call.value)
@@ -185,7 +190,9 @@ class _Replayer:
     def take(self, site: Site) -> Any:
         queue = self.values.get(key_of(site))
         if not queue:
-            raise RuntimeError(f"verification: remote site {site.index} was not called by the original model")
+            raise RuntimeError(
+                f"verification: remote site {site.index} was not called by the original model"
+            )
         value = queue.popleft()
         return value.wait() if isinstance(value, torch._C.Future) else value
 
@@ -207,5 +214,7 @@ def replaying(recording: Recording) -> Iterator[None]:
 
 def input_signature(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
     """Shapes and dtypes of a call's tensor inputs (what decides the remote calls' output shapes)."""
-    tensors = [leaf for leaf in leaves((tuple(args), dict(kwargs))) if isinstance(leaf, torch.Tensor)]
+    tensors = [
+        leaf for leaf in leaves((tuple(args), dict(kwargs))) if isinstance(leaf, torch.Tensor)
+    ]
     return (structure((tuple(args), dict(kwargs))), in_meta(tensors))

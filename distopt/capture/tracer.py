@@ -47,7 +47,9 @@ def resolve_qualname(qualname: str) -> Any:
     try:
         return getattr(obj, attr)
     except AttributeError:
-        raise ConfigError(f"{qualname!r}: module {module_name!r} has no attribute {attr!r}") from None
+        raise ConfigError(
+            f"{qualname!r}: module {module_name!r} has no attribute {attr!r}"
+        ) from None
 
 
 def _looks_like_class(name: str) -> bool:
@@ -59,7 +61,9 @@ def _looks_like_class(name: str) -> bool:
     return "." in name and importlib.util.find_spec(head) is not None
 
 
-def check_leaves(model: nn.Module, leaf_modules: Iterable[str], leaf_functions: Iterable[str]) -> None:
+def check_leaves(
+    model: nn.Module, leaf_modules: Iterable[str], leaf_functions: Iterable[str]
+) -> None:
     """Every configured leaf names something real: one-line errors before tracing starts."""
     for leaf in leaf_modules:
         if _looks_like_class(leaf):
@@ -151,7 +155,9 @@ class DistoptTracer(torch.fx.Tracer):
             return True
         return super().is_leaf_module(m, module_qualified_name)
 
-    def trace(self, root: nn.Module | Callable[..., Any], concrete_args: Any = None) -> torch.fx.Graph:
+    def trace(
+        self, root: nn.Module | Callable[..., Any], concrete_args: Any = None
+    ) -> torch.fx.Graph:
         # Remote calls are recorded as leaves, never run: routed to _record on this thread.
         with intercepted(root, self._record):
             return super().trace(root, concrete_args)

@@ -12,8 +12,13 @@ from distopt.errors import ConfigError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("bench", help="run a benchmark config (configs/bench/*.yaml)")
     parser.add_argument("config", help="benchmark YAML with a `kind:` key")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value (repeatable)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write results as JSON")
     parser.set_defaults(func=run)
 

@@ -49,7 +49,9 @@ def _launch(config: Path, overrides: str, variant: str, run_id: str, out: Path) 
     start = time.perf_counter()
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if proc.returncode != 0:
-        raise DistoptError(f"demo: the {variant} job failed (exit {proc.returncode}); logs in {out / 'torchx'}")
+        raise DistoptError(
+            f"demo: the {variant} job failed (exit {proc.returncode}); logs in {out / 'torchx'}"
+        )
     print(f"{variant} job finished in {time.perf_counter() - start:.0f} s", flush=True)
 
 
@@ -60,12 +62,19 @@ CLICKS = 12_000
 def _learned(run_dir: Path) -> str:
     """What a run learned: its last held-out evaluation (AUC, loss) and its final training loss."""
     rank = load_run(run_dir).ranks[0]
-    final = f"final training loss {rank.steps[-1].loss:.4f}" if rank.steps and rank.steps[-1].loss is not None else ""
+    final = (
+        f"final training loss {rank.steps[-1].loss:.4f}"
+        if rank.steps and rank.steps[-1].loss is not None
+        else ""
+    )
     if not rank.evals:
         return final or "no loss recorded"
     last = rank.evals[-1]
-    held = ", ".join(f"{name.removeprefix('eval_')} {value:.4f}"
-                     for name, value in sorted(last.metrics.items()) if name != "eval_samples")
+    held = ", ".join(
+        f"{name.removeprefix('eval_')} {value:.4f}"
+        for name, value in sorted(last.metrics.items())
+        if name != "eval_samples"
+    )
     return f"held-out {held} after {last.step} steps" + (f"; {final}" if final else "")
 
 

@@ -30,12 +30,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--graph", metavar="PATH", help="write a graph picture (.svg/.png/.dot)")
     parser.add_argument("--eval", action="store_true", help="optimize the model in eval mode")
     parser.add_argument("--strict", action="store_true", help="raise instead of falling back")
-    parser.add_argument("--pipeline", action="store_true",
-                        help="also split the prefetch stage of a pipeline (distopt.pipeline) and show it")
-    parser.add_argument("--ps-latency-ms", type=float, default=None, metavar="MS",
-                        help="for parameter-server models: start local PS processes with this "
-                             "injected latency and show the cost model's prediction next to "
-                             "measured forward times")
+    parser.add_argument(
+        "--pipeline",
+        action="store_true",
+        help="also split the prefetch stage of a pipeline (distopt.pipeline) and show it",
+    )
+    parser.add_argument(
+        "--ps-latency-ms",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="for parameter-server models: start local PS processes with this "
+        "injected latency and show the cost model's prediction next to "
+        "measured forward times",
+    )
     parser.set_defaults(func=run)
 
 
@@ -61,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
         _explain(args, model, inputs)
         return 0
     if tables is None or inputs is None:
-        raise ConfigError(f"--ps-latency-ms: {args.model!r} is not a parameter-server model (no ps_tables())")
+        raise ConfigError(
+            f"--ps-latency-ms: {args.model!r} is not a parameter-server model (no ps_tables())"
+        )
     import distopt.ps as ps
 
     with ps.local_job(tables(), ps.ServerOptions(latency_ms=args.ps_latency_ms)):
@@ -70,15 +80,23 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _explain(args: argparse.Namespace, model: nn.Module, inputs: tuple[Any, ...] | None) -> nn.Module:
+def _explain(
+    args: argparse.Namespace, model: nn.Module, inputs: tuple[Any, ...] | None
+) -> nn.Module:
     passes = [p.strip() for p in args.passes.split(",") if p.strip()] if args.passes else None
     optimized = distopt.optimize(
-        model, inputs, passes=passes, verify=None if not args.no_verify else False, strict=args.strict
+        model,
+        inputs,
+        passes=passes,
+        verify=None if not args.no_verify else False,
+        strict=args.strict,
     )
     if args.pipeline:
         from distopt.pipeline import pipeline_split
 
-        distopt.explain(pipeline_split(optimized).main, show_code=not args.no_code, graph_path=args.graph)
+        distopt.explain(
+            pipeline_split(optimized).main, show_code=not args.no_code, graph_path=args.graph
+        )
         return optimized
     distopt.explain(optimized, show_code=not args.no_code, graph_path=args.graph)
     return optimized
@@ -101,6 +119,8 @@ def _predict_and_measure(
                     times[name].append(time.perf_counter() - start)
     before, after = (statistics.median(times[k]) for k in ("before", "after"))
     print(f"cost model: {prediction.summary()}")
-    print(f"measured forward (median of {rounds * steps}, interleaved): {before * 1e3:.2f} ms -> "
-          f"{after * 1e3:.2f} ms ({before / after:.2f}x); predicted {prediction.before_s * 1e3:.2f} ms -> "
-          f"{prediction.after_s * 1e3:.2f} ms ({prediction.speedup:.2f}x)")
+    print(
+        f"measured forward (median of {rounds * steps}, interleaved): {before * 1e3:.2f} ms -> "
+        f"{after * 1e3:.2f} ms ({before / after:.2f}x); predicted {prediction.before_s * 1e3:.2f} ms -> "
+        f"{prediction.after_s * 1e3:.2f} ms ({prediction.speedup:.2f}x)"
+    )

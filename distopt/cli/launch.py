@@ -16,21 +16,45 @@ from distopt.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("launch", help="submit a training job through TorchX",
-                            description=(__doc__ or "").split("\n\n")[0])
+    parser = sub.add_parser(
+        "launch",
+        help="submit a training job through TorchX",
+        description=(__doc__ or "").split("\n\n")[0],
+    )
     parser.add_argument("config", help="job config YAML (see configs/jobs/)")
-    parser.add_argument("-s", "--scheduler", default="local_cwd",
-                        help="TorchX scheduler (default local_cwd)")
-    parser.add_argument("--cfg", default="", metavar="K=V,...",
-                        help="scheduler options, e.g. partition=gpu,account=ml (over .torchxconfig)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (repeatable)")
+    parser.add_argument(
+        "-s", "--scheduler", default="local_cwd", help="TorchX scheduler (default local_cwd)"
+    )
+    parser.add_argument(
+        "--cfg",
+        default="",
+        metavar="K=V,...",
+        help="scheduler options, e.g. partition=gpu,account=ml (over .torchxconfig)",
+    )
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (repeatable)",
+    )
     parser.add_argument("--num-trainers", type=int, default=2, help="trainer processes (default 2)")
-    parser.add_argument("--num-ps", type=int, default=None,
-                        help="parameter servers (default: 1 for models with ps_tables(), else 0)")
+    parser.add_argument(
+        "--num-ps",
+        type=int,
+        default=None,
+        help="parameter servers (default: 1 for models with ps_tables(), else 0)",
+    )
     parser.add_argument("--run-id", default=None, help="run id (default: chosen here)")
-    parser.add_argument("--arg", dest="component_args", action="append", default=[],
-                        metavar="NAME=VALUE", help="more component arguments, e.g. cpu=4 (repeatable)")
+    parser.add_argument(
+        "--arg",
+        dest="component_args",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="more component arguments, e.g. cpu=4 (repeatable)",
+    )
     parser.add_argument("--dryrun", action="store_true", help="print the request, submit nothing")
     parser.add_argument("--wait", action="store_true", help="wait for a remote job to finish")
     parser.set_defaults(func=run)
@@ -63,9 +87,17 @@ def run(args: argparse.Namespace) -> int:
     from distopt.job.launch import LOCAL_SCHEDULERS, launch
 
     cfg = _cfg(args.cfg)
-    job = launch(args.config, args.scheduler, overrides=args.overrides,
-                 num_trainers=args.num_trainers, num_ps=args.num_ps, run_id=args.run_id,
-                 component_args=_pairs(args.component_args, "--arg"), dryrun=args.dryrun, **cfg)
+    job = launch(
+        args.config,
+        args.scheduler,
+        overrides=args.overrides,
+        num_trainers=args.num_trainers,
+        num_ps=args.num_ps,
+        run_id=args.run_id,
+        component_args=_pairs(args.component_args, "--arg"),
+        dryrun=args.dryrun,
+        **cfg,
+    )
     with job:
         if args.dryrun:
             print(job.dryrun)
@@ -82,6 +114,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{job.handle}: SUCCEEDED", file=sys.stderr, flush=True)
             return 0
         failed = job.failure(status)
-        print(failed.format() if failed else f"{job.handle}: {getattr(status, 'state', None)}",
-              file=sys.stderr, flush=True)
+        print(
+            failed.format() if failed else f"{job.handle}: {getattr(status, 'state', None)}",
+            file=sys.stderr,
+            flush=True,
+        )
         return 1

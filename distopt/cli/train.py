@@ -12,11 +12,20 @@ from distopt import train
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    parser = sub.add_parser("train", help="run a training job process here (python -m distopt.train)",
-                            description=train.__doc__.splitlines()[0] if train.__doc__ else None)
+    parser = sub.add_parser(
+        "train",
+        help="run a training job process here (python -m distopt.train)",
+        description=train.__doc__.splitlines()[0] if train.__doc__ else None,
+    )
     parser.add_argument("--config", required=True, help="job config YAML (see configs/jobs/)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key (dotted for nested keys; value parsed as YAML)")
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted for nested keys; value parsed as YAML)",
+    )
     parser.set_defaults(func=run)
 
 

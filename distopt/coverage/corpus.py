@@ -54,10 +54,22 @@ def _hf(model_cls: str, config_cls: str, inputs: Callable[[], tuple[Any, ...]], 
     return build
 
 
-_TEXT = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-             intermediate_size=64, max_position_embeddings=64)
-_VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-               image_size=32, patch_size=8)
+_TEXT = dict(
+    vocab_size=100,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    max_position_embeddings=64,
+)
+_VISION = dict(
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=64,
+    image_size=32,
+    patch_size=8,
+)
 
 
 def _import_deepctr() -> ModuleType:
@@ -89,8 +101,10 @@ def _ctr(model_name: str) -> Callable[[], Built]:
         features += [DenseFeat(f"num{i}", 1) for i in range(3)]
         model = getattr(models, model_name)(features, features, device="cpu")
         gen = torch.Generator().manual_seed(1)
-        x = torch.cat([torch.randint(0, 50, (8, 4), generator=gen).float(),
-                       torch.randn(8, 3, generator=gen)], dim=1)
+        x = torch.cat(
+            [torch.randint(0, 50, (8, 4), generator=gen).float(), torch.randn(8, 3, generator=gen)],
+            dim=1,
+        )
         return model, (x,)
 
     return build
@@ -99,24 +113,94 @@ def _ctr(model_name: str) -> Callable[[], Built]:
 def corpus() -> list[CorpusEntry]:
     tf = "transformers"
     entries = [
-        CorpusEntry("bert", "text", tf, _hf("BertModel", "BertConfig", lambda: (_ids(2, 16),), **_TEXT)),
-        CorpusEntry("roberta", "text", tf, _hf("RobertaModel", "RobertaConfig", lambda: (_ids(2, 16),), **_TEXT)),
-        CorpusEntry("distilbert", "text", tf, _hf(
-            "DistilBertModel", "DistilBertConfig", lambda: (_ids(2, 16),), vocab_size=100, dim=32,
-            n_layers=2, n_heads=2, hidden_dim=64, max_position_embeddings=64)),
-        CorpusEntry("gpt2", "text", tf, _hf(
-            "GPT2LMHeadModel", "GPT2Config", lambda: (_ids(2, 16),), vocab_size=100, n_embd=32,
-            n_layer=2, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)),
-        CorpusEntry("t5", "text", tf, _hf(
-            "T5Model", "T5Config", lambda: (_ids(2, 16), None, _ids(2, 8)), vocab_size=100,
-            d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)),
-        CorpusEntry("vit", "vision", tf, _hf("ViTModel", "ViTConfig", lambda: (_image(),), **_VISION)),
-        CorpusEntry("resnet", "vision", tf, _hf(
-            "ResNetModel", "ResNetConfig", lambda: (_image(),), embedding_size=16,
-            hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic")),
-        CorpusEntry("convnext", "vision", tf, _hf(
-            "ConvNextModel", "ConvNextConfig", lambda: (_image(),), hidden_sizes=[16, 32],
-            depths=[1, 1], num_stages=2)),
+        CorpusEntry(
+            "bert", "text", tf, _hf("BertModel", "BertConfig", lambda: (_ids(2, 16),), **_TEXT)
+        ),
+        CorpusEntry(
+            "roberta",
+            "text",
+            tf,
+            _hf("RobertaModel", "RobertaConfig", lambda: (_ids(2, 16),), **_TEXT),
+        ),
+        CorpusEntry(
+            "distilbert",
+            "text",
+            tf,
+            _hf(
+                "DistilBertModel",
+                "DistilBertConfig",
+                lambda: (_ids(2, 16),),
+                vocab_size=100,
+                dim=32,
+                n_layers=2,
+                n_heads=2,
+                hidden_dim=64,
+                max_position_embeddings=64,
+            ),
+        ),
+        CorpusEntry(
+            "gpt2",
+            "text",
+            tf,
+            _hf(
+                "GPT2LMHeadModel",
+                "GPT2Config",
+                lambda: (_ids(2, 16),),
+                vocab_size=100,
+                n_embd=32,
+                n_layer=2,
+                n_head=2,
+                n_positions=64,
+                bos_token_id=0,
+                eos_token_id=0,
+            ),
+        ),
+        CorpusEntry(
+            "t5",
+            "text",
+            tf,
+            _hf(
+                "T5Model",
+                "T5Config",
+                lambda: (_ids(2, 16), None, _ids(2, 8)),
+                vocab_size=100,
+                d_model=32,
+                d_kv=8,
+                d_ff=64,
+                num_layers=2,
+                num_heads=4,
+            ),
+        ),
+        CorpusEntry(
+            "vit", "vision", tf, _hf("ViTModel", "ViTConfig", lambda: (_image(),), **_VISION)
+        ),
+        CorpusEntry(
+            "resnet",
+            "vision",
+            tf,
+            _hf(
+                "ResNetModel",
+                "ResNetConfig",
+                lambda: (_image(),),
+                embedding_size=16,
+                hidden_sizes=[16, 32],
+                depths=[1, 1],
+                layer_type="basic",
+            ),
+        ),
+        CorpusEntry(
+            "convnext",
+            "vision",
+            tf,
+            _hf(
+                "ConvNextModel",
+                "ConvNextConfig",
+                lambda: (_image(),),
+                hidden_sizes=[16, 32],
+                depths=[1, 1],
+                num_stages=2,
+            ),
+        ),
     ]
     for name in ("DeepFM", "DCN", "WDL", "xDeepFM", "AutoInt", "NFM"):
         entries.append(CorpusEntry(name.lower(), "recommendation", "deepctr-torch", _ctr(name)))

@@ -45,9 +45,13 @@ def _same(model: nn.Module, result: nn.Module, inputs: tuple[Any, ...]) -> bool:
         model.train(training)
         result.train(training)
         ref, got = _outputs(model, inputs, 7), _outputs(result, inputs, 7)
-        modes.append(len(ref) == len(got) and all(
-            a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(ref, got, strict=True)
-        ))
+        modes.append(
+            len(ref) == len(got)
+            and all(
+                a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                for a, b in zip(ref, got, strict=True)
+            )
+        )
     model.train()
     result.train()
     return all(modes)

@@ -43,38 +43,55 @@ class DataSource:
 
     def train_loader(self, *, rank: int, world_size: int, batch_size: int, seed: int) -> Loader:
         cfg = self.config
-        return build_loader(self.train, rank=rank, world_size=world_size,
-                            batch_size=None if self.batched else batch_size,
-                            num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
-                            collate_fn=self.collate_fn, seed=seed, shuffle=cfg.shuffle,
-                            drop_last=cfg.drop_last)
+        return build_loader(
+            self.train,
+            rank=rank,
+            world_size=world_size,
+            batch_size=None if self.batched else batch_size,
+            num_workers=cfg.num_workers,
+            pin_memory=cfg.pin_memory,
+            collate_fn=self.collate_fn,
+            seed=seed,
+            shuffle=cfg.shuffle,
+            drop_last=cfg.drop_last,
+        )
 
     def eval_loader(self, *, rank: int, world_size: int, batch_size: int) -> DataLoader | None:
         if self.eval is None:
             return None
         cfg = self.config
-        return build_eval_loader(self.eval, rank=rank, world_size=world_size,
-                                 batch_size=None if self.batched else batch_size,
-                                 num_workers=cfg.num_workers, pin_memory=cfg.pin_memory,
-                                 collate_fn=self.collate_fn)
+        return build_eval_loader(
+            self.eval,
+            rank=rank,
+            world_size=world_size,
+            batch_size=None if self.batched else batch_size,
+            num_workers=cfg.num_workers,
+            pin_memory=cfg.pin_memory,
+            collate_fn=self.collate_fn,
+        )
 
 
 def _model_attr(model: nn.Module, owner: Any, name: str, source: str) -> int:
     value = getattr(owner, name, None)
     if not isinstance(value, int):
-        raise ConfigError(f"data.source: {source} data needs a model with an integer {name!r} "
-                          f"({type(model).__name__} has {value!r})")
+        raise ConfigError(
+            f"data.source: {source} data needs a model with an integer {name!r} "
+            f"({type(model).__name__} has {value!r})"
+        )
     return value
 
 
 def _criteo(cfg: DataConfig, model: nn.Module) -> tuple[AnyDataset, AnyDataset | None]:
     config = getattr(model, "config", None)
-    shape = {name: _model_attr(model, config, name, "criteo")
-             for name in ("num_tables", "num_rows", "bag_size")}
+    shape = {
+        name: _model_attr(model, config, name, "criteo")
+        for name in ("num_tables", "num_rows", "bag_size")
+    }
 
     def open_file(path: str, key: str) -> CriteoDataset:
-        return CriteoDataset(path, **shape, table_of_feature=cfg.table_of_feature, key=key,
-                             cache_dir=cfg.cache_dir)
+        return CriteoDataset(
+            path, **shape, table_of_feature=cfg.table_of_feature, key=key, cache_dir=cfg.cache_dir
+        )
 
     assert cfg.path is not None  # DataConfig requires it
     train = open_file(cfg.path, "data.path")
@@ -90,7 +107,9 @@ def _tokens(cfg: DataConfig, model: nn.Module, seed: int) -> tuple[AnyDataset, A
     seq_len = _model_attr(model, model, "seq_len", "tokens")
 
     def open_file(path: str, key: str) -> TokenFile:
-        return TokenFile(path, vocab_size=vocab_size, seq_len=seq_len, dtype=cfg.token_dtype, key=key)
+        return TokenFile(
+            path, vocab_size=vocab_size, seq_len=seq_len, dtype=cfg.token_dtype, key=key
+        )
 
     assert cfg.path is not None
     file = open_file(cfg.path, "data.path")
@@ -113,20 +132,24 @@ def _factory(cfg: DataConfig, seed: int) -> tuple[AnyDataset, AnyDataset | None,
         return train, None if held is None else held[0], collate
     if cfg.holdout_fraction:
         if isinstance(train, IterableDataset):
-            raise ConfigError(f"data.holdout_fraction: {cfg.source!r} returned an IterableDataset, "
-                              "which cannot be split; give the factory a 'split' argument")
+            raise ConfigError(
+                f"data.holdout_fraction: {cfg.source!r} returned an IterableDataset, "
+                "which cannot be split; give the factory a 'split' argument"
+            )
         return (*holdout_split(train, cfg.holdout_fraction), collate)
     return train, None, collate
 
 
-def build_data(cfg: DataConfig, *, model_name: str, model: nn.Module, batch_size: int,
-               seed: int) -> DataSource:
+def build_data(
+    cfg: DataConfig, *, model_name: str, model: nn.Module, batch_size: int, seed: int
+) -> DataSource:
     """Open ``cfg``'s data for ``model`` (built from ``model_name``); validates files now."""
     collate: Any
     batched = False
     if cfg.source == "synthetic":
-        train: AnyDataset = SyntheticBatches(model_name, model, batch_size=batch_size,
-                                             num_batches=cfg.synthetic_batches, seed=seed)
+        train: AnyDataset = SyntheticBatches(
+            model_name, model, batch_size=batch_size, num_batches=cfg.synthetic_batches, seed=seed
+        )
         held, collate, batched = None, None, True
     elif cfg.source == "criteo":
         (train, held), collate = _criteo(cfg, model), collate_criteo
@@ -136,8 +159,14 @@ def build_data(cfg: DataConfig, *, model_name: str, model: nn.Module, batch_size
         train, held, user_collate = _factory(cfg, seed)
         batched = bool(getattr(train, "batched", False))
         collate = None if batched else BatchCollate(user_collate)
-    return DataSource(train=train, eval=held, collate_fn=collate, batched=batched,
-                      task=cfg.resolved_task, config=cfg)
+    return DataSource(
+        train=train,
+        eval=held,
+        collate_fn=collate,
+        batched=batched,
+        task=cfg.resolved_task,
+        config=cfg,
+    )
 
 
 __all__ = ["DataSource", "build_data"]

@@ -50,28 +50,61 @@ class DataConfig:
     """``synthetic``: distinct batches per trainer, cycled."""
 
     def __post_init__(self) -> None:
-        check(isinstance(self.source, str) and (self.source in BUILTIN_SOURCES or ":" in self.source),
-              "data.source", "synthetic, criteo, tokens or package.module:function", self.source)
+        check(
+            isinstance(self.source, str) and (self.source in BUILTIN_SOURCES or ":" in self.source),
+            "data.source",
+            "synthetic, criteo, tokens or package.module:function",
+            self.source,
+        )
         if ":" in self.source:
-            load_factory(self.source)  # a factory that does not import fails the config, not the job
+            load_factory(
+                self.source
+            )  # a factory that does not import fails the config, not the job
         elif self.source != "synthetic":
             check(bool(self.path), "data.path", f"a file for source {self.source!r}", self.path)
-        check(0.0 <= self.holdout_fraction < 1.0, "data.holdout_fraction", "a number in [0, 1)",
-              self.holdout_fraction)
-        check(self.eval_path is None or self.holdout_fraction == 0.0, "data.eval_path",
-              "no eval_path when holdout_fraction is set", self.eval_path)
-        check(self.eval_path is None or self.source in ("criteo", "tokens"), "data.eval_path",
-              "no eval_path for this source (a factory takes a split argument instead)", self.eval_path)
-        check(self.source != "synthetic" or (self.holdout_fraction == 0.0 and self.eval_path is None),
-              "data.holdout_fraction", "0 for synthetic data (it has no held-out set)",
-              self.holdout_fraction)
-        check(self.cache_dir is None or (bool(self.cache_dir) and self.source == "criteo"),
-              "data.cache_dir", "a directory, for source criteo", self.cache_dir)
-        check(self.task is None or ":" in self.source, "data.task",
-              "no task for a built-in source", self.task)
+        check(
+            0.0 <= self.holdout_fraction < 1.0,
+            "data.holdout_fraction",
+            "a number in [0, 1)",
+            self.holdout_fraction,
+        )
+        check(
+            self.eval_path is None or self.holdout_fraction == 0.0,
+            "data.eval_path",
+            "no eval_path when holdout_fraction is set",
+            self.eval_path,
+        )
+        check(
+            self.eval_path is None or self.source in ("criteo", "tokens"),
+            "data.eval_path",
+            "no eval_path for this source (a factory takes a split argument instead)",
+            self.eval_path,
+        )
+        check(
+            self.source != "synthetic" or (self.holdout_fraction == 0.0 and self.eval_path is None),
+            "data.holdout_fraction",
+            "0 for synthetic data (it has no held-out set)",
+            self.holdout_fraction,
+        )
+        check(
+            self.cache_dir is None or (bool(self.cache_dir) and self.source == "criteo"),
+            "data.cache_dir",
+            "a directory, for source criteo",
+            self.cache_dir,
+        )
+        check(
+            self.task is None or ":" in self.source,
+            "data.task",
+            "no task for a built-in source",
+            self.task,
+        )
         check(self.num_workers >= 0, "data.num_workers", "an integer >= 0", self.num_workers)
-        check(self.synthetic_batches >= 1, "data.synthetic_batches", "an integer >= 1",
-              self.synthetic_batches)
+        check(
+            self.synthetic_batches >= 1,
+            "data.synthetic_batches",
+            "an integer >= 1",
+            self.synthetic_batches,
+        )
 
     @property
     def resolved_task(self) -> Task:

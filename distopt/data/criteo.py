@@ -57,7 +57,9 @@ version are then not used)."""
 
 _INT = rb"(?:-?[0-9]{1,18})?"
 _HEX = rb"[0-9a-fA-F]{0,16}"
-_LINE = re.compile(rb"[01]" + (rb"\t" + _INT) * NUM_DENSE + (rb"\t" + _HEX) * NUM_CATEGORICAL + rb"\r?\n?")
+_LINE = re.compile(
+    rb"[01]" + (rb"\t" + _INT) * NUM_DENSE + (rb"\t" + _HEX) * NUM_CATEGORICAL + rb"\r?\n?"
+)
 _INT_FIELD = re.compile(_INT)
 _HEX_FIELD = re.compile(_HEX)
 
@@ -81,8 +83,10 @@ def _diagnose(line: bytes) -> str:
         if 1 <= index <= NUM_DENSE and not _INT_FIELD.fullmatch(raw):
             return f"field {index + 1} ({field_name(index)}): expected an integer or nothing, got {text!r}"
         if index > NUM_DENSE and not _HEX_FIELD.fullmatch(raw):
-            return (f"field {index + 1} ({field_name(index)}): expected up to 16 hexadecimal digits or "
-                    f"nothing, got {text!r}")
+            return (
+                f"field {index + 1} ({field_name(index)}): expected up to 16 hexadecimal digits or "
+                f"nothing, got {text!r}"
+            )
     return "malformed line"
 
 
@@ -108,24 +112,42 @@ def scan(path: str | Path, *, key: str = "data.path") -> np.ndarray:
 class TableLayout:
     """Where the 26 categorical features go: table, slot within the table's bag, hash modulus."""
 
-    def __init__(self, *, num_tables: int, num_rows: int, bag_size: int | None = None,
-                 table_of_feature: Sequence[int] | None = None, key: str = "data") -> None:
+    def __init__(
+        self,
+        *,
+        num_tables: int,
+        num_rows: int,
+        bag_size: int | None = None,
+        table_of_feature: Sequence[int] | None = None,
+        key: str = "data",
+    ) -> None:
         if not 1 <= num_tables <= NUM_CATEGORICAL:
-            raise ConfigError(f"{key}: Criteo data feeds 1 to {NUM_CATEGORICAL} tables, the model has "
-                              f"num_tables={num_tables}")
-        tables = list(table_of_feature) if table_of_feature is not None else [
-            j % num_tables for j in range(NUM_CATEGORICAL)]
+            raise ConfigError(
+                f"{key}: Criteo data feeds 1 to {NUM_CATEGORICAL} tables, the model has "
+                f"num_tables={num_tables}"
+            )
+        tables = (
+            list(table_of_feature)
+            if table_of_feature is not None
+            else [j % num_tables for j in range(NUM_CATEGORICAL)]
+        )
         if len(tables) != NUM_CATEGORICAL or any(not 0 <= t < num_tables for t in tables):
-            raise ConfigError(f"{key}.table_of_feature: expected {NUM_CATEGORICAL} table indices in "
-                              f"0..{num_tables - 1}, got {table_of_feature!r}")
+            raise ConfigError(
+                f"{key}.table_of_feature: expected {NUM_CATEGORICAL} table indices in "
+                f"0..{num_tables - 1}, got {table_of_feature!r}"
+            )
         counts = np.bincount(tables, minlength=num_tables)
         if (counts == 0).any():
-            raise ConfigError(f"{key}.table_of_feature: table {int(np.argmin(counts))} gets no feature")
+            raise ConfigError(
+                f"{key}.table_of_feature: table {int(np.argmin(counts))} gets no feature"
+            )
         needed = int(counts.max())
         self.bag_size = needed if bag_size is None else bag_size
         if self.bag_size < needed:
-            raise ConfigError(f"{key}: {NUM_CATEGORICAL} categorical features on {num_tables} tables "
-                              f"need bag_size >= {needed} (the model's bag_size is {bag_size})")
+            raise ConfigError(
+                f"{key}: {NUM_CATEGORICAL} categorical features on {num_tables} tables "
+                f"need bag_size >= {needed} (the model's bag_size is {bag_size})"
+            )
         padded = counts < self.bag_size
         if padded.any() and num_rows < 2:
             raise ConfigError(f"{key}: padded tables need num_rows >= 2, got {num_rows}")
@@ -146,8 +168,13 @@ class TableLayout:
     @property
     def tag(self) -> str:
         """Names the records this layout makes of a line (cached parsed forms are keyed by it)."""
-        key = (PARSER_VERSION, self.num_rows, self.bag_size, self.table.tolist(),
-               record_dtype(self).descr)
+        key = (
+            PARSER_VERSION,
+            self.num_rows,
+            self.bag_size,
+            self.table.tolist(),
+            record_dtype(self).descr,
+        )
         return hashlib.sha256(repr(key).encode()).hexdigest()[:12]
 
 
@@ -155,8 +182,13 @@ def record_dtype(layout: TableLayout) -> np.dtype:
     """One parsed line: ``label`` float32, ``dense [13]`` float32 (``log(x + 1)``), ``ids [K,
     bag_size]`` (int32 when every row number fits, else int64; batches hold int64)."""
     ids = np.int32 if layout.num_rows <= 1 << 31 else np.int64
-    return np.dtype([("label", np.float32), ("dense", np.float32, (NUM_DENSE,)),
-                     ("ids", ids, (layout.num_tables, layout.bag_size))])
+    return np.dtype(
+        [
+            ("label", np.float32),
+            ("dense", np.float32, (NUM_DENSE,)),
+            ("ids", ids, (layout.num_tables, layout.bag_size)),
+        ]
+    )
 
 
 def _zero_filled(line: bytes) -> bytes:
@@ -194,8 +226,8 @@ def parse_lines(lines: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray, np.ndar
     fields = np.array(b"\t".join(_zero_filled(line) for line in lines).split(b"\t"), dtype="S20")
     fields = fields.reshape(len(lines), NUM_FIELDS)
     labels = (fields[:, 0] == b"1").astype(np.float32)
-    dense = fields[:, 1:1 + NUM_DENSE].astype(np.int64).astype(np.float64)
-    categorical = _hex_values(fields[:, 1 + NUM_DENSE:])
+    dense = fields[:, 1 : 1 + NUM_DENSE].astype(np.int64).astype(np.float64)
+    categorical = _hex_values(fields[:, 1 + NUM_DENSE :])
     return labels, np.log1p(np.maximum(dense, 0.0)).astype(np.float32), categorical
 
 
@@ -238,19 +270,36 @@ class CriteoDataset(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
     """Samples ``(dense [13] float32, ids [K, bag_size] int64, label [1] float32)`` of a
     Criteo-format file; batch them with :func:`collate_criteo` (the ``collate_fn`` attribute)."""
 
-    def __init__(self, path: str | Path, *, num_tables: int, num_rows: int,
-                 bag_size: int | None = None, table_of_feature: Sequence[int] | None = None,
-                 key: str = "data.path", cache_dir: str | Path | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        num_tables: int,
+        num_rows: int,
+        bag_size: int | None = None,
+        table_of_feature: Sequence[int] | None = None,
+        key: str = "data.path",
+        cache_dir: str | Path | None = None,
+    ) -> None:
         """Errors about the file start with ``key`` (the config key that named it), errors about
         the table layout with ``data``. ``cache_dir``: where the parsed form is cached (default:
         next to the file)."""
         self.path = Path(path)
-        self.layout = TableLayout(num_tables=num_tables, num_rows=num_rows, bag_size=bag_size,
-                                  table_of_feature=table_of_feature)
+        self.layout = TableLayout(
+            num_tables=num_tables,
+            num_rows=num_rows,
+            bag_size=bag_size,
+            table_of_feature=table_of_feature,
+        )
         if not self.path.is_file():
             raise ConfigError(f"{key}: file not found: {self.path}")
-        self._records = load_records(self.path, tag=self.layout.tag, dtype=record_dtype(self.layout),
-                                     parse=lambda: self._parse(key), cache_dir=cache_dir)
+        self._records = load_records(
+            self.path,
+            tag=self.layout.tag,
+            dtype=record_dtype(self.layout),
+            parse=lambda: self._parse(key),
+            cache_dir=cache_dir,
+        )
 
     collate_fn = staticmethod(collate_criteo)
 
@@ -264,7 +313,7 @@ class CriteoDataset(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
             for start in range(0, count, _PARSE_CHUNK):
                 stop = min(start + _PARSE_CHUNK, count)
                 data = f.read(int(offsets[stop] - offsets[start]))
-                ends = (offsets[start:stop + 1] - offsets[start]).tolist()
+                ends = (offsets[start : stop + 1] - offsets[start]).tolist()
                 yield parse_records([data[a:b] for a, b in itertools.pairwise(ends)], self.layout)
 
     def __len__(self) -> int:
@@ -281,9 +330,11 @@ class CriteoDataset(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
         if outside.any():
             raise IndexError(f"{self.path}: sample {indices[int(np.argmax(outside))]} of {size}")
         records = self._records[rows]  # a copy, also from a memory map
-        return CriteoRows(torch.from_numpy(np.ascontiguousarray(records["dense"])),
-                          torch.from_numpy(records["ids"].astype(np.int64)),
-                          torch.from_numpy(np.ascontiguousarray(records["label"])).unsqueeze(1))
+        return CriteoRows(
+            torch.from_numpy(np.ascontiguousarray(records["dense"])),
+            torch.from_numpy(records["ids"].astype(np.int64)),
+            torch.from_numpy(np.ascontiguousarray(records["label"])).unsqueeze(1),
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # Cached records travel as their file's name (a spawned process maps them again), not as
@@ -299,5 +350,14 @@ class CriteoDataset(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
             self._records = np.load(self._records, mmap_mode="r")
 
 
-__all__ = ["CriteoDataset", "CriteoRows", "TableLayout", "collate_criteo", "field_name", "parse_lines",
-           "parse_records", "record_dtype", "scan"]
+__all__ = [
+    "CriteoDataset",
+    "CriteoRows",
+    "TableLayout",
+    "collate_criteo",
+    "field_name",
+    "parse_lines",
+    "parse_records",
+    "record_dtype",
+    "scan",
+]

@@ -44,20 +44,28 @@ def takes(factory: Callable[..., Any], name: str) -> bool:
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
-def call_factory(spec: str, kwargs: dict[str, Any], *, split: str, seed: int,
-                 key: str = "data") -> tuple[Dataset | IterableDataset, Collate | None] | None:
+def call_factory(
+    spec: str, kwargs: dict[str, Any], *, split: str, seed: int, key: str = "data"
+) -> tuple[Dataset | IterableDataset, Collate | None] | None:
     """``(dataset, collate_fn)`` of factory ``spec`` for ``split``; ``None`` when a factory that
     takes ``split`` returns ``None`` (no such split)."""
     factory = load_factory(spec, key=f"{key}.source")
-    extra = {name: value for name, value in (("split", split), ("seed", seed))
-             if name not in kwargs and takes(factory, name)}
+    extra = {
+        name: value
+        for name, value in (("split", split), ("seed", seed))
+        if name not in kwargs and takes(factory, name)
+    }
     try:
         signature = inspect.signature(factory)
         signature.bind(**kwargs, **extra)
     except TypeError as err:
-        given = ", ".join([*(f"{k}={v!r}" for k, v in extra.items()), *(f"{k}=..." for k in kwargs)])
-        raise ConfigError(f"{key}.kwargs: {err} for {spec!r}: the job calls {spec}{signature} as "
-                          f"({given}): split and seed when it takes them, the rest from {key}.kwargs") from None
+        given = ", ".join(
+            [*(f"{k}={v!r}" for k, v in extra.items()), *(f"{k}=..." for k in kwargs)]
+        )
+        raise ConfigError(
+            f"{key}.kwargs: {err} for {spec!r}: the job calls {spec}{signature} as "
+            f"({given}): split and seed when it takes them, the rest from {key}.kwargs"
+        ) from None
     except ValueError:  # no signature available: let the call decide
         pass
     result = factory(**kwargs, **extra)
@@ -65,10 +73,14 @@ def call_factory(spec: str, kwargs: dict[str, Any], *, split: str, seed: int,
         return None
     dataset, collate = result if isinstance(result, tuple) and len(result) == 2 else (result, None)
     if not isinstance(dataset, (Dataset, IterableDataset)):
-        raise ConfigError(f"{key}.source: {spec!r} returned {type(result).__name__}, not a Dataset, "
-                          "IterableDataset or (dataset, collate_fn)")
+        raise ConfigError(
+            f"{key}.source: {spec!r} returned {type(result).__name__}, not a Dataset, "
+            "IterableDataset or (dataset, collate_fn)"
+        )
     if collate is not None and not callable(collate):
-        raise ConfigError(f"{key}.source: {spec!r} returned a collate_fn that is not callable: {collate!r}")
+        raise ConfigError(
+            f"{key}.source: {spec!r} returned a collate_fn that is not callable: {collate!r}"
+        )
     return dataset, collate or getattr(dataset, "collate_fn", None)
 
 

@@ -26,9 +26,14 @@ INFORMATIVE_CATEGORICAL = (0, 1, 2, 5)
 """Categorical features (0-based: C1, C2, C3, C6) whose values move the click probability."""
 
 
-def criteo_columns(*, num_samples: int, seed: int = 0, missing: float = 0.05,
-                   vocab_sizes: tuple[int, ...] = (8, 20, 50, 200, 1000), bias: float = -1.0
-                   ) -> tuple[list[np.ndarray], np.ndarray]:
+def criteo_columns(
+    *,
+    num_samples: int,
+    seed: int = 0,
+    missing: float = 0.05,
+    vocab_sizes: tuple[int, ...] = (8, 20, 50, 200, 1000),
+    bias: float = -1.0,
+) -> tuple[list[np.ndarray], np.ndarray]:
     """The 40 text columns of :func:`write_criteo`'s lines, and each line's click probability
     (scoring lines by it gives the best achievable AUC)."""
     rng = np.random.default_rng(seed)
@@ -54,9 +59,15 @@ def criteo_columns(*, num_samples: int, seed: int = 0, missing: float = 0.05,
     return [np.where(labels, "1", "0"), *columns], probability
 
 
-def write_criteo(path: str | Path, *, num_samples: int, seed: int = 0, missing: float = 0.05,
-                 vocab_sizes: tuple[int, ...] = (8, 20, 50, 200, 1000), bias: float = -1.0
-                 ) -> Path:
+def write_criteo(
+    path: str | Path,
+    *,
+    num_samples: int,
+    seed: int = 0,
+    missing: float = 0.05,
+    vocab_sizes: tuple[int, ...] = (8, 20, 50, 200, 1000),
+    bias: float = -1.0,
+) -> Path:
     """Write ``num_samples`` Criteo-format lines to ``path``; returns the path.
 
     Categorical feature ``j`` has ``vocab_sizes[j % len(vocab_sizes)]`` distinct values drawn with
@@ -65,8 +76,9 @@ def write_criteo(path: str | Path, *, num_samples: int, seed: int = 0, missing: 
     standardizes; ``missing`` is the chance that any one feature is empty (the logit uses the
     value before it went missing, so missing values are noise, as in real logs).
     """
-    columns, _ = criteo_columns(num_samples=num_samples, seed=seed, missing=missing,
-                                vocab_sizes=vocab_sizes, bias=bias)
+    columns, _ = criteo_columns(
+        num_samples=num_samples, seed=seed, missing=missing, vocab_sizes=vocab_sizes, bias=bias
+    )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rows = zip(*(column.tolist() for column in columns), strict=True)
@@ -77,13 +89,22 @@ def write_criteo(path: str | Path, *, num_samples: int, seed: int = 0, missing: 
 def markov_chain(vocab_size: int, branching: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """``(successors [V, branching], probabilities [V, branching])`` of a random sparse chain."""
     rng = np.random.default_rng(seed)
-    successors = np.stack([rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)])
+    successors = np.stack(
+        [rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)]
+    )
     probabilities = rng.dirichlet(np.ones(branching), size=vocab_size)
     return successors, probabilities
 
 
-def write_tokens(path: str | Path, *, num_tokens: int, vocab_size: int = 64, branching: int = 4,
-                 seed: int = 0, dtype: TokenDtype = "uint16") -> Path:
+def write_tokens(
+    path: str | Path,
+    *,
+    num_tokens: int,
+    vocab_size: int = 64,
+    branching: int = 4,
+    seed: int = 0,
+    dtype: TokenDtype = "uint16",
+) -> Path:
     """Write ``num_tokens`` tokens of a random Markov chain (see :func:`markov_chain`)."""
     if vocab_size > np.iinfo(dtype).max + 1:
         raise ValueError(f"vocab_size {vocab_size} does not fit {dtype}")
@@ -123,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
     file for an example job (prints the unigram entropy of a token file)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m distopt.data.generate", description=main.__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m distopt.data.generate", description=main.__doc__
+    )
     parser.add_argument("kind", choices=("criteo", "tokens"))
     parser.add_argument("path")
     parser.add_argument("--samples", type=int, default=100_000, help="lines or tokens")
@@ -133,7 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.kind == "criteo":
         print(write_criteo(args.path, num_samples=args.samples, seed=args.seed))
     else:
-        path = write_tokens(args.path, num_tokens=args.samples, vocab_size=args.vocab_size, seed=args.seed)
+        path = write_tokens(
+            args.path, num_tokens=args.samples, vocab_size=args.vocab_size, seed=args.seed
+        )
         print(f"{path} (unigram entropy {unigram_entropy(path):.3f} nats)")
     return 0
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 from torch.utils.data import (
@@ -135,8 +135,9 @@ class _IterableShard(IterableDataset):
         return itertools.islice(iter(self.dataset), slot, None, total)
 
 
-def _collate(collate_fn: Callable[[Any], Any] | None, batch_size: int | None,
-             num_workers: int) -> Callable[[Any], Any] | None:
+def _collate(
+    collate_fn: Callable[[Any], Any] | None, batch_size: int | None, num_workers: int
+) -> Callable[[Any], Any] | None:
     """What the DataLoader collates with: ``collate_fn``, in workers sent back by value."""
     if num_workers == 0:
         return collate_fn
@@ -166,10 +167,20 @@ class Loader:
     """The training batches of trainer ``rank`` (see the module docstring); use
     :meth:`batches` for an endless iterator that advances epochs by itself."""
 
-    def __init__(self, dataset: Dataset | IterableDataset, *, rank: int = 0, world_size: int = 1,
-                 batch_size: int | None, num_workers: int = 0, pin_memory: bool = False,
-                 collate_fn: Callable[[list[Any]], Any] | None = None, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = True) -> None:
+    def __init__(
+        self,
+        dataset: Dataset | IterableDataset,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        batch_size: int | None,
+        num_workers: int = 0,
+        pin_memory: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        drop_last: bool = True,
+    ) -> None:
         _check_rank(rank, world_size)
         if batch_size is not None and batch_size < 1:
             raise ConfigError(f"batch_size: expected an integer >= 1, got {batch_size}")
@@ -186,25 +197,40 @@ class Loader:
             self.loader = self._data_loader(_IterableShard(dataset, rank, world_size))
         else:
             self.kind = "map"
-            self.sampler = _SkippingSampler(dataset, num_replicas=world_size, rank=rank,  # type: ignore[arg-type]
-                                            shuffle=shuffle, seed=seed)
+            self.sampler = _SkippingSampler(
+                dataset,
+                num_replicas=world_size,
+                rank=rank,  # type: ignore[arg-type]
+                shuffle=shuffle,
+                seed=seed,
+            )
             if num_workers > 0 and batch_size is not None:
                 self.tasks = Tasks(self.sampler, batch_size, drop_last)
-                self.loader = DataLoader(FetchBatches(dataset, collate_fn or default_collate),  # type: ignore[arg-type]
-                                         sampler=self.tasks, batch_size=None, collate_fn=SendBack(),
-                                         **self.options)
+                self.loader = DataLoader(
+                    FetchBatches(dataset, collate_fn or default_collate),  # type: ignore[arg-type]
+                    sampler=self.tasks,
+                    batch_size=None,
+                    collate_fn=SendBack(),
+                    **self.options,
+                )
             else:
                 self.loader = self._data_loader(dataset, sampler=self.sampler)
             if self.steps_per_epoch == 0:
                 raise ConfigError(
                     f"data: {len(dataset)} samples give no full batch of {batch_size} on each of "  # type: ignore[arg-type]
-                    f"{world_size} trainers (set drop_last to false or use a smaller batch_size)")
+                    f"{world_size} trainers (set drop_last to false or use a smaller batch_size)"
+                )
 
     def _data_loader(self, dataset: Any, **kwargs: Any) -> DataLoader:
         collate = _collate(self.collate_fn, self.batch_size, self.options["num_workers"])
-        return DataLoader(dataset, batch_size=self.batch_size, collate_fn=collate,
-                          drop_last=self.drop_last and self.batch_size is not None,
-                          **self.options, **kwargs)
+        return DataLoader(
+            dataset,
+            batch_size=self.batch_size,
+            collate_fn=collate,
+            drop_last=self.drop_last and self.batch_size is not None,
+            **self.options,
+            **kwargs,
+        )
 
     @property
     def steps_per_epoch(self) -> int | None:
@@ -240,8 +266,14 @@ class Loader:
     def batches(self, start_step: int = 0) -> Iterator[Any]:
         """Endless batches from global step ``start_step`` (0: the start of training)."""
         if self.kind == "stream":
-            loader = self._data_loader(_StreamShard(self.dataset, self.rank,  # type: ignore[arg-type]
-                                                    self.batch_size or 1, start_step))
+            loader = self._data_loader(
+                _StreamShard(
+                    cast("IndexedStream[Any]", self.dataset),
+                    self.rank,
+                    self.batch_size or 1,
+                    start_step,
+                )
+            )
             yield from loader
             return
         if self.kind == "iterable":
@@ -261,24 +293,51 @@ class Loader:
                 empty = False
                 yield batch
             if empty:
-                raise ConfigError(f"data: {type(self.dataset).__name__} yielded no batch for "
-                                  f"rank {self.rank} of {self.world_size}")
+                raise ConfigError(
+                    f"data: {type(self.dataset).__name__} yielded no batch for "
+                    f"rank {self.rank} of {self.world_size}"
+                )
 
 
-def build_loader(dataset: Dataset | IterableDataset, *, rank: int = 0, world_size: int = 1,
-                 batch_size: int | None, num_workers: int = 0, pin_memory: bool = False,
-                 collate_fn: Callable[[list[Any]], Any] | None = None, seed: int = 0,
-                 shuffle: bool = True, drop_last: bool = True) -> Loader:
+def build_loader(
+    dataset: Dataset | IterableDataset,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int | None,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    seed: int = 0,
+    shuffle: bool = True,
+    drop_last: bool = True,
+) -> Loader:
     """Training batches of trainer ``rank`` of ``world_size`` (see the module docstring).
     ``batch_size=None``: the dataset's items are batches already (e.g. synthetic batches)."""
-    return Loader(dataset, rank=rank, world_size=world_size, batch_size=batch_size,
-                  num_workers=num_workers, pin_memory=pin_memory, collate_fn=collate_fn, seed=seed,
-                  shuffle=shuffle, drop_last=drop_last)
+    return Loader(
+        dataset,
+        rank=rank,
+        world_size=world_size,
+        batch_size=batch_size,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        collate_fn=collate_fn,
+        seed=seed,
+        shuffle=shuffle,
+        drop_last=drop_last,
+    )
 
 
-def build_eval_loader(dataset: Dataset | IterableDataset, *, rank: int = 0, world_size: int = 1,
-                      batch_size: int | None, num_workers: int = 0, pin_memory: bool = False,
-                      collate_fn: Callable[[list[Any]], Any] | None = None) -> DataLoader:
+def build_eval_loader(
+    dataset: Dataset | IterableDataset,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    batch_size: int | None,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+) -> DataLoader:
     """One pass over held-out ``dataset`` in which every sample is read by exactly one rank."""
     _check_rank(rank, world_size)
     if isinstance(dataset, IndexedStream):
@@ -291,14 +350,17 @@ def build_eval_loader(dataset: Dataset | IterableDataset, *, rank: int = 0, worl
     return DataLoader(dataset, sampler=_ShardSampler(len(dataset), rank, world_size), **common)  # type: ignore[arg-type]
 
 
-def holdout_split(dataset: Dataset, fraction: float, *, key: str = "data.holdout_fraction"
-                  ) -> tuple[Subset, Subset]:
+def holdout_split(
+    dataset: Dataset, fraction: float, *, key: str = "data.holdout_fraction"
+) -> tuple[Subset, Subset]:
     """``(train, held_out)``: the last ``fraction`` of ``dataset``'s indices is held out."""
     length = len(dataset)  # type: ignore[arg-type]
     held = int(round(length * fraction))
     if not 0 < held < length:
-        raise ConfigError(f"{key}: {fraction} of {length} samples leaves "
-                          f"{held} held out and {length - held} for training; both must be > 0")
+        raise ConfigError(
+            f"{key}: {fraction} of {length} samples leaves "
+            f"{held} held out and {length - held} for training; both must be > 0"
+        )
     return Subset(dataset, range(length - held)), Subset(dataset, range(length - held, length))
 
 

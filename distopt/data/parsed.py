@@ -71,7 +71,7 @@ def _collect(count: int, chunks: Iterable[np.ndarray], dtype: np.dtype) -> np.nd
     records = np.empty(count, dtype=dtype)
     filled = 0
     for chunk in chunks:
-        records[filled:filled + len(chunk)] = chunk
+        records[filled : filled + len(chunk)] = chunk
         filled += len(chunk)
     if filled != count:
         raise RuntimeError(f"parsed {filled} records, expected {count}")
@@ -79,7 +79,11 @@ def _collect(count: int, chunks: Iterable[np.ndarray], dtype: np.dtype) -> np.nd
 
 
 def _write(out: BinaryIO, count: int, chunks: Iterable[np.ndarray], dtype: np.dtype) -> None:
-    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": (count,)}
+    header = {
+        "descr": np.lib.format.dtype_to_descr(dtype),
+        "fortran_order": False,
+        "shape": (count,),
+    }
     np.lib.format.write_array_header_1_0(out, header)
     written = 0
     for chunk in chunks:
@@ -97,8 +101,14 @@ def _remove_older(target: Path, prefix: str) -> None:
                 path.unlink(missing_ok=True)
 
 
-def load_records(source: str | Path, *, tag: str, dtype: np.dtype, parse: Parse,
-                 cache_dir: str | Path | None = None) -> np.ndarray:
+def load_records(
+    source: str | Path,
+    *,
+    tag: str,
+    dtype: np.dtype,
+    parse: Parse,
+    cache_dir: str | Path | None = None,
+) -> np.ndarray:
     """The records of ``source``: memory-mapped from its cache, which is built first when missing;
     in memory when it cannot be cached (see the module docstring)."""
     source = Path(source)
@@ -120,8 +130,13 @@ def load_records(source: str | Path, *, tag: str, dtype: np.dtype, parse: Parse,
                     _write(out, *parse(), dtype)
                 os.replace(temporary, target)
             except OSError as err:  # a read-only directory, a full disk
-                logger.warning("%s: cannot cache its parsed form in %s (%s); parsing it in memory "
-                               "(data.cache_dir can name another directory)", source, target.parent, err)
+                logger.warning(
+                    "%s: cannot cache its parsed form in %s (%s); parsing it in memory "
+                    "(data.cache_dir can name another directory)",
+                    source,
+                    target.parent,
+                    err,
+                )
                 return _collect(*parse(), dtype)  # again: the write may have consumed some chunks
         finally:
             with contextlib.suppress(OSError):

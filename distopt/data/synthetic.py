@@ -33,8 +33,9 @@ class SyntheticBatches(IndexedStream[Batch]):
     batched = True
     """Items are batches: loaders use ``batch_size=None``."""
 
-    def __init__(self, name: str, model: nn.Module, *, batch_size: int, num_batches: int = 4,
-                 seed: int = 0) -> None:
+    def __init__(
+        self, name: str, model: nn.Module, *, batch_size: int, num_batches: int = 4, seed: int = 0
+    ) -> None:
         check(batch_size >= 1, "batch_size", "an integer >= 1", batch_size)
         check(num_batches >= 1, "data.synthetic_batches", "an integer >= 1", num_batches)
         self.name, self.model = name, model
@@ -44,8 +45,9 @@ class SyntheticBatches(IndexedStream[Batch]):
     def item(self, rank: int, index: int) -> Batch:
         key = (rank, index % self.num_batches)
         if key not in self._cache:
-            inputs = models.make_inputs(self.name, self.model, self.batch_size,
-                                        seed=batch_seed(self.seed, *key))
+            inputs = models.make_inputs(
+                self.name, self.model, self.batch_size, seed=batch_seed(self.seed, *key)
+            )
             self._cache[key] = Batch(inputs, None)
         return self._cache[key]
 

@@ -38,8 +38,15 @@ _CHUNK = 1 << 24
 class TokenFile:
     """A validated token file, memory-mapped read-only (re-mapped in each process that uses it)."""
 
-    def __init__(self, path: str | Path, *, vocab_size: int, seq_len: int,
-                 dtype: TokenDtype = "uint16", key: str = "data.path") -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        vocab_size: int,
+        seq_len: int,
+        dtype: TokenDtype = "uint16",
+        key: str = "data.path",
+    ) -> None:
         """Errors start with ``key``: the config key that named the file."""
         self.path = Path(path)
         if dtype not in ("uint16", "uint32"):
@@ -50,19 +57,25 @@ class TokenFile:
         itemsize = np.dtype(dtype).itemsize
         size = self.path.stat().st_size
         if size % itemsize:
-            raise ConfigError(f"{key}: {self.path}: {size} bytes is not a whole number of {dtype} tokens")
+            raise ConfigError(
+                f"{key}: {self.path}: {size} bytes is not a whole number of {dtype} tokens"
+            )
         self.num_tokens = size // itemsize
         if self.num_tokens < seq_len + 1:
-            raise ConfigError(f"{key}: {self.path}: {self.num_tokens} tokens, fewer than one window of "
-                              f"seq_len + 1 = {seq_len + 1}")
+            raise ConfigError(
+                f"{key}: {self.path}: {self.num_tokens} tokens, fewer than one window of "
+                f"seq_len + 1 = {seq_len + 1}"
+            )
         self._tokens: np.ndarray | None = None
         tokens = self.tokens
         for start in range(0, self.num_tokens, _CHUNK):
-            chunk = tokens[start:start + _CHUNK]
+            chunk = tokens[start : start + _CHUNK]
             if int(chunk.max()) >= vocab_size:
                 where = start + int(np.argmax(chunk >= vocab_size))
-                raise ConfigError(f"{key}: {self.path}: token id {int(tokens[where])} at position {where} "
-                                  f"is >= vocab_size {vocab_size}")
+                raise ConfigError(
+                    f"{key}: {self.path}: token id {int(tokens[where])} at position {where} "
+                    f"is >= vocab_size {vocab_size}"
+                )
 
     @property
     def tokens(self) -> np.ndarray:
@@ -77,22 +90,25 @@ class TokenFile:
 
     def window(self, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(inputs, targets)``: tokens ``start .. start + seq_len`` and the next ``seq_len``."""
-        chunk = torch.from_numpy(self.tokens[start:start + self.seq_len + 1].astype(np.int64))
+        chunk = torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
         return chunk[:-1], chunk[1:]
 
     def region(self, lo: int = 0, hi: int | None = None) -> TokenRegion:
         return TokenRegion(self, lo, self.num_tokens if hi is None else hi)
 
-    def split(self, fraction: float, *, key: str = "data.holdout_fraction"
-              ) -> tuple[TokenRegion, TokenRegion]:
+    def split(
+        self, fraction: float, *, key: str = "data.holdout_fraction"
+    ) -> tuple[TokenRegion, TokenRegion]:
         """``(train, held_out)``: the last ``fraction`` of the tokens is held out."""
         cut = self.num_tokens - int(round(self.num_tokens * fraction))
         train, held = self.region(0, cut), self.region(cut)
         for name, part in (("training", train), ("held-out", held)):
             if part.hi - part.lo < self.seq_len + 1:
-                raise ConfigError(f"{key}: {fraction} leaves {part.hi - part.lo} "
-                                  f"{name} tokens of {self.path}, fewer than one window of "
-                                  f"{self.seq_len + 1}")
+                raise ConfigError(
+                    f"{key}: {fraction} leaves {part.hi - part.lo} "
+                    f"{name} tokens of {self.path}, fewer than one window of "
+                    f"{self.seq_len + 1}"
+                )
         return train, held
 
 

@@ -47,10 +47,16 @@ _NUMPY_DTYPES = frozenset({
 
 
 def _plain(value: Any) -> bool:
-    return (isinstance(value, torch.Tensor) and type(value) is torch.Tensor
-            and value.device.type == "cpu" and value.dtype in _NUMPY_DTYPES
-            and value.layout == torch.strided and not value.requires_grad
-            and not value.is_conj() and not value.is_neg())
+    return (
+        isinstance(value, torch.Tensor)
+        and type(value) is torch.Tensor
+        and value.device.type == "cpu"
+        and value.dtype in _NUMPY_DTYPES
+        and value.layout == torch.strided
+        and not value.requires_grad
+        and not value.is_conj()
+        and not value.is_neg()
+    )
 
 
 def _tensors(batch: Batch) -> list[Any]:
@@ -58,8 +64,10 @@ def _tensors(batch: Batch) -> list[Any]:
 
 
 def _from_numpy(inputs: tuple[np.ndarray, ...], targets: np.ndarray | None) -> Batch:
-    return Batch(tuple(torch.from_numpy(a) for a in inputs),
-                 None if targets is None else torch.from_numpy(targets))
+    return Batch(
+        tuple(torch.from_numpy(a) for a in inputs),
+        None if targets is None else torch.from_numpy(targets),
+    )
 
 
 class _ByValue(Batch):
@@ -157,9 +165,19 @@ class FetchBatches(Dataset):
 
     def __getitem__(self, task: list[list[int]]) -> list[Any]:
         getitems = getattr(self.dataset, "__getitems__", None)
-        return [self.collate(getitems(indices) if getitems else [self.dataset[i] for i in indices])
-                for indices in task]
+        return [
+            self.collate(getitems(indices) if getitems else [self.dataset[i] for i in indices])
+            for indices in task
+        ]
 
 
-__all__ = ["BY_VALUE_BYTES", "MAX_BATCHES_PER_TASK", "FetchBatches", "SendBack", "Tasks",
-           "batch_count", "by_value", "nbytes"]
+__all__ = [
+    "BY_VALUE_BYTES",
+    "MAX_BATCHES_PER_TASK",
+    "FetchBatches",
+    "SendBack",
+    "Tasks",
+    "batch_count",
+    "by_value",
+    "nbytes",
+]

@@ -263,12 +263,17 @@ def staleness_to_hide(forward: Prediction, measured_step_s: float | None, *, lim
     """The smallest staleness s >= 1 whose :func:`pipeline_window_s` covers ``LATENCY_COVER``
     request latencies (so prefetched reads are back before the step needs them), at most ``limit``."""
     for staleness in range(1, limit + 1):
-        if pipeline_window_s(forward, measured_step_s, staleness) >= LATENCY_COVER * forward.rpc_latency_s:
+        if (
+            pipeline_window_s(forward, measured_step_s, staleness)
+            >= LATENCY_COVER * forward.rpc_latency_s
+        ):
             return staleness
     return limit
 
 
-def predict_pipelined(optimized: torch.fx.GraphModule, forward: Prediction, window_s: float) -> Timeline:
+def predict_pipelined(
+    optimized: torch.fx.GraphModule, forward: Prediction, window_s: float
+) -> Timeline:
     """The optimized forward whose prefetchable reads were sent ``window_s`` earlier."""
     from distopt.pipeline.split import prefetchable  # the pipeline builds on the passes, as we do
 
@@ -282,7 +287,12 @@ def _measure_step(model: nn.Module, example_inputs: tuple[Any, ...], runs: int =
     a remote write (a push in backward) raises :class:`RemoteWriteRefused` before it is sent."""
     samples = []
     view = with_remote_calls(model)
-    with preserved_state(model), isolated(), torch.random.fork_rng(devices=[]), recording(view, allow_writes=False):
+    with (
+        preserved_state(model),
+        isolated(),
+        torch.random.fork_rng(devices=[]),
+        recording(view, allow_writes=False),
+    ):
         # Restored on exit; None now so that backward does not accumulate into the user's grads.
         model.zero_grad(set_to_none=True)
         for _ in range(runs):
@@ -327,8 +337,13 @@ def predict_gain(
 
     if latency_s is not None and not latency_s >= 0:
         raise ConfigError(f"latency_s: expected seconds >= 0, got {latency_s!r}")
-    if not (pipeline_staleness in (None, "auto") or (isinstance(pipeline_staleness, int) and pipeline_staleness >= 0)):
-        raise ConfigError(f"pipeline_staleness: expected an integer >= 0 or 'auto', got {pipeline_staleness!r}")
+    if not (
+        pipeline_staleness in (None, "auto")
+        or (isinstance(pipeline_staleness, int) and pipeline_staleness >= 0)
+    ):
+        raise ConfigError(
+            f"pipeline_staleness: expected an integer >= 0 or 'auto', got {pipeline_staleness!r}"
+        )
     _graphs(optimized=optimized)
     example_inputs = _as_tuple(example_inputs)
     with torch.no_grad():
@@ -347,5 +362,10 @@ def predict_gain(
     if pipeline_staleness is not None:
         window = pipeline_window_s(forward, step, pipeline_staleness)
         pipelined = predict_pipelined(optimized, forward, window)  # type: ignore[arg-type]
-    return GainPrediction(forward=forward, measured_step_s=step, unmeasured_step=unmeasured,
-                          pipelined=pipelined, pipeline_staleness=pipeline_staleness)
+    return GainPrediction(
+        forward=forward,
+        measured_step_s=step,
+        unmeasured_step=unmeasured,
+        pipelined=pipelined,
+        pipeline_staleness=pipeline_staleness,
+    )

@@ -64,7 +64,11 @@ def simulate(
     (a pipeline prefetched them during an earlier step): their requests are ready sooner.
     """
     early = head_start_s or {}
-    latency = rpc_latency_s if isinstance(rpc_latency_s, RequestLatency) else RequestLatency(rpc_latency_s)
+    latency = (
+        rpc_latency_s
+        if isinstance(rpc_latency_s, RequestLatency)
+        else RequestLatency(rpc_latency_s)
+    )
     ops = remote_ops(gm.graph)
     clock = compute = blocked = 0.0
     ready: dict[Node, float] = {}

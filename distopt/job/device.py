@@ -84,7 +84,9 @@ def host_inputs(model: nn.Module) -> frozenset[int]:
     return frozenset(getattr(model, "host_inputs", ()) or ())
 
 
-def to_device(batch: Batch, device: torch.device, *, keep: Sequence[int] | frozenset[int] = ()) -> Batch:
+def to_device(
+    batch: Batch, device: torch.device, *, keep: Sequence[int] | frozenset[int] = ()
+) -> Batch:
     """``batch`` on ``device`` (non-blocking copies), except inputs at positions ``keep``."""
     if device.type == "cpu":
         return batch

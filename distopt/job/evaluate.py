@@ -14,7 +14,7 @@ both give the same value, ties included.
 
 The model runs in eval mode under ``torch.no_grad`` and every module's training flag is restored
 afterwards. Parameter-server models need nothing more: fetches made without grad mode are not
-recorded for pushing (:mod:`distopt.ps.context`). A model whose forward is collective (FSDP
+recorded for pushing (:mod:`distopt.ps.client.context`). A model whose forward is collective (FSDP
 gathers parameters in it) needs ``lockstep``: shards differ by up to one batch, so trainers agree
 before each batch whether any still has one, and a trainer that has run out repeats its last
 batch uncounted until all have.
@@ -82,7 +82,12 @@ class EvalResult:
 
     def as_dict(self, prefix: str = "eval_") -> dict[str, float | int]:
         """Flat metrics for logs, without the ones this task does not have."""
-        fields = {"loss": self.loss, "samples": self.samples, "auc": self.auc, "perplexity": self.perplexity}
+        fields = {
+            "loss": self.loss,
+            "samples": self.samples,
+            "auc": self.auc,
+            "perplexity": self.perplexity,
+        }
         return {prefix + k: v for k, v in fields.items() if v is not None}
 
 
@@ -130,8 +135,10 @@ def _lockstep(batches: Iterator[Batch], group: Any) -> Iterator[tuple[Batch, boo
     batch again, uncounted, so every rank runs the same number of forwards."""
     last = next(batches, None)
     if not _any_rank(last is not None, group, dist.ReduceOp.MIN):
-        raise ConfigError("eval: a trainer has no held-out batch; the held-out set needs at least "
-                          "one batch per trainer (more data or a smaller eval.batch_size)")
+        raise ConfigError(
+            "eval: a trainer has no held-out batch; the held-out set needs at least "
+            "one batch per trainer (more data or a smaller eval.batch_size)"
+        )
     current: Batch | None = last
     while True:
         if not _any_rank(current is not None, group):
@@ -145,11 +152,18 @@ def _lockstep(batches: Iterator[Batch], group: Any) -> Iterator[tuple[Batch, boo
         current = next(batches, None)
 
 
-def evaluate(model: nn.Module, batches: Iterable[Any], *, task: Task,
-             loss_fn: Callable[[Any, tuple[Any, ...]], torch.Tensor] | None = None,
-             max_batches: int | None = None, device: torch.device | str | None = None,
-             group: Any = None, host_inputs: Sequence[int] | frozenset[int] = (),
-             lockstep: bool = False) -> EvalResult:
+def evaluate(
+    model: nn.Module,
+    batches: Iterable[Any],
+    *,
+    task: Task,
+    loss_fn: Callable[[Any, tuple[Any, ...]], torch.Tensor] | None = None,
+    max_batches: int | None = None,
+    device: torch.device | str | None = None,
+    group: Any = None,
+    host_inputs: Sequence[int] | frozenset[int] = (),
+    lockstep: bool = False,
+) -> EvalResult:
     """Metrics of ``model`` on held-out ``batches`` (:class:`~distopt.data.Batch` or what
     :func:`~distopt.data.batch.to_batch` accepts), all-reduced over ``group`` (default: the
     default process group) when one is initialized. ``loss_fn(outputs, inputs)`` scores ``none``
@@ -182,8 +196,10 @@ def evaluate(model: nn.Module, batches: Iterable[Any], *, task: Task,
                     loss_sum, count = loss_sum + float(loss) * n, count + n
                     continue
                 if batch.targets is None:
-                    raise ConfigError(f"data.task: {task} evaluation needs targets; the held-out "
-                                      "batches have none")
+                    raise ConfigError(
+                        f"data.task: {task} evaluation needs targets; the held-out "
+                        "batches have none"
+                    )
                 targets = batch.targets
                 if task == "click":
                     loss_sum += float(click_loss(outputs, targets, reduction="sum"))
@@ -201,7 +217,9 @@ def evaluate(model: nn.Module, batches: Iterable[Any], *, task: Task,
         loss_sum, count = float(totals[0]), int(totals[1])
     mean = loss_sum / count if count else math.nan
     if task == "tokens":
-        return EvalResult(loss=mean, samples=count, perplexity=math.exp(mean) if count else math.nan)
+        return EvalResult(
+            loss=mean, samples=count, perplexity=math.exp(mean) if count else math.nan
+        )
     if task == "none":
         return EvalResult(loss=mean, samples=count)
     all_scores = torch.cat(scores) if scores else torch.zeros(0)

@@ -81,7 +81,9 @@ class Launched:
             return None
         return self.runner.wait(self.handle, wait_interval=interval_s)
 
-    def stream(self, role: str = "trainer", replica: int = 0, file: TextIO | None = None) -> threading.Thread:
+    def stream(
+        self, role: str = "trainer", replica: int = 0, file: TextIO | None = None
+    ) -> threading.Thread:
         """Print the log of ``role``'s replica ``replica`` as it comes (default: trainer 0's
         progress) on a thread that ends with the job: join it after :meth:`wait`."""
         from distopt.job.watch import stream
@@ -126,8 +128,9 @@ class CheckedJob:
     """Directories for the replicas' ``PYTHONPATH`` (:func:`distopt.job.preflight.import_roots`)."""
 
 
-def check_job(config: JobConfig, *, local: bool = True, num_trainers: int = 2,
-              num_ps: int | None = None) -> CheckedJob:
+def check_job(
+    config: JobConfig, *, local: bool = True, num_trainers: int = 2, num_ps: int | None = None
+) -> CheckedJob:
     """What a job needs before it is scheduled (:mod:`distopt.job.preflight`): the model builds,
     its data opens (files read and validated) and its first batch fits the model's forward, the
     model's remote calls have servers to go to, TensorBoard is importable when on, and
@@ -147,8 +150,13 @@ def check_job(config: JobConfig, *, local: bool = True, num_trainers: int = 2,
     model = preflight.build_model(config)
     if num_ps is None:
         num_ps = 1 if callable(getattr(model, "ps_tables", None)) else 0
-    source = build_data(config.data, model_name=config.model_name, model=model,
-                        batch_size=config.batch_size, seed=config.seed)
+    source = build_data(
+        config.data,
+        model_name=config.model_name,
+        model=model,
+        batch_size=config.batch_size,
+        seed=config.seed,
+    )
     preflight.check_first_batch(source, model, config, num_trainers=num_trainers)
     calls = preflight.remote_calls(model, config)
     preflight.check_remote_calls(model, config, calls, num_ps=num_ps, num_trainers=num_trainers)
@@ -156,8 +164,10 @@ def check_job(config: JobConfig, *, local: bool = True, num_trainers: int = 2,
         try:
             import torch.utils.tensorboard  # noqa: F401
         except ImportError as err:
-            raise ConfigError(f"tensorboard: torch.utils.tensorboard is unavailable ({err}); "
-                              "install the tensorboard package or set tensorboard: false") from None
+            raise ConfigError(
+                f"tensorboard: torch.utils.tensorboard is unavailable ({err}); "
+                "install the tensorboard package or set tensorboard: false"
+            ) from None
     roots = preflight.import_roots(preflight.user_modules(model, config, calls or ()))
     return CheckedJob(model=model, num_ps=num_ps, python_path=roots)
 
@@ -169,8 +179,15 @@ def _write_config(config: JobConfig, run_dir: Path) -> Path:
     return path
 
 
-def _component_args(kind: str, config_path: Path, num_trainers: int, num_ps: int,
-                    extra: Mapping[str, Any], *, device: str) -> list[str]:
+def _component_args(
+    kind: str,
+    config_path: Path,
+    num_trainers: int,
+    num_ps: int,
+    extra: Mapping[str, Any],
+    *,
+    device: str,
+) -> list[str]:
     args = ["--config", str(config_path)]
     if kind == "ps":
         args += ["--num_ps", str(num_ps), "--num_trainers", str(num_trainers)]
@@ -229,15 +246,20 @@ def launch(
     runner = get_runner(component_defaults=torchx_config.load_sections("component", [os.getcwd()]))
     try:
         options = scheduler_options(runner, scheduler, cfg)  # what the caller gave
-        checked = check_job(job, local=scheduler in LOCAL_SCHEDULERS, num_trainers=num_trainers,
-                            num_ps=num_ps)
+        checked = check_job(
+            job, local=scheduler in LOCAL_SCHEDULERS, num_trainers=num_trainers, num_ps=num_ps
+        )
     except BaseException:
         runner.close()
         raise
     num_ps = checked.num_ps
     apply_torchxconfig(runner, scheduler, options, [os.getcwd()])
 
-    run_id = run_id or job.run_id or f"{job.variant}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    run_id = (
+        run_id
+        or job.run_id
+        or f"{job.variant}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(3)}"
+    )
     job = dataclasses.replace(job, run_id=run_id)
     run_dir = Path(job.output_dir) / run_id
     if scheduler == "local_cwd" and not options.get("log_dir"):
@@ -252,10 +274,12 @@ def launch(
         inherited = env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")
         env["PYTHONPATH"] = os.pathsep.join([*checked.python_path, *filter(None, [inherited])])
         extra["env"] = env
-    args = _component_args(kind, _write_config(job, run_dir), num_trainers, num_ps, extra,
-                           device=job.device)
-    launched = Launched(handle=None, run_id=run_id, run_dir=run_dir, component=component,
-                        args=args, runner=runner)
+    args = _component_args(
+        kind, _write_config(job, run_dir), num_trainers, num_ps, extra, device=job.device
+    )
+    launched = Launched(
+        handle=None, run_id=run_id, run_dir=run_dir, component=component, args=args, runner=runner
+    )
     try:
         if dryrun:
             launched.dryrun = runner.dryrun_component(component, args, scheduler, cfg=options)
@@ -285,8 +309,10 @@ def scheduler_options(runner: Any, scheduler: str, cfg: Mapping[str, Any]) -> di
         if key not in known_options:
             close = difflib.get_close_matches(key, known_options, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise ConfigError(f"cfg.{key}: not an option of the {scheduler} scheduler "
-                              f"(known: {', '.join(known_options)}){hint}")
+            raise ConfigError(
+                f"cfg.{key}: not an option of the {scheduler} scheduler "
+                f"(known: {', '.join(known_options)}){hint}"
+            )
         if isinstance(value, str) and run_opts.get(key).opt_type is not str:
             try:
                 value = run_opts.cfg_from_str(f"{key}={value}")[key]
@@ -305,4 +331,12 @@ def _scratch_yaml(config: JobConfig) -> Path:
     return path
 
 
-__all__ = ["COMPONENTS", "LOCAL_SCHEDULERS", "CheckedJob", "Launched", "check_job", "launch", "scheduler_options"]
+__all__ = [
+    "COMPONENTS",
+    "LOCAL_SCHEDULERS",
+    "CheckedJob",
+    "Launched",
+    "check_job",
+    "launch",
+    "scheduler_options",
+]

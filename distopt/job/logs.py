@@ -38,9 +38,11 @@ def configure(role: str, rank: int, *, level: int | None = None) -> logging.Logg
         logger.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
     handler.set_name(_HANDLER_NAME)
-    handler.setFormatter(logging.Formatter(
-        f"%(asctime)s %(levelname)s [{role} {rank}] %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"
-    ))
+    handler.setFormatter(
+        logging.Formatter(
+            f"%(asctime)s %(levelname)s [{role} {rank}] %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"
+        )
+    )
     logger.addHandler(handler)
     logger.propagate = False
     return logger

@@ -22,14 +22,18 @@ Reduction = Literal["mean", "sum"]
 ModelLoss = Callable[[Any, tuple[Any, ...]], torch.Tensor]
 
 
-def click_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: Reduction = "mean") -> torch.Tensor:
+def click_loss(
+    logits: torch.Tensor, labels: torch.Tensor, reduction: Reduction = "mean"
+) -> torch.Tensor:
     """BCE with logits over every click (``[B, 1]`` or ``[B]``)."""
     return F.binary_cross_entropy_with_logits(
         logits.float().reshape(-1), labels.float().reshape(-1), reduction=reduction
     )
 
 
-def token_loss(logits: torch.Tensor, targets: torch.Tensor, reduction: Reduction = "mean") -> torch.Tensor:
+def token_loss(
+    logits: torch.Tensor, targets: torch.Tensor, reduction: Reduction = "mean"
+) -> torch.Tensor:
     """Cross entropy of ``[B, T, V]`` logits against ``[B, T]`` next tokens."""
     flat = logits.float().reshape(-1, logits.shape[-1])
     return F.cross_entropy(flat, targets.reshape(-1), reduction=reduction)

@@ -34,7 +34,8 @@ def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
     return {
         name.lower(): cls
         for name, cls in vars(torch.optim).items()
-        if isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)
+        if isinstance(cls, type)
+        and issubclass(cls, torch.optim.Optimizer)
         and cls is not torch.optim.Optimizer
     }
 
@@ -42,8 +43,11 @@ def optimizer_classes() -> dict[str, type[torch.optim.Optimizer]]:
 def accepted_arguments(cls: type[torch.optim.Optimizer]) -> tuple[str, ...]:
     """Keyword arguments of ``cls`` other than ``params`` and ``lr`` (``lr`` has its own key)."""
     parameters = inspect.signature(cls.__init__).parameters
-    return tuple(n for n, p in parameters.items() if n not in ("self", "params", "lr")
-                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return tuple(
+        n
+        for n, p in parameters.items()
+        if n not in ("self", "params", "lr") and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    )
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -60,13 +64,31 @@ class ScheduleConfig:
     """Where the decay ends, as a fraction of ``lr`` (held after ``decay_steps``)."""
 
     def __post_init__(self) -> None:
-        check(self.warmup_steps >= 0, "optim.schedule.warmup_steps", "an integer >= 0", self.warmup_steps)
-        check(self.decay in ("constant", "linear", "cosine"), "optim.schedule.decay",
-              "'constant', 'linear' or 'cosine'", self.decay)
+        check(
+            self.warmup_steps >= 0,
+            "optim.schedule.warmup_steps",
+            "an integer >= 0",
+            self.warmup_steps,
+        )
+        check(
+            self.decay in ("constant", "linear", "cosine"),
+            "optim.schedule.decay",
+            "'constant', 'linear' or 'cosine'",
+            self.decay,
+        )
         if self.decay_steps is not None:
-            check(self.decay_steps >= 1, "optim.schedule.decay_steps", "an integer >= 1", self.decay_steps)
-        check(0.0 <= self.min_lr_factor <= 1.0, "optim.schedule.min_lr_factor", "a number in [0, 1]",
-              self.min_lr_factor)
+            check(
+                self.decay_steps >= 1,
+                "optim.schedule.decay_steps",
+                "an integer >= 1",
+                self.decay_steps,
+            )
+        check(
+            0.0 <= self.min_lr_factor <= 1.0,
+            "optim.schedule.min_lr_factor",
+            "a number in [0, 1]",
+            self.min_lr_factor,
+        )
 
     def factor(self, step: int, total_steps: int) -> float:
         """Multiplier of ``lr`` at optimizer step ``step`` (0-based) of ``total_steps``."""
@@ -76,7 +98,9 @@ class ScheduleConfig:
             return 1.0
         length = self.decay_steps or max(1, total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / length)
-        shape = 1.0 - progress if self.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        shape = (
+            1.0 - progress if self.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+        )
         return self.min_lr_factor + (1.0 - self.min_lr_factor) * shape
 
 
@@ -111,22 +135,33 @@ class OptimConfig:
         accepted = accepted_arguments(cls)
         for key in self.kwargs:
             if key not in accepted:
-                raise ConfigError(f"optim.kwargs.{key}: {cls.__name__} takes no argument {key!r} "
-                                  f"(accepted: {', '.join(accepted)})")
+                raise ConfigError(
+                    f"optim.kwargs.{key}: {cls.__name__} takes no argument {key!r} "
+                    f"(accepted: {', '.join(accepted)})"
+                )
         self.kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in self.kwargs.items()}
         check(self.lr > 0, "optim.lr", "a number > 0", self.lr)
         if self.sparse_lr is not None:
             check(self.sparse_lr > 0, "optim.sparse_lr", "a number > 0", self.sparse_lr)
         if self.clip_grad_norm is not None:
-            check(self.clip_grad_norm > 0, "optim.clip_grad_norm", "a number > 0", self.clip_grad_norm)
-        check(self.accumulate_steps >= 1, "optim.accumulate_steps", "an integer >= 1", self.accumulate_steps)
+            check(
+                self.clip_grad_norm > 0, "optim.clip_grad_norm", "a number > 0", self.clip_grad_norm
+            )
+        check(
+            self.accumulate_steps >= 1,
+            "optim.accumulate_steps",
+            "an integer >= 1",
+            self.accumulate_steps,
+        )
         # Values are checked by the class itself (e.g. "Invalid beta parameter at index 0: 1.5"),
         # now rather than after the model is built: one throwaway parameter is enough.
         try:
             cls([torch.zeros(1, requires_grad=True)], lr=self.lr, **self.kwargs)  # type: ignore[call-arg]
         except (TypeError, ValueError, RuntimeError) as err:
             detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise ConfigError(f"optim.kwargs: {cls.__name__} rejects {self.kwargs!r}: {detail}") from None
+            raise ConfigError(
+                f"optim.kwargs: {cls.__name__} rejects {self.kwargs!r}: {detail}"
+            ) from None
 
     @property
     def table_lr(self) -> float:
@@ -150,7 +185,9 @@ def build_scheduler(
     ``optimizer.step()``. Resume with ``load_state_dict`` of a scheduler built the same way."""
     check(total_steps >= 1, "optim: total_steps", "an integer >= 1", total_steps)
     schedule = cfg.schedule
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: schedule.factor(step, total_steps))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: schedule.factor(step, total_steps)
+    )
 
 
 class Stepper:

@@ -69,30 +69,43 @@ def build_model(config: JobConfig) -> nn.Module:
     except Exception as err:
         hint = ""
         if "RPC has not been initialized" in str(err):
-            hint = ("; create remote objects (RRefs, RemoteModules) on first use in forward: the "
-                    "factory also runs where there is no RPC group (here, and in each server "
-                    "asking the model for its ps_tables())")
-        raise ConfigError(f"model: {config.model_name} failed: {describe_failure(err)}{hint}") from None
+            hint = (
+                "; create remote objects (RRefs, RemoteModules) on first use in forward: the "
+                "factory also runs where there is no RPC group (here, and in each server "
+                "asking the model for its ps_tables())"
+            )
+        raise ConfigError(
+            f"model: {config.model_name} failed: {describe_failure(err)}{hint}"
+        ) from None
 
 
-def check_first_batch(source: DataSource, model: nn.Module, config: JobConfig, *, num_trainers: int) -> Batch:
+def check_first_batch(
+    source: DataSource, model: nn.Module, config: JobConfig, *, num_trainers: int
+) -> Batch:
     """The first training batch of trainer 0, through the job's loader (no worker processes)
     and collate function; its inputs must fit ``model.forward``. Returns the batch."""
     from distopt.data import to_batch
 
-    what = config.data.source if ":" in config.data.source else f"data.source {config.data.source!r}"
+    what = (
+        config.data.source if ":" in config.data.source else f"data.source {config.data.source!r}"
+    )
     here = dataclasses.replace(source, config=dataclasses.replace(source.config, num_workers=0))
     try:
-        loader = here.train_loader(rank=0, world_size=num_trainers, batch_size=config.batch_size,
-                                   seed=config.seed)
+        loader = here.train_loader(
+            rank=0, world_size=num_trainers, batch_size=config.batch_size, seed=config.seed
+        )
         first = next(iter(loader.batches(0)))
     except DistoptError:
         raise
     except StopIteration:
-        raise ConfigError(f"data: {what} gave no batch of {config.batch_size} samples for trainer 0 "
-                          f"of {num_trainers}") from None
+        raise ConfigError(
+            f"data: {what} gave no batch of {config.batch_size} samples for trainer 0 "
+            f"of {num_trainers}"
+        ) from None
     except Exception as err:
-        raise ConfigError(f"data: the first batch of {what} failed: {describe_failure(err)}") from None
+        raise ConfigError(
+            f"data: the first batch of {what} failed: {describe_failure(err)}"
+        ) from None
     batch = to_batch(first)
     try:
         signature = inspect.signature(model.forward)
@@ -143,8 +156,11 @@ def remote_calls(model: nn.Module, config: JobConfig) -> list[RemoteCall] | None
     from distopt.remote.graph_args import concrete_args
     from distopt.remote.helpers import is_rpc_helper
 
-    capture = from_dict(CaptureConfig, dict(config.optimize_config.get("capture") or {}),
-                        prefix="optimize_config.capture")
+    capture = from_dict(
+        CaptureConfig,
+        dict(config.optimize_config.get("capture") or {}),
+        prefix="optimize_config.capture",
+    )
     try:
         gm = symbolic_capture(model, capture)
     except Exception:
@@ -163,13 +179,15 @@ def remote_calls(model: nn.Module, config: JobConfig) -> list[RemoteCall] | None
             to = to if isinstance(to, str) else getattr(to, "name", None)
         frames = frames_of(node.stack_trace or "")
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
-        over_rpc = spec.fn.__module__ in _RPC_MODULES or is_rpc_helper(spec.fn)
-        found.append(RemoteCall(name=spec.name, over_rpc=over_rpc, to=to, function=function, where=where))
+        over_rpc = spec.fn.__module__.startswith(_RPC_MODULES) or is_rpc_helper(spec.fn)
+        found.append(
+            RemoteCall(name=spec.name, over_rpc=over_rpc, to=to, function=function, where=where)
+        )
     return found
 
 
 _RPC_MODULES = ("torch.distributed.rpc.api", "distopt.remote.rpc", "distopt.ps.client")
-"""Modules of the remote calls that need the job's RPC group."""
+"""Modules (and packages) of the remote calls that need the job's RPC group."""
 
 
 def reaches_rpc(model: nn.Module) -> bool:
@@ -188,13 +206,26 @@ def reaches_rpc(model: nn.Module) -> bool:
     namespaces = namespaces_of(model, with_leaf_modules=False)
     if declare_helpers(namespaces):
         return True
-    apis = {id(rpc), id(ps), id(rpc.rpc_sync), id(rpc.rpc_async), id(rpc.remote), id(ps.fetch),
-            id(ps.fetch_async)}
+    apis = {
+        id(rpc),
+        id(ps),
+        id(rpc.rpc_sync),
+        id(rpc.rpc_async),
+        id(rpc.remote),
+        id(ps.fetch),
+        id(ps.fetch_async),
+    }
     return any(id(value) in apis for namespace in namespaces for value in list(namespace.values()))
 
 
-def check_remote_calls(model: nn.Module, config: JobConfig, calls: list[RemoteCall] | None, *,
-                       num_ps: int, num_trainers: int) -> None:
+def check_remote_calls(
+    model: nn.Module,
+    config: JobConfig,
+    calls: list[RemoteCall] | None,
+    *,
+    num_ps: int,
+    num_trainers: int,
+) -> None:
     """The remote-call contract of the module docstring, for the job's model as built and the
     ``calls`` :func:`remote_calls` found in it."""
     owner = type(model).__name__
@@ -257,8 +288,11 @@ def import_roots(modules: Iterable[str]) -> list[str]:
     """The ``sys.path`` entries from which these modules were imported here, other than the
     working directory (where replicas start), the standard library and installed packages."""
     skip = {os.path.abspath(os.getcwd())}
-    skip |= {os.path.abspath(p) for key in ("stdlib", "platstdlib", "purelib", "platlib")
-             if (p := sysconfig.get_path(key))}
+    skip |= {
+        os.path.abspath(p)
+        for key in ("stdlib", "platstdlib", "purelib", "platlib")
+        if (p := sysconfig.get_path(key))
+    }
     roots: list[str] = []
     for name in modules:
         top = sys.modules.get(name.split(".")[0])
@@ -278,12 +312,18 @@ def import_roots(modules: Iterable[str]) -> list[str]:
     return roots
 
 
-def user_modules(model: nn.Module, config: JobConfig, calls: Iterable[RemoteCall] = ()) -> list[str]:
+def user_modules(
+    model: nn.Module, config: JobConfig, calls: Iterable[RemoteCall] = ()
+) -> list[str]:
     """The modules of the job's own code: its factories, its model's classes, the functions it
     sends to the servers."""
-    names = [spec.partition(":")[0] for spec in (config.model_name, config.data.source) if ":" in spec]
+    names = [
+        spec.partition(":")[0] for spec in (config.model_name, config.data.source) if ":" in spec
+    ]
     names += [cls.__module__ for cls in type(model).__mro__ if cls.__module__ != "builtins"]
-    names += [call.function.__module__ for call in calls if getattr(call.function, "__module__", None)]
+    names += [
+        call.function.__module__ for call in calls if getattr(call.function, "__module__", None)
+    ]
     return [n for n in dict.fromkeys(names) if not n.startswith(("torch", "distopt"))]
 
 

@@ -49,8 +49,12 @@ class Progress:
             self._bar.update(1)
         elif (step + 1) % self.log_every == 0 or step + 1 == self.total:
             logger.info(
-                "step %d/%d loss %.4g qps %s elapsed %.1fs", step + 1, self.total, loss,
-                f"{qps:,.1f}", time.perf_counter() - self._started,
+                "step %d/%d loss %.4g qps %s elapsed %.1fs",
+                step + 1,
+                self.total,
+                loss,
+                f"{qps:,.1f}",
+                time.perf_counter() - self._started,
             )
 
     def note(self, message: str) -> None:

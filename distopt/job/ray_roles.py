@@ -5,7 +5,7 @@ and trainer 0 creates the servers, as :func:`distopt.ps.start_servers` does for 
 actors ``ps0 .. ps{S-1}`` (``S`` = ``DISTOPT_NUM_PS``) in a namespace of their own
 (``ps.ray_namespace`` plus a random suffix), in one placement group (``ps.ray_num_cpus``,
 ``ps.ray_memory_mb``, ``ps.ray_placement``), with ``ps.max_restarts``, on the cluster at
-``ps.ray_address`` (:mod:`distopt.ps.ray_cluster`).
+``ps.ray_address`` (:mod:`distopt.ps.cluster.ray_placement`).
 
 Why trainer 0: it already hosts the trainers' gloo store and cuts the checkpoints, and as the
 actors' owner it makes them share its fate: Ray kills a process's actors and removes its placement
@@ -47,19 +47,28 @@ from distopt.job.config import JobConfig
 from distopt.job.dist import store_plan
 from distopt.job.env import JobEnv
 from distopt.job.logs import record_failure
-from distopt.ps.spec import ServerOptions, check_tables, trainer_name
+from distopt.job.ps_setup import job_tables
+from distopt.ps.cluster.session import session
+from distopt.ps.spec import ServerOptions, trainer_name
 from distopt.rendezvous import StorePlan
 
 
 @contextlib.contextmanager
-def actor_servers(config: JobConfig, env: JobEnv, options: ServerOptions, *, gloo: bool) -> Iterator[None]:
+def actor_servers(
+    config: JobConfig, env: JobEnv, options: ServerOptions, *, gloo: bool
+) -> Iterator[None]:
     """Start (trainer 0) or find the job's server actors and join them for the ``with`` block."""
     me = trainer_name(env.rank)
     plan = store_plan(env) if gloo else StorePlan(host=options.host, hosted_by=trainer_name(0))
     with rendezvous.host_stores(plan, me=me, timeout_s=options.start_timeout_s) as hosted:
         if gloo:
-            rendezvous.init_gloo(hosted.plan, me=me, rank=env.rank, world_size=env.num_trainers,
-                                 timeout_s=options.start_timeout_s)  # fmt: skip
+            rendezvous.init_gloo(
+                hosted.plan,
+                me=me,
+                rank=env.rank,
+                world_size=env.num_trainers,
+                timeout_s=options.start_timeout_s,
+            )
         job = None
         try:
             job = _start_or_find(config, env, options, hosted.plan, gloo=gloo)
@@ -79,8 +88,9 @@ def actor_servers(config: JobConfig, env: JobEnv, options: ServerOptions, *, glo
                 ps.stop_servers(job)
 
 
-def _start_or_find(config: JobConfig, env: JobEnv, options: ServerOptions, plan: StorePlan, *,
-                   gloo: bool) -> ps.PSJob:  # fmt: skip
+def _start_or_find(
+    config: JobConfig, env: JobEnv, options: ServerOptions, plan: StorePlan, *, gloo: bool
+) -> ps.PSJob:
     """Trainer 0 creates the actors; every trainer gets their cluster and namespace, or raises
     trainer 0's error."""
     answer: list[Any] = [None]
@@ -88,18 +98,15 @@ def _start_or_find(config: JobConfig, env: JobEnv, options: ServerOptions, plan:
     waiting = None
     if gloo:
         # Trainer 0 may take ps.start_timeout_s to reach Ray and as long again to place the actors
-        # (distopt.ps.ray_cluster): the others wait that long for its answer (a group of its own,
-        # formed by all trainers before trainer 0 starts).
+        # (distopt.ps.cluster.ray_placement): the others wait that long for its answer (a group
+        # of its own, formed by all trainers before trainer 0 starts).
         timeout = datetime.timedelta(seconds=2 * options.start_timeout_s + 30)
         waiting = dist.new_group(backend="gloo", timeout=timeout)
     if env.rank == 0:
-        from distopt.job.ps_roles import job_tables
-        from distopt.ps import ray_server
-
         try:
             tables = job_tables(config)
-            check_tables(tables, options.num_servers)
-            answer[0] = ("ok", ray_server.start_actors(tables, options))
+            job = session().start(tables, options, num_trainers=env.num_trainers, plan=plan)
+            answer[0] = ("ok", (job.ray_address, job.ray_namespace))
         except BaseException as err:  # the others must hear of it, whatever it is
             failure = err
             if isinstance(err, ConfigError):  # a bad ps.* key: every trainer says the same line
@@ -116,5 +123,10 @@ def _start_or_find(config: JobConfig, env: JobEnv, options: ServerOptions, plan:
     if kind != "ok":
         raise ConfigError(value) if kind == "config" else RemoteCallError(value)
     address, namespace = value
-    return ps.PSJob(plan=plan, num_trainers=env.num_trainers, options=options, ray_address=address,
-                    ray_namespace=namespace)  # fmt: skip
+    return ps.PSJob(
+        plan=plan,
+        num_trainers=env.num_trainers,
+        options=options,
+        ray_address=address,
+        ray_namespace=namespace,
+    )

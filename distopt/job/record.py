@@ -79,12 +79,23 @@ class Recorder:
     def path(self) -> Path:
         return self.log.path
 
-    def step(self, step: int, step_time_s: float, *, loss: float, lr: float,
-             wait_s: float | None, pipeline: PipelineStats | None = None) -> None:
+    def step(
+        self,
+        step: int,
+        step_time_s: float,
+        *,
+        loss: float,
+        lr: float,
+        wait_s: float | None,
+        pipeline: PipelineStats | None = None,
+    ) -> None:
         extra = {}
         if pipeline is not None:
-            extra = {"staleness_max": pipeline.staleness_max, "staleness_mean": pipeline.staleness_mean,
-                     "prefetch_bytes": pipeline.inflight_bytes_max}
+            extra = {
+                "staleness_max": pipeline.staleness_max,
+                "staleness_mean": pipeline.staleness_mean,
+                "prefetch_bytes": pipeline.inflight_bytes_max,
+            }
         record = self.log.log_step(step, step_time_s, loss=loss, lr=lr, wait_s=wait_s, **extra)
         self.progress.update(step, loss=loss, qps=record.qps)
         if self.board is not None:
@@ -120,8 +131,12 @@ class Recorder:
     def __enter__(self) -> Recorder:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close(error=exc)
 
 

@@ -4,7 +4,7 @@
 When a server actor dies, the trainer's wait fails with a one-line
 :class:`~distopt.errors.RemoteCallError` naming the actor (:func:`lost_server` recognizes it), and
 Ray restarts the actor, which then refuses data calls until :func:`distopt.ps.recover` reloads
-every server from one checkpoint (:mod:`distopt.ps.ray_recovery`). The trainers go back to that
+every server from one checkpoint (:mod:`distopt.ps.cluster.ray_recovery`). The trainers go back to that
 checkpoint together: every trainer leaves its training loop with :class:`Rollback`, re-enters
 :func:`distopt.job.trainer.train`, which finds the newest complete checkpoint exactly as a resumed
 run does, calls :func:`recover_servers` (every trainer runs :func:`distopt.ps.recover`, which also
@@ -49,11 +49,13 @@ from typing import Any, ParamSpec, TypeVar
 import torch
 import torch.distributed as dist
 
+import distopt.ps as ps
 from distopt.errors import DistoptError, RemoteCallError
 from distopt.job import state as job_state
 from distopt.job.checkpoint import Checkpoint
-from distopt.ps.ray_transport import ACTOR_EXITED, ACTOR_UNAVAILABLE
+from distopt.ps.cluster.session import backend_for
 from distopt.ps.spec import ServerOptions
+from distopt.ps.transport.ray import ACTOR_EXITED, ACTOR_UNAVAILABLE
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ def lost_server(err: BaseException) -> str | None:
     """The server actor (``ps0`` ..) whose process died or was restarted by Ray, when that is what
     ``err`` says; ``None`` for any other error (a timeout, a server-side exception, a bad call).
 
-    The transport names the actor and Ray's reason (:func:`distopt.ps.ray_transport.ray_message`);
+    The transport names the actor and Ray's reason (:func:`distopt.ps.transport.ray.ray_message`);
     a later call of a table whose push failed quotes that failure, so a search finds it too.
     """
     if not isinstance(err, RemoteCallError):
@@ -116,9 +118,11 @@ class Agreement:
 
     @classmethod
     def for_job(cls, options: ServerOptions) -> Agreement:
-        """Enabled for ``ps.backend: ray`` with ``ps.max_restarts`` other than 0."""
-        enabled = options.backend == "ray" and options.max_restarts != 0
-        return cls(enabled=enabled, limit=FOREVER if options.max_restarts < 0 else options.max_restarts)
+        """Enabled when the job's servers come back after a failure (``ps.backend: ray`` with
+        ``ps.max_restarts`` other than 0)."""
+        enabled = backend_for(options).can_recover(options)
+        limit = FOREVER if options.max_restarts < 0 else options.max_restarts
+        return cls(enabled=enabled, limit=limit)
 
     @contextlib.contextmanager
     def deferred(self) -> Iterator[None]:
@@ -181,29 +185,46 @@ def retrying(run: Callable[[], T], agreement: Agreement) -> T:
         except Rollback as rollback:
             done = len(agreement.history)
             if done >= agreement.limit:
-                raise RemoteCallError(f"{rollback}: no recovery left ({done} done, ps.max_restarts="
-                                      f"{agreement.limit})") from None  # fmt: skip
+                raise RemoteCallError(
+                    f"{rollback}: no recovery left ({done} done, ps.max_restarts={agreement.limit})"
+                ) from None
             agreement.rollback = rollback
 
 
 def recover_servers(agreement: Agreement, found: Checkpoint | None) -> None:
     """Every trainer, re-entering the loop after ``agreement.rollback``: every server back at
     checkpoint ``found`` (``None``: the seeded tables), this trainer's failed calls forgotten."""
-    import distopt.ps as ps
-
     rollback = agreement.rollback
     assert rollback is not None
     directory = str(found.path.resolve()) if found is not None else None
     recovery = ps.recover(directory)  # idempotent: every trainer runs it for its own client
     if recovery.checkpoint != directory:  # None reloads the job's record: it names no checkpoint
-        raise RemoteCallError(f"recovery: the servers reloaded {recovery.checkpoint}, yet no complete "
-                              "checkpoint of the trainers exists")  # fmt: skip
+        raise RemoteCallError(
+            f"recovery: the servers reloaded {recovery.checkpoint}, yet no complete "
+            "checkpoint of the trainers exists"
+        )
     job_state.barrier()  # no trainer calls a server before every one is reloaded
     agreement.rollback = None
-    agreement.history.append({"server": rollback.server, "failed_step": rollback.step,
-                              "resumed_from": found.step if found is not None else 0,
-                              "checkpoint": directory, "cause": rollback.cause})  # fmt: skip
-    where = f"checkpoint {directory} (step {found.step})" if found is not None else "the seeded tables (step 0)"
-    logger.warning("recovery %d of %d: %s lost at step %d; every trainer and server back at %s (%s)",
-                   len(agreement.history), agreement.limit, rollback.server, rollback.step, where,
-                   rollback.cause)  # fmt: skip
+    agreement.history.append(
+        {
+            "server": rollback.server,
+            "failed_step": rollback.step,
+            "resumed_from": found.step if found is not None else 0,
+            "checkpoint": directory,
+            "cause": rollback.cause,
+        }
+    )
+    where = (
+        f"checkpoint {directory} (step {found.step})"
+        if found is not None
+        else "the seeded tables (step 0)"
+    )
+    logger.warning(
+        "recovery %d of %d: %s lost at step %d; every trainer and server back at %s (%s)",
+        len(agreement.history),
+        agreement.limit,
+        rollback.server,
+        rollback.step,
+        where,
+        rollback.cause,
+    )

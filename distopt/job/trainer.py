@@ -46,6 +46,7 @@ from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
 from distopt.passes.remote.nodes import remote_ops
 from distopt.pipeline import Prefetcher, check_pipelined, provided
+from distopt.ps.client import calls as ps_calls
 from distopt.rendezvous import collective
 
 logger = logging.getLogger(__name__)
@@ -111,8 +112,9 @@ def _optimize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> 
     return optimize(model, example, config=config.optimize_config or None)
 
 
-def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...],
-                staleness: int | None) -> dict[str, Any]:
+def _prediction(
+    model: nn.Module, optimized: nn.Module, example: tuple[Any, ...], staleness: int | None
+) -> dict[str, Any]:
     """The cost model's predicted gain of ``optimized`` over ``model``, as QPS-log header keys.
 
     Only for models captured as a graph that makes remote calls, whatever serves them (distopt's
@@ -123,8 +125,9 @@ def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]
     if not isinstance(optimized, torch.fx.GraphModule) or not remote_ops(optimized.graph):
         return {}
     try:
-        prediction = predict_gain(model, optimized, example, measure_step=True,
-                                  pipeline_staleness=staleness)
+        prediction = predict_gain(
+            model, optimized, example, measure_step=True, pipeline_staleness=staleness
+        )
     except CaptureError:
         return {}  # the prediction is optional: no graph, no prediction (never a failed job)
     if prediction.unmeasured_step is not None:
@@ -132,8 +135,14 @@ def _prediction(model: nn.Module, optimized: nn.Module, example: tuple[Any, ...]
     return prediction.to_header()
 
 
-def _parallelize(model: nn.Module, example: tuple[Any, ...], config: JobConfig, *,
-                 device: torch.device, group: Any) -> nn.Module:
+def _parallelize(
+    model: nn.Module,
+    example: tuple[Any, ...],
+    config: JobConfig,
+    *,
+    device: torch.device,
+    group: Any,
+) -> nn.Module:
     """Wrap for data parallelism; for ``optimized`` FSDP, distopt.parallelize also optimizes."""
     if config.parallel == "ddp":
         ids = [device.index] if device.type == "cuda" else None
@@ -144,12 +153,19 @@ def _parallelize(model: nn.Module, example: tuple[Any, ...], config: JobConfig, 
             from distopt import parallelize
 
             dtypes: dict[str, Any] = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
-            return parallelize(model, "fsdp", example_inputs=example, mesh=mesh,
-                               config=dtypes if config.precision == "bf16" else None)
+            return parallelize(
+                model,
+                "fsdp",
+                example_inputs=example,
+                mesh=mesh,
+                config=dtypes if config.precision == "bf16" else None,
+            )
         from distopt.parallel.apply import apply_fsdp
 
         # Plain FSDP2 without inner units: the baseline.
-        return apply_fsdp(model, [], mesh=mesh, mp_policy=job_device.mixed_precision(config.precision))
+        return apply_fsdp(
+            model, [], mesh=mesh, mp_policy=job_device.mixed_precision(config.precision)
+        )
     return model
 
 
@@ -164,12 +180,24 @@ def _gradient_sync(module: nn.Module, enabled: bool) -> contextlib.AbstractConte
 
 
 def _job_shape(config: JobConfig, env: JobEnv, run_id: str, name: str) -> dict[str, Any]:
-    return {"run_id": run_id, "model": name, "seed": config.seed, "num_trainers": env.num_trainers,
-            "num_ps": env.num_ps, "parallel": config.parallel}
+    return {
+        "run_id": run_id,
+        "model": name,
+        "seed": config.seed,
+        "num_trainers": env.num_trainers,
+        "num_ps": env.num_ps,
+        "parallel": config.parallel,
+    }
 
 
-def _recorder(config: JobConfig, env: JobEnv, run_id: str, header: dict[str, Any],
-              start: int, recoveries: list[dict[str, Any]]) -> Recorder:
+def _recorder(
+    config: JobConfig,
+    env: JobEnv,
+    run_id: str,
+    header: dict[str, Any],
+    start: int,
+    recoveries: list[dict[str, Any]],
+) -> Recorder:
     """A new QPS log; after a recovery (``recoveries``), the run's log back to step ``start``."""
     global_batch = config.batch_size * config.optim.accumulate_steps * env.num_trainers
     board = None
@@ -180,10 +208,15 @@ def _recorder(config: JobConfig, env: JobEnv, run_id: str, header: dict[str, Any
         log.footer["recoveries"] = list(recoveries)
     else:
         log = QpsLogWriter.create(
-            config.output_dir, run_id=run_id, variant=config.variant, rank=env.rank,
-            world_size=env.num_trainers, global_batch_size=global_batch,
-            config={**to_dict(config), "run_id": run_id}, extra={"num_ps": env.num_ps, **header},
-        )  # fmt: skip
+            config.output_dir,
+            run_id=run_id,
+            variant=config.variant,
+            rank=env.rank,
+            world_size=env.num_trainers,
+            global_batch_size=global_batch,
+            config={**to_dict(config), "run_id": run_id},
+            extra={"num_ps": env.num_ps, **header},
+        )
     progress = Progress(total=config.steps, rank=env.rank, log_every=config.log_every, start=start)
     return Recorder(log, progress, board)
 
@@ -207,11 +240,12 @@ def train(
     torch.manual_seed(config.seed)  # identical initial parameters on every trainer
     model = models.build(name, **config.model_kwargs)
     model_loss = models.loss_function(name, model)
-    source = source or build_data(config.data, model_name=name, model=model,
-                                  batch_size=config.batch_size, seed=config.seed)
+    source = source or build_data(
+        config.data, model_name=name, model=model, batch_size=config.batch_size, seed=config.seed
+    )
     keep = job_device.host_inputs(model)
     model.to(device)
-    if ps.client.is_connected():
+    if ps_calls.is_connected():
         ps.set_device(device)  # fetched rows land next to the dense parameters
 
     checkpoint_dir = Path(config.checkpoint_dir or Path(config.output_dir) / run_id / "checkpoints")
@@ -232,8 +266,9 @@ def train(
     accumulate = config.optim.accumulate_steps
     # The data position is the micro-batch count: a resumed run reads what an uninterrupted one
     # would from here on. The first batch is also the example optimize/parallelize trace with.
-    loader = source.train_loader(rank=env.rank, world_size=env.num_trainers,
-                                 batch_size=config.batch_size, seed=config.seed)
+    loader = source.train_loader(
+        rank=env.rank, world_size=env.num_trainers, batch_size=config.batch_size, seed=config.seed
+    )
     stream = (to_batch(b) for b in loader.batches(start * accumulate))
     first = next(stream)
     batches: Iterator[Batch] = itertools.chain([first], stream)
@@ -252,20 +287,31 @@ def train(
         # job's only writes outside the graph are distopt.ps pushes, which staleness counts.
         split = check_pipelined(trained, config.pipeline.staleness, push=False)
         trained = split.main
-        prefetcher = Prefetcher(split, batches, staleness=config.pipeline.staleness,
-                                inputs=lambda b: b.inputs, deterministic=config.deterministic,
-                                to_device=lambda b: job_device.to_device(b, device, keep=keep))
+        prefetcher = Prefetcher(
+            split,
+            batches,
+            staleness=config.pipeline.staleness,
+            inputs=lambda b: b.inputs,
+            deterministic=config.deterministic,
+            to_device=lambda b: job_device.to_device(b, device, keep=keep),
+        )
     group = job_device.data_parallel_group(device)
     trained = _parallelize(trained, example, config, device=device, group=group)
     # After wrapping: FSDP replaces parameters by shards (the optimized module shares them).
     stepper = Stepper(trained.parameters(), config.optim, total_steps=config.steps)
     saver = job_state.trainer_state(
-        model=_state_module(model, trained, stepper.optimizer), optimizer=stepper.optimizer,
-        rank=env.rank, parallel=config.parallel, num_trainers=env.num_trainers, job=job,
-    )  # fmt: skip
+        model=_state_module(model, trained, stepper.optimizer),
+        optimizer=stepper.optimizer,
+        rank=env.rank,
+        parallel=config.parallel,
+        num_trainers=env.num_trainers,
+        job=job,
+    )
     rng: dict[str, Any] | None = None
     if found is not None:
-        saved = job_state.restore(found, saver, load_remote=None if recovering else hooks.load_remote)
+        saved = job_state.restore(
+            found, saver, load_remote=None if recovering else hooks.load_remote
+        )
         stepper.scheduler.load_state_dict(saved["scheduler"])
         rng = saved["rng"]
 
@@ -278,10 +324,15 @@ def train(
         # Last, so that nothing between here and the first step (model building, optimize's
         # verification) shifts the random streams of the resumed steps.
         job_state.set_rng_state(rng)
-    eval_model = trained.module if isinstance(trained, nn.parallel.DistributedDataParallel) else trained
-    eval_loader = source.eval_loader(rank=env.rank, world_size=env.num_trainers,
-                                     batch_size=config.eval.batch_size or config.batch_size)
-    waits = ps.client.is_connected()
+    eval_model = (
+        trained.module if isinstance(trained, nn.parallel.DistributedDataParallel) else trained
+    )
+    eval_loader = source.eval_loader(
+        rank=env.rank,
+        world_size=env.num_trainers,
+        batch_size=config.eval.batch_size or config.batch_size,
+    )
+    waits = ps_calls.is_connected()
     saved_paths: list[Path] = []
     loss_value = float("nan")
     evaluation: EvalResult | None = None
@@ -297,14 +348,18 @@ def train(
                 agree.step = step
                 for micro in range(accumulate):
                     with _gradient_sync(trained, micro == accumulate - 1):
-                        with agree.agreed():  # before backward: no trainer enters DDP's all-reduce alone
+                        with (
+                            agree.agreed()
+                        ):  # before backward: no trainer enters DDP's all-reduce alone
                             issued = None
                             if prefetcher is not None:
                                 batch, issued = prefetcher.take()
                             else:
                                 batch = job_device.to_device(next(batches), device, keep=keep)
                             with job_device.autocast(device, config.precision), provided(issued):
-                                loss = task_loss(source.task, trained(*batch.inputs), batch, model_loss)
+                                loss = task_loss(
+                                    source.task, trained(*batch.inputs), batch, model_loss
+                                )
                         if prefetcher is not None:
                             prefetcher.before_backward()
                         stepper.scale(loss).backward()
@@ -317,29 +372,44 @@ def train(
                 loss_value = float(torch.stack(losses).float().mean())
                 job_device.synchronize(device)
                 step_time = time.perf_counter() - tick
-                recorder.step(step, step_time, loss=loss_value, lr=lr,
-                              wait_s=ps.take_wait_time() if waits else None,
-                              pipeline=prefetcher.stats if prefetcher is not None else None)
+                recorder.step(
+                    step,
+                    step_time,
+                    loss=loss_value,
+                    lr=lr,
+                    wait_s=ps.take_wait_time() if waits else None,
+                    pipeline=prefetcher.stats if prefetcher is not None else None,
+                )
                 done = step + 1
                 if eval_loader is not None and config.eval.due(done, config.steps):
                     began = time.perf_counter()
                     with job_device.autocast(device, config.precision), agree.agreed():
                         evaluation = evaluate(
-                            eval_model, eval_loader, task=source.task, loss_fn=model_loss,
-                            max_batches=config.eval.max_batches, device=device, host_inputs=keep,
+                            eval_model,
+                            eval_loader,
+                            task=source.task,
+                            loss_fn=model_loss,
+                            max_batches=config.eval.max_batches,
+                            device=device,
+                            host_inputs=keep,
                             lockstep=config.parallel == "fsdp",
-                        )  # fmt: skip
+                        )
                     recorder.evaluation(done, evaluation, time.perf_counter() - began)
                     ps.take_wait_time()
                 every = config.checkpoint_every
                 if every and (done % every == 0 or done == config.steps):
                     cut = job_state.cut(
-                        checkpoint_dir, saver, step=done,
-                        extra={"scheduler": stepper.scheduler.state_dict(),
-                               "data": {"micro_batches": done * accumulate}},
-                        before=hooks.before_checkpoint, check=agree.settle,
+                        checkpoint_dir,
+                        saver,
+                        step=done,
+                        extra={
+                            "scheduler": stepper.scheduler.state_dict(),
+                            "data": {"micro_batches": done * accumulate},
+                        },
+                        before=hooks.before_checkpoint,
+                        check=agree.settle,
                         save_remote=hooks.save_remote and agree.deferring(hooks.save_remote),
-                    )  # fmt: skip
+                    )
                     if cut is not None:
                         saved_paths.append(cut.path)
                         checkpoint.prune(checkpoint_dir, keep=config.keep_checkpoints)
@@ -368,8 +438,9 @@ def peer_lost(err: RuntimeError, env: JobEnv, *, step: int | None = None) -> Rem
 
     who = f"trainer {1 - env.rank}" if env.num_trainers == 2 else "another trainer"
     at = f" at step {step + 1}" if step is not None else ""
-    named = collective_error(err, f"a collective of the training loop{at}", me=f"trainer {env.rank}",
-                             peers="trainers")
+    named = collective_error(
+        err, f"a collective of the training loop{at}", me=f"trainer {env.rank}", peers="trainers"
+    )
     if named is None:
         return None
     text = str(err)

@@ -25,7 +25,9 @@ from urllib.parse import urlparse
 TAIL_LINES = 12
 """Lines of the failing replica's log shown before its error line."""
 
-_ERROR_LINE = re.compile(r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*|\S+: error: .*)$")
+_ERROR_LINE = re.compile(
+    r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*|\S+: error: .*)$"
+)
 _RANK = re.compile(r"^\[rank(\d+)\]:")
 
 
@@ -87,9 +89,13 @@ class Failure:
             # A torchrun replica holds several ranks; elsewhere the rank is the replica's index.
             inner = self.rank is not None and self.rank != self.replica.index
             where = self.replica.name + (f" (rank {self.rank})" if inner else "")
-            lines = [f"{self.handle}: {self.state}: {where} failed first ({self.replica.exit_text()}): {self.error}"]
+            lines = [
+                f"{self.handle}: {self.state}: {where} failed first ({self.replica.exit_text()}): {self.error}"
+            ]
         if self.tail and self.replica is not None:
-            lines.append(f"  last lines of {self.replica.stderr or f'{self.replica.role}/{self.replica.index}'}:")
+            lines.append(
+                f"  last lines of {self.replica.stderr or f'{self.replica.role}/{self.replica.index}'}:"
+            )
             lines += [f"    {line}" for line in self.tail]
         if self.others:
             lines.append("  then: " + ", ".join(f"{r.name} ({r.exit_text()})" for r in self.others))
@@ -98,8 +104,9 @@ class Failure:
         return "\n".join(lines)
 
 
-def stream(runner: Any, handle: str, *, role: str = "trainer", replica: int = 0,
-           file: TextIO | None = None) -> threading.Thread:
+def stream(
+    runner: Any, handle: str, *, role: str = "trainer", replica: int = 0, file: TextIO | None = None
+) -> threading.Thread:
     """Print ``role``'s replica ``replica`` log lines as they come, prefixed ``role/replica``, on a
     daemon thread that ends with the app (``runner.log_lines(..., should_tail=True)``, what
     ``torchx run`` does on local schedulers). Join it after ``runner.wait``."""
@@ -111,7 +118,11 @@ def stream(runner: Any, handle: str, *, role: str = "trainer", replica: int = 0,
             for line in runner.log_lines(handle, role, replica, should_tail=True):
                 print(prefix + line.rstrip("\n"), file=out, flush=True)
         except Exception as err:  # a scheduler without logs: the job goes on, unstreamed
-            print(f"{prefix}(no log to stream: {str(err).strip().splitlines()[0]})", file=out, flush=True)
+            print(
+                f"{prefix}(no log to stream: {str(err).strip().splitlines()[0]})",
+                file=out,
+                flush=True,
+            )
 
     thread = threading.Thread(target=tail, name=f"distopt-stream-{role}-{replica}", daemon=True)
     thread.start()
@@ -120,24 +131,42 @@ def stream(runner: Any, handle: str, *, role: str = "trainer", replica: int = 0,
 
 def failure(runner: Any, handle: str, status: Any) -> Failure:
     """What made the app of ``handle`` (ended in ``status``) fail: see the module docstring."""
-    state = getattr(getattr(status, "state", None), "name", str(getattr(status, "state", "UNKNOWN")))
+    state = getattr(
+        getattr(status, "state", None), "name", str(getattr(status, "state", "UNKNOWN"))
+    )
     log_dir = _log_dir(status)
     replicas = _replicas(runner, handle, status, log_dir)
     failed = [r for r in replicas if r.failed]
     if not failed:
         message = (getattr(status, "msg", "") or "").strip() or "no replica reported an error"
-        return Failure(handle=handle, state=state, replica=None, error=message.splitlines()[0], log_dir=log_dir)
+        return Failure(
+            handle=handle, state=state, replica=None, error=message.splitlines()[0], log_dir=log_dir
+        )
     failed.sort(key=_failed_at)
     first = failed[0]
-    lines = _read_lines(first.stderr) if first.stderr is not None else _log_lines(runner, handle, first)
+    lines = (
+        _read_lines(first.stderr) if first.stderr is not None else _log_lines(runner, handle, first)
+    )
     error = _recorded_error(first.error_file) or _last_error_line(lines) or first.exit_text()
     end = _line_of(lines, error)
-    tail = tuple(lines[max(0, end - TAIL_LINES): end + 1]) if end is not None else tuple(lines[-TAIL_LINES:])
+    tail = (
+        tuple(lines[max(0, end - TAIL_LINES) : end + 1])
+        if end is not None
+        else tuple(lines[-TAIL_LINES:])
+    )
     rank = None
     if end is not None and (found := _RANK.match(lines[end])):
         rank = int(found.group(1))
-    return Failure(handle=handle, state=state, replica=first, error=error, rank=rank, tail=tail,
-                   others=tuple(failed[1:]), log_dir=log_dir)
+    return Failure(
+        handle=handle,
+        state=state,
+        replica=first,
+        error=error,
+        rank=rank,
+        tail=tail,
+        others=tuple(failed[1:]),
+        log_dir=log_dir,
+    )
 
 
 def _log_dir(status: Any) -> Path | None:
@@ -153,15 +182,26 @@ def _replicas(runner: Any, handle: str, status: Any, log_dir: Path | None) -> li
     if record is not None and record.is_file():
         data = json.loads(record.read_text())
         return [
-            Replica(role=role, index=int(r["replica_id"]), exit_code=r.get("exitcode"),
-                    stdout=_path(r.get("stdout")), stderr=_path(r.get("stderr")),
-                    error_file=_path(r.get("error_file")))
-            for role, replicas in data.get("roles", {}).items() for r in replicas
+            Replica(
+                role=role,
+                index=int(r["replica_id"]),
+                exit_code=r.get("exitcode"),
+                stdout=_path(r.get("stdout")),
+                stderr=_path(r.get("stderr")),
+                error_file=_path(r.get("error_file")),
+            )
+            for role, replicas in data.get("roles", {}).items()
+            for r in replicas
         ]
     return [
-        Replica(role=role_status.role, index=int(replica.id), exit_code=None,
-                state=getattr(replica.state, "name", str(replica.state)))
-        for role_status in getattr(status, "roles", None) or [] for replica in role_status.replicas
+        Replica(
+            role=role_status.role,
+            index=int(replica.id),
+            exit_code=None,
+            state=getattr(replica.state, "name", str(replica.state)),
+        )
+        for role_status in getattr(status, "roles", None) or []
+        for replica in role_status.replicas
     ]
 
 
@@ -202,8 +242,11 @@ def _read_lines(path: Path | None) -> list[str]:
 def _log_lines(runner: Any, handle: str, replica: Replica) -> list[str]:
     """The replica's log through the scheduler (``runner.log_lines``), where it keeps one."""
     try:
-        return [line.rstrip() for line in runner.log_lines(handle, replica.role, replica.index)
-                if line.strip()]
+        return [
+            line.rstrip()
+            for line in runner.log_lines(handle, replica.role, replica.index)
+            if line.strip()
+        ]
     except Exception:  # a scheduler without logs: the report says what it can without them
         return []
 

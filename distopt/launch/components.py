@@ -119,8 +119,14 @@ def ps_job(
         **({"DISTOPT_RUN_ID": run_id} if run_id else {}),
         **(env or {}),
     }
-    members = [("trainer", num_trainers, 0, trainer_resource)] if on_ray else [
-        ("ps", num_ps, 0, server_resource), ("trainer", num_trainers, num_ps, trainer_resource)]
+    members = (
+        [("trainer", num_trainers, 0, trainer_resource)]
+        if on_ray
+        else [
+            ("ps", num_ps, 0, server_resource),
+            ("trainer", num_trainers, num_ps, trainer_resource),
+        ]
+    )
     roles = []
     for role, replicas, rank_offset, resource in members:
         roles.append(

@@ -24,7 +24,9 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     fig, (ax_line, ax_box) = plt.subplots(
         1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]}, constrained_layout=True
     )
-    names = [f"{i + 1}: {run.variant} ({Path(run.label).name})" for i, run in enumerate(comparison.runs)]
+    names = [
+        f"{i + 1}: {run.variant} ({Path(run.label).name})" for i, run in enumerate(comparison.runs)
+    ]
     for run, name in zip(comparison.runs, names, strict=True):
         ax_line.plot(run.step_numbers, run.qps, label=name, linewidth=1.2)
     if comparison.warmup:

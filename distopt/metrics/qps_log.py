@@ -209,9 +209,19 @@ class QpsLogWriter:
         self, step: int, metrics: Mapping[str, float | int], *, eval_time_s: float
     ) -> EvalRecord:
         """Record a held-out evaluation after ``step`` completed steps."""
-        record = EvalRecord(step=step, rank=self.rank, eval_time_s=eval_time_s, metrics=dict(metrics))
-        self._write({"type": "eval", "run_id": self.run_id, "step": step, "rank": self.rank,
-                     "eval_time_s": eval_time_s, **record.metrics})
+        record = EvalRecord(
+            step=step, rank=self.rank, eval_time_s=eval_time_s, metrics=dict(metrics)
+        )
+        self._write(
+            {
+                "type": "eval",
+                "run_id": self.run_id,
+                "step": step,
+                "rank": self.rank,
+                "eval_time_s": eval_time_s,
+                **record.metrics,
+            }
+        )
         return record
 
     def close(self, *, status: str = "ok", error: str | None = None) -> None:
@@ -263,11 +273,16 @@ _HEADER_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {"str": str, "int": int, "float": (int, float)}
 _STEP_FIELDS: dict[str, type | tuple[type, ...]] = {
-    f.name: _FIELD_TYPES[str(f.type)] for f in dataclasses.fields(StepRecord)
+    f.name: _FIELD_TYPES[str(f.type)]
+    for f in dataclasses.fields(StepRecord)
     if str(f.type) in _FIELD_TYPES
 }
 _STEP_OPTIONAL = ("loss", "lr", "wait_s", "staleness_max", "staleness_mean", "prefetch_bytes")
-_EVAL_FIELDS: dict[str, type | tuple[type, ...]] = {"step": int, "rank": int, "eval_time_s": (int, float)}
+_EVAL_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "step": int,
+    "rank": int,
+    "eval_time_s": (int, float),
+}
 _RECORD_TYPES = ("header", "step", "eval", "footer")
 
 
@@ -343,9 +358,17 @@ def read_log(path: str | Path) -> RankLog:
             steps.append(StepRecord(**fields))
         elif kind == "eval":
             _check_fields(record, _EVAL_FIELDS, where)
-            metrics = {k: v for k, v in record.items() if k.startswith("eval_") and k != "eval_time_s"}
-            evals.append(EvalRecord(step=record["step"], rank=record["rank"],
-                                    eval_time_s=record["eval_time_s"], metrics=metrics))
+            metrics = {
+                k: v for k, v in record.items() if k.startswith("eval_") and k != "eval_time_s"
+            }
+            evals.append(
+                EvalRecord(
+                    step=record["step"],
+                    rank=record["rank"],
+                    eval_time_s=record["eval_time_s"],
+                    metrics=metrics,
+                )
+            )
         else:
             footer = record
     if header is None:

@@ -69,7 +69,9 @@ class DLRMConfig:
         check(self.num_rows >= 1, "dlrm.num_rows", "an integer >= 1", self.num_rows)
         check(self.embedding_dim >= 1, "dlrm.embedding_dim", "an integer >= 1", self.embedding_dim)
         check(self.bag_size >= 1, "dlrm.bag_size", "an integer >= 1", self.bag_size)
-        check(self.dense_features >= 1, "dlrm.dense_features", "an integer >= 1", self.dense_features)
+        check(
+            self.dense_features >= 1, "dlrm.dense_features", "an integer >= 1", self.dense_features
+        )
         check(self.batch_size >= 1, "dlrm.batch_size", "an integer >= 1", self.batch_size)
         check(self.compute in _TOWER_PRESETS, "dlrm.compute", "'light' or 'heavy'", self.compute)
         for key in ("bottom_mlp", "top_mlp"):
@@ -88,7 +90,12 @@ class DLRMConfig:
 def dlrm_tables(config: DLRMConfig) -> tuple[TableSpec, ...]:
     """Specs of the model's remote tables (for ``distopt.ps.start_servers``)."""
     return tuple(
-        TableSpec(name=name, num_rows=config.num_rows, dim=config.embedding_dim, optimizer=config.optimizer)
+        TableSpec(
+            name=name,
+            num_rows=config.num_rows,
+            dim=config.embedding_dim,
+            optimizer=config.optimizer,
+        )
         for name in config.table_names
     )
 
@@ -142,8 +149,9 @@ class DLRM(nn.Module):
         self.config = config
         self.tables = list(config.table_names)  # plain strings: constants in a traced graph
         self.bottom = _mlp((config.dense_features, *config.bottom_mlp), dim, last_relu=True)
-        self.towers = nn.ModuleList(_mlp((dim, *config.tower_widths), dim, last_relu=False)
-                                    for _ in self.tables)
+        self.towers = nn.ModuleList(
+            _mlp((dim, *config.tower_widths), dim, last_relu=False) for _ in self.tables
+        )
         k = len(self.tables)
         self.top = _mlp((dim + (k + 1) * k // 2, *config.top_mlp), 1, last_relu=False)
         rows, cols = torch.triu_indices(k + 1, k + 1, offset=1)
@@ -151,9 +159,9 @@ class DLRM(nn.Module):
         self.register_buffer("pair_cols", cols, persistent=False)
 
     def interact(self, h: torch.Tensor, features: list[torch.Tensor]) -> torch.Tensor:
-        stacked = torch.stack([h, *features], dim=1)               # [B, K+1, D]
-        dots = torch.bmm(stacked, stacked.transpose(1, 2))          # [B, K+1, K+1]
-        pairs = dots[:, self.pair_rows, self.pair_cols]             # [B, (K+1)K/2]
+        stacked = torch.stack([h, *features], dim=1)  # [B, K+1, D]
+        dots = torch.bmm(stacked, stacked.transpose(1, 2))  # [B, K+1, K+1]
+        pairs = dots[:, self.pair_rows, self.pair_cols]  # [B, (K+1)K/2]
         return self.top(torch.cat([h, pairs], dim=1))
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
@@ -161,7 +169,7 @@ class DLRM(nn.Module):
         features = []
         for k, tower in enumerate(self.towers):
             t = tower(h)
-            rows = ps.fetch(self.tables[k], sparse[k])              # blocking, right before use
+            rows = ps.fetch(self.tables[k], sparse[k])  # blocking, right before use
             features.append(t + rows.sum(dim=1))
         return self.interact(h, features)
 
@@ -169,11 +177,14 @@ class DLRM(nn.Module):
         """The parameter-server tables this model fetches from (``python -m distopt.train`` asks)."""
         return dlrm_tables(self.config)
 
-    def example_inputs(self, batch_size: int, *, generator: torch.Generator | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    def example_inputs(
+        self, batch_size: int, *, generator: torch.Generator | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         dense = torch.randn(batch_size, cfg.dense_features, generator=generator)
-        sparse = torch.randint(0, cfg.num_rows, (cfg.num_tables, batch_size, cfg.bag_size), generator=generator)
+        sparse = torch.randint(
+            0, cfg.num_rows, (cfg.num_tables, batch_size, cfg.bag_size), generator=generator
+        )
         return dense, sparse
 
 

@@ -11,7 +11,9 @@ from distopt.models import register_model
 
 
 class MLP(nn.Module):
-    def __init__(self, in_features: int = 32, hidden: int = 64, depth: int = 3, out_features: int = 10):
+    def __init__(
+        self, in_features: int = 32, hidden: int = 64, depth: int = 3, out_features: int = 10
+    ):
         super().__init__()
         layers: list[nn.Module] = []
         width = in_features

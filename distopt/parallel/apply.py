@@ -59,8 +59,12 @@ def apply_fsdp(
     kept = schedule.keep_after_forward if schedule is not None else frozenset({len(units) - 1})
     sharded = [(i, unit) for i, unit in enumerate(units) if i not in held]
     for index, unit in sharded:
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward and index not in kept,
-                    **precision)
+        fully_shard(
+            unit,
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward and index not in kept,
+            **precision,
+        )
     # FSDP2 keeps the root's own parameters unsharded after forward whatever this says (they are
     # needed again at once by backward), so the setting only matters for the inner units.
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward, **precision)
@@ -92,8 +96,12 @@ def apply_fsdp1(
     )
 
 
-def apply_ddp(root: nn.Module, *, process_group: ProcessGroup | None = None,
-              bucket_cap_mb: float | None = None) -> nn.Module:
+def apply_ddp(
+    root: nn.Module,
+    *,
+    process_group: ProcessGroup | None = None,
+    bucket_cap_mb: float | None = None,
+) -> nn.Module:
     """DDP as a composable API (``replicate``, as torchtitan's ``apply_ddp``): gradient all-reduce
     hooks on ``root`` itself rather than a ``DistributedDataParallel`` wrapper, so the module keeps
     its parameter names and ``state_dict`` keys (no ``module.`` prefix), like FSDP2's
@@ -116,7 +124,9 @@ def apply_ddp(root: nn.Module, *, process_group: ProcessGroup | None = None,
     device = _device_of(root)
     if device is not None and device.type == "cuda":
         kwargs["device_id"] = device
-    keep_group(process_group if process_group is not None else dist.distributed_c10d._get_default_group())
+    keep_group(
+        process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+    )
     return replicate(root, **kwargs)
 
 

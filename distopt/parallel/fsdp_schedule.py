@@ -47,14 +47,18 @@ def peak_param_bytes(
 
     ``units`` are the sharded units' bytes in execution order; ``kept[i]`` says unit i is kept.
     """
-    pair = max((a + b for a, b in zip(units, units[1:], strict=False)), default=max(units, default=0))
+    pair = max(
+        (a + b for a, b in zip(units, units[1:], strict=False)), default=max(units, default=0)
+    )
     held = sum(b for b, k in zip(units, kept, strict=True) if k)
     return total // world_size + root + max(pair, held)
 
 
-def _evaluate(sizes: Sequence[int], held: tuple[int, ...], tail: int, world_size: int) -> FsdpSchedule:
+def _evaluate(
+    sizes: Sequence[int], held: tuple[int, ...], tail: int, world_size: int
+) -> FsdpSchedule:
     sharded = [i for i in range(len(sizes)) if i not in held]
-    kept = sharded[len(sharded) - tail:] if tail else []
+    kept = sharded[len(sharded) - tail :] if tail else []
     held_bytes = sum(sizes[i] for i in held)
     gathered = held_bytes + sum(sizes[i] * (1 if i in kept else 2) for i in sharded)
     return FsdpSchedule(
@@ -62,7 +66,11 @@ def _evaluate(sizes: Sequence[int], held: tuple[int, ...], tail: int, world_size
         keep_after_forward=frozenset(kept),
         gathered_bytes=gathered,
         memory_bytes=peak_param_bytes(
-            sum(sizes), held_bytes, [sizes[i] for i in sharded], [i in kept for i in sharded], world_size
+            sum(sizes),
+            held_bytes,
+            [sizes[i] for i in sharded],
+            [i in kept for i in sharded],
+            world_size,
         ),
     )
 
@@ -72,7 +80,9 @@ def leanest_schedule(unit_bytes: Sequence[int], *, world_size: int) -> FsdpSched
     return _evaluate(unit_bytes, (), 1 if unit_bytes else 0, world_size)
 
 
-def plan_fsdp_schedule(unit_bytes: Sequence[int], *, world_size: int, memory_slack: float = 0.2) -> FsdpSchedule:
+def plan_fsdp_schedule(
+    unit_bytes: Sequence[int], *, world_size: int, memory_slack: float = 0.2
+) -> FsdpSchedule:
     """The schedule with the fewest gathered bytes within ``(1 + memory_slack)`` × the leanest memory.
 
     ``unit_bytes`` are the units' parameter bytes in execution order.
@@ -91,6 +101,9 @@ def plan_fsdp_schedule(unit_bytes: Sequence[int], *, world_size: int, memory_sla
             candidate = _evaluate(unit_bytes, held, tail, world_size)
             if candidate.memory_bytes > limit:
                 continue
-            if (candidate.gathered_bytes, candidate.memory_bytes) < (best.gathered_bytes, best.memory_bytes):
+            if (candidate.gathered_bytes, candidate.memory_bytes) < (
+                best.gathered_bytes,
+                best.memory_bytes,
+            ):
                 best = candidate
     return best

@@ -68,8 +68,9 @@ class ParallelizeConfig:
         if self.memory_slack < 0:
             raise ConfigError(f"memory_slack: expected a number >= 0, got {self.memory_slack!r}")
         if (self.param_dtype or self.reduce_dtype) and self.strategy != "fsdp":
-            raise ConfigError(f"param_dtype: mixed precision needs strategy 'fsdp' (FSDP2), got "
-                              f"{self.strategy!r}")
+            raise ConfigError(
+                f"param_dtype: mixed precision needs strategy 'fsdp' (FSDP2), got {self.strategy!r}"
+            )
 
     def mp_policy(self) -> Any:
         """FSDP2 ``MixedPrecisionPolicy`` of ``param_dtype``/``reduce_dtype`` (``None``: neither)."""
@@ -81,8 +82,9 @@ class ParallelizeConfig:
         def dtype(name: str | None) -> Any:
             return None if name is None else getattr(torch, name)
 
-        return MixedPrecisionPolicy(param_dtype=dtype(self.param_dtype),
-                                    reduce_dtype=dtype(self.reduce_dtype))
+        return MixedPrecisionPolicy(
+            param_dtype=dtype(self.param_dtype), reduce_dtype=dtype(self.reduce_dtype)
+        )
 
 
 def timing_of(module: nn.Module) -> ParallelRecord | None:
@@ -91,7 +93,11 @@ def timing_of(module: nn.Module) -> ParallelRecord | None:
     return report.parallel if report is not None else None
 
 
-def _config(strategy: str | None, config: ParallelizeConfig | Mapping[str, Any] | None, overrides: dict[str, Any]) -> ParallelizeConfig:
+def _config(
+    strategy: str | None,
+    config: ParallelizeConfig | Mapping[str, Any] | None,
+    overrides: dict[str, Any],
+) -> ParallelizeConfig:
     data: dict[str, Any]
     if config is None:
         data = {}
@@ -100,7 +106,9 @@ def _config(strategy: str | None, config: ParallelizeConfig | Mapping[str, Any] 
     elif isinstance(config, Mapping):
         data = dict(config)
     else:
-        raise ConfigError(f"config: expected ParallelizeConfig or a mapping, got {type(config).__name__}")
+        raise ConfigError(
+            f"config: expected ParallelizeConfig or a mapping, got {type(config).__name__}"
+        )
     if strategy is not None:
         data["strategy"] = strategy
     data.update(overrides)
@@ -141,7 +149,9 @@ def parallelize(
     timing = ParallelRecord(strategy=cfg.strategy)
     start = time.perf_counter()
     needs_units = cfg.strategy in ("fsdp", "fsdp1") or (cfg.compile and cfg.strategy != "ddp")
-    passes = list(cfg.passes) if cfg.passes is not None else [s.name for s in resolve_pipeline(None)]
+    passes = (
+        list(cfg.passes) if cfg.passes is not None else [s.name for s in resolve_pipeline(None)]
+    )
     options: dict[str, dict[str, Any]] = {}
     if cfg.channels_last and "channels_last" not in passes:
         passes.append("channels_last")
@@ -154,7 +164,10 @@ def parallelize(
     # NHWC kernels sum in another order: compare with float32 round-off tolerances, not 1e-6.
     verify = {"rtol": 1e-4, "atol": 1e-4} if cfg.channels_last else {}
     optimized = optimize(
-        model, example_inputs, passes=passes, config={"pass_options": options, "verify": verify},
+        model,
+        example_inputs,
+        passes=passes,
+        config={"pass_options": options, "verify": verify},
         verify=cfg.verify,
     )
     timing.optimize_seconds = time.perf_counter() - start
@@ -191,8 +204,15 @@ def parallelize(
             timing.unit_bytes, world_size=_world_size(mesh), memory_slack=cfg.memory_slack
         )
         timing.schedule = schedule
-        result = apply_fsdp(root, units, mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
-                            schedule=schedule, prefetch=cfg.prefetch, mp_policy=cfg.mp_policy())
+        result = apply_fsdp(
+            root,
+            units,
+            mesh=mesh,
+            reshard_after_forward=cfg.reshard_after_forward,
+            schedule=schedule,
+            prefetch=cfg.prefetch,
+            mp_policy=cfg.mp_policy(),
+        )
     elif cfg.strategy == "fsdp1":
         result = apply_fsdp1(root, units, process_group=process_group)
     else:

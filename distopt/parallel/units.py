@@ -57,7 +57,9 @@ def agree_across_ranks(gm: torch.fx.GraphModule) -> None:
 def materialize_units(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """A GraphModule whose children ``submod_<i>`` are the partition's units (shared parameters)."""
     if plan_of(gm) is None:
-        raise ConfigError(f"{type(gm).__name__}: no partition to materialize (run the 'partition' pass)")
+        raise ConfigError(
+            f"{type(gm).__name__}: no partition to materialize (run the 'partition' pass)"
+        )
     # Cut a copy: moving views across units (below) must not change the caller's graph.
     work = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph), type(gm).__name__)
     assign: dict[torch.fx.Node, int] = {}
@@ -94,16 +96,55 @@ def materialize_units(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return split
 
 
-_VIEW_METHODS = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "squeeze", "unsqueeze",
-    "flatten", "unflatten", "expand", "expand_as", "narrow", "select", "split", "chunk", "unbind",
-    "t", "movedim", "swapaxes", "diagonal", "as_strided", "detach",
-})
-_VIEW_FUNCTIONS = frozenset({
-    torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.flatten,
-    torch.narrow, torch.select, torch.split, torch.chunk, torch.unbind, torch.t, torch.movedim,
-    torch.swapaxes, torch.diagonal, torch.as_strided, torch.detach, operator.getitem,
-})
+_VIEW_METHODS = frozenset(
+    {
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "transpose",
+        "permute",
+        "squeeze",
+        "unsqueeze",
+        "flatten",
+        "unflatten",
+        "expand",
+        "expand_as",
+        "narrow",
+        "select",
+        "split",
+        "chunk",
+        "unbind",
+        "t",
+        "movedim",
+        "swapaxes",
+        "diagonal",
+        "as_strided",
+        "detach",
+    }
+)
+_VIEW_FUNCTIONS = frozenset(
+    {
+        torch.reshape,
+        torch.transpose,
+        torch.permute,
+        torch.squeeze,
+        torch.unsqueeze,
+        torch.flatten,
+        torch.narrow,
+        torch.select,
+        torch.split,
+        torch.chunk,
+        torch.unbind,
+        torch.t,
+        torch.movedim,
+        torch.swapaxes,
+        torch.diagonal,
+        torch.as_strided,
+        torch.detach,
+        operator.getitem,
+    }
+)
 _VIEW_MODULES = (nn.Flatten, nn.Unflatten)
 
 
@@ -159,7 +200,9 @@ def unit_modules(split: nn.Module) -> list[nn.Module]:
     """The unit submodules of a :func:`materialize_units` result, in execution order."""
     names = getattr(split, "meta", {}).get(UNITS_META)
     if names is None:
-        raise ConfigError(f"{type(split).__name__}: not a materialized partition (no {UNITS_META} meta)")
+        raise ConfigError(
+            f"{type(split).__name__}: not a materialized partition (no {UNITS_META} meta)"
+        )
     return [split.get_submodule(n) for n in names]
 
 
@@ -177,11 +220,13 @@ class _OriginalNames:
         self.key_map = key_map
         self.rank = {k: i for i, k in enumerate(order)}
 
-    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+    ) -> None:
         ours = [k for k in state_dict if k.startswith(prefix)]
         entries = []
         for key in ours:
-            rest = key[len(prefix):]
+            rest = key[len(prefix) :]
             entries.append((self.key_map.get(rest, rest), state_dict.pop(key)))
         entries.sort(key=lambda kv: self.rank.get(kv[0], len(self.rank)))
         for name, value in entries:
@@ -194,8 +239,10 @@ class _UnitNames:
     def __init__(self, owners: dict[str, str]):
         self.owners = owners
 
-    def __call__(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    def __call__(
+        self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    ) -> None:
         for key in [k for k in state_dict if k.startswith(prefix)]:
-            local = self.owners.get(key[len(prefix):])
+            local = self.owners.get(key[len(prefix) :])
             if local is not None:
                 state_dict[prefix + local] = state_dict.pop(key)

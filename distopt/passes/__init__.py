@@ -1,10 +1,16 @@
-"""Graph passes: registry, runner and the built-in passes."""
+"""Graph passes: the registry, the runner and the built-in passes.
+
+The built-ins are listed here as a set: the order they run in comes from the constraints each
+pass module declares with its ``PASS`` (ties by name), never from this listing.
+"""
 
 from distopt.passes.core.base import (
     PassContext,
     PassFn,
     PassResult,
     PassSpec,
+    add_pass,
+    add_passes,
     register_pass,
     registered_passes,
     resolve_pipeline,
@@ -12,12 +18,36 @@ from distopt.passes.core.base import (
 )
 from distopt.passes.core.runner import run_passes
 from distopt.passes.core.side_effects import eliminate_dead_code, is_impure, mark_side_effectful
+from distopt.passes.fsdp import fuse_units, partition
+from distopt.passes.local import channels_last, fold_conv_bn, remove_identity
+from distopt.passes.remote import batch, hoist, pair, sink, split
+
+BUILTIN_PASSES: frozenset[PassSpec] = frozenset(
+    {
+        batch.PASS,
+        channels_last.PASS,
+        fold_conv_bn.PASS,
+        fuse_units.PASS,
+        hoist.PASS,
+        pair.PASS,
+        partition.PASS,
+        remove_identity.PASS,
+        sink.PASS,
+        split.PASS,
+    }
+)
+"""distopt's own passes (:func:`registered_passes` also holds those users register)."""
+
+add_passes(BUILTIN_PASSES)
 
 __all__ = [
+    "BUILTIN_PASSES",
     "PassContext",
     "PassFn",
     "PassResult",
     "PassSpec",
+    "add_pass",
+    "add_passes",
     "eliminate_dead_code",
     "is_impure",
     "mark_side_effectful",

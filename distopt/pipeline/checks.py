@@ -26,17 +26,17 @@ from torch.fx import Node
 
 from distopt.passes.remote.nodes import RemoteOp, conflicts, remote_ops
 from distopt.pipeline.split import issue_line, prefetchable
-from distopt.ps import client
+from distopt.ps.client import calls
 from distopt.report import report_of
 
 
 def is_counted(op: RemoteOp) -> bool:
     """A ``distopt.ps`` fetch (single or batched): the journal counts the pushes its rows miss."""
-    return op.spec.fn is client.fetch
+    return op.spec.fn is calls.fetch
 
 
 def _is_counted_write(op: RemoteOp) -> bool:
-    return op.spec.fn is client.push
+    return op.spec.fn is calls.push
 
 
 def uncounted_reads(gm: torch.fx.GraphModule) -> list[tuple[Node, RemoteOp]]:

@@ -5,17 +5,17 @@ runs their prefetch stage until ``max(1, staleness)`` batches are in flight; *wh
 calls it sets how stale the prefetched rows may be:
 
 * ``staleness=0`` (exact): right after a step's pushes are issued. The servers apply a table's
-  operations in issue order (:mod:`distopt.ps.client`), so the next batch's rows are what a
+  operations in issue order (:mod:`distopt.ps.client.calls`), so the next batch's rows are what a
   sequential run would read.
 * ``staleness=s >= 1``: before a step's backward, for the batch ``s`` steps ahead; its rows miss at
   most the pushes of the ``s`` steps in between. These fetches are issued as
-  stale reads and pushes do not wait for each other (:mod:`distopt.ps.ordering`): a push may
+  stale reads and pushes do not wait for each other (:mod:`distopt.ps.client.ordering`): a push may
   reach the server before an earlier prefetch, making its rows fresher, never staler. With
   ``deterministic=True`` the issue order is kept instead: slower (a table's prefetch and push
   then chain), but the run repeats bitwise and the counted staleness is exact.
 
 Staleness is counted, not assumed: every push this trainer issues is numbered per table
-(:func:`distopt.ps.client.on_push`), and when a batch is taken each of its fetched rows counts the
+(:func:`distopt.ps.client.calls.on_push`), and when a batch is taken each of its fetched rows counts the
 pushes of that row issued after its fetch. Without ``deterministic`` this is an upper bound for
 ``staleness >= 1`` (a push issued after the fetch may still have reached the server first). Memory is measured the same way: the bytes of every
 prefetched result that has arrived and waits to be used, and the bytes one batch's rows take.
@@ -32,9 +32,10 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils._pytree import tree_leaves
 
-import distopt.ps as ps
 from distopt.pipeline.slots import Issued
 from distopt.pipeline.split import PrefetchSplit
+from distopt.ps.client import calls as ps_calls
+from distopt.ps.client.ordering import stale_reads
 
 B = TypeVar("B")
 
@@ -84,14 +85,20 @@ class PushJournal:
 
     def record(self, table: str, ids: torch.Tensor) -> None:
         self.clock[table] += 1
-        self.log[table].append((self.clock[table], self.key(table, ids)))  # a new tensor: ids may be reused
+        self.log[table].append(
+            (self.clock[table], self.key(table, ids))
+        )  # a new tensor: ids may be reused
 
-    def missed(self, requests: Sequence[tuple[str, torch.Tensor]], since: dict[str, int]) -> torch.Tensor:
+    def missed(
+        self, requests: Sequence[tuple[str, torch.Tensor]], since: dict[str, int]
+    ) -> torch.Tensor:
         """Per fetched id, in request order: how many pushes of its table after number
         ``since[table]`` updated it (a push counts once however often it names the id)."""
         counts = torch.zeros(sum(ids.numel() for _, ids in requests), dtype=torch.int64)
-        pending = {table: [ids for seq, ids in self.log.get(table, ()) if seq > since[table]]
-                   for table, _ in requests}
+        pending = {
+            table: [ids for seq, ids in self.log.get(table, ()) if seq > since[table]]
+            for table, _ in requests
+        }
         if any(pending.values()):  # exact mode never has any: skip the keys
             keys = torch.cat([self.key(table, ids) for table, ids in requests])
             for depth in range(max(len(entries) for entries in pending.values())):
@@ -126,8 +133,11 @@ def _arrived_bytes(issued: Sequence[Issued]) -> int:
                 value = future.value()
             except Exception:
                 continue  # reported at the wait
-            total += sum(t.untyped_storage().nbytes() for t in tree_leaves(value)
-                         if isinstance(t, torch.Tensor))
+            total += sum(
+                t.untyped_storage().nbytes()
+                for t in tree_leaves(value)
+                if isinstance(t, torch.Tensor)
+            )
     return total
 
 
@@ -156,10 +166,12 @@ class Prefetcher(Generic[B]):
         self._queue: collections.deque[_InFlight[B]] = collections.deque()
         self._journal = PushJournal()
         self._last: list[Issued] = []
-        self._stop_listening = ps.client.on_push(self._journal.record) if ps.client.is_connected() else None
+        self._stop_listening = (
+            ps_calls.on_push(self._journal.record) if ps_calls.is_connected() else None
+        )
         self._exact_pushes: bool | None = None
-        if self.relaxed and ps.client.is_connected():
-            self._exact_pushes = not ps.client.set_stale_pushes(True)
+        if self.relaxed and ps_calls.is_connected():
+            self._exact_pushes = not ps_calls.set_stale_pushes(True)
 
     def fill(self) -> None:
         """Issue the prefetch stage of the next batches until ``max(1, staleness)`` are in flight."""
@@ -175,9 +187,11 @@ class Prefetcher(Generic[B]):
                 break
             if self.to_device is not None:
                 batch = self.to_device(batch)
-            stale = ps.ordering.stale_reads() if self.relaxed else contextlib.nullcontext()
+            stale = stale_reads() if self.relaxed else contextlib.nullcontext()
             with torch.no_grad(), stale:
-                issued = [(f, tuple(a), dict(k)) for f, a, k in self.split.prefetch(*self.inputs(batch))]
+                issued = [
+                    (f, tuple(a), dict(k)) for f, a, k in self.split.prefetch(*self.inputs(batch))
+                ]
             clocks = {table: self._journal.clock[table] for table, _ in _ps_requests(issued)}
             self._queue.append(_InFlight(batch, issued, clocks))
 
@@ -225,6 +239,6 @@ class Prefetcher(Generic[B]):
             self._stop_listening()
             self._stop_listening = None
         if self._exact_pushes:
-            ps.client.set_stale_pushes(False)
+            ps_calls.set_stale_pushes(False)
             self._exact_pushes = None
         self._queue.clear()

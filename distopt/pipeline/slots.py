@@ -72,9 +72,13 @@ def slot_op(slot: int, issue: Callable[..., Any]) -> Callable[..., Any]:
         if issued is None:
             return issue(*args, **kwargs)
         if slot >= len(issued):
-            raise PipelineError(f"prefetch slot {slot} ({name}): the pipeline provided {len(issued)} slot(s)")
+            raise PipelineError(
+                f"prefetch slot {slot} ({name}): the pipeline provided {len(issued)} slot(s)"
+            )
         future, given_args, given_kwargs = issued[slot]
-        if not (same_arguments(args, tuple(given_args)) and same_arguments(kwargs, dict(given_kwargs))):
+        if not (
+            same_arguments(args, tuple(given_args)) and same_arguments(kwargs, dict(given_kwargs))
+        ):
             raise PipelineError(
                 f"prefetch slot {slot} ({name}): prefetched with other arguments than the batch in "
                 "hand (the pipeline and the model disagree on which batch runs)"

@@ -133,15 +133,28 @@ class TrainPipeline:
         return self._prefetcher.stats if self._prefetcher is not None else PipelineStats()
 
     def _connect(self, data_iter: Iterator[Any] | None) -> Prefetcher[Any]:
-        if data_iter is not None and self._data_iter is not None and data_iter is not self._data_iter:
-            raise ConfigError("TrainPipeline.progress: data_iter differs from the iterator it started with")
+        if (
+            data_iter is not None
+            and self._data_iter is not None
+            and data_iter is not self._data_iter
+        ):
+            raise ConfigError(
+                "TrainPipeline.progress: data_iter differs from the iterator it started with"
+            )
         self._data_iter = self._data_iter or data_iter
         if self._prefetcher is None:
             if self._data_iter is None:
-                raise ConfigError("TrainPipeline.progress: no data_iter (pass one here or to the constructor)")
-            self._prefetcher = Prefetcher(self.split, self._data_iter, staleness=self.staleness,
-                                          inputs=self.inputs, to_device=self.to_device,
-                                          deterministic=self.deterministic)
+                raise ConfigError(
+                    "TrainPipeline.progress: no data_iter (pass one here or to the constructor)"
+                )
+            self._prefetcher = Prefetcher(
+                self.split,
+                self._data_iter,
+                staleness=self.staleness,
+                inputs=self.inputs,
+                to_device=self.to_device,
+                deterministic=self.deterministic,
+            )
             self._prefetcher.fill()
         return self._prefetcher
 
@@ -184,7 +197,9 @@ class TrainPipeline:
                     return
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{float(out.loss):.4g}", stale_max=self.stats.staleness_max)
+                    bar.set_postfix(
+                        loss=f"{float(out.loss):.4g}", stale_max=self.stats.staleness_max
+                    )
                 yield out
         finally:
             if bar is not None:

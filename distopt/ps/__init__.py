@@ -1,19 +1,25 @@
-"""A real parameter server on ``torch.distributed.rpc`` and the client calls model code makes.
+"""Parameter servers: a real parameter server on RPC or Ray, and the calls model code makes.
 
-Servers (``distopt.ps.server``) hold named ``[num_rows, dim]`` tables sharded by ``row % n``;
-trainers call :func:`fetch`/:func:`push` (blocking, as users write them) or their ``*_async``
-forms; :func:`push_gradients` pushes the gradients of every row fetched in the step. Jobs are
-started with :func:`running_servers` (or :func:`start_servers`/:func:`stop_servers`) +
-:func:`init_trainer` and left with :func:`shutdown` (or :func:`abort`), or :func:`local_job` in one
-process; see ``distopt.ps.launch`` for who hosts the job's stores and how servers shut down, and
-:func:`recover` (``distopt.ps.ray_recovery``) for going on after Ray restarted a server actor.
-See ``distopt.ps.client`` for ordering and error semantics.
+Servers hold named ``[num_rows, dim]`` tables sharded by ``row % n``; trainers call
+:func:`fetch`/:func:`push` (blocking, as users write them) or their ``*_async`` forms;
+:func:`push_gradients` pushes the gradients of every row fetched in the step. Jobs are started
+with :func:`running_servers` (or :func:`start_servers`/:func:`stop_servers`) + :func:`init_trainer`
+and left with :func:`shutdown` (or :func:`abort`), or :func:`local_job` in one process;
+:func:`recover` goes on after Ray restarted a server actor.
+
+The package, by layer (``docs/ps_runtime.md`` has the design):
+
+- ``client/``: what model code calls: fetch, push, wait, ordering, the step's fetched rows;
+- ``server/``: one server: its shards and the operations it answers, declared once;
+- ``transport/``: how a request reaches a server: RPC (TensorPipe) or Ray actors, both ends;
+- ``cluster/``: a job's life: backends that start, join, leave, stop and recover it, and this
+  process's session;
+- ``spec.py``: the validated descriptions of tables and servers every layer shares.
 """
 
 # registration declares fetch/push to distopt.remote (and imports the client first)
-from distopt.ps import registration as registration  # noqa: F401
-from distopt.ps.client import (
-    FetchFuture,
+from distopt.ps.client import registration as registration  # noqa: F401
+from distopt.ps.client.calls import (
     Route,
     fetch,
     fetch_async,
@@ -28,21 +34,11 @@ from distopt.ps.client import (
     take_wait_time,
     wait,
 )
-from distopt.ps.context import FetchRecord, discard_step
-from distopt.ps.embedding import RemoteEmbedding
-from distopt.ps.launch import (
-    PSJob,
-    abort,
-    init_trainer,
-    local_job,
-    running_servers,
-    shutdown,
-    start_servers,
-    stop_servers,
-)
-from distopt.ps.ray_recovery import Recovery, recover, servers_ready
-from distopt.ps.registration import fetch_batched
-from distopt.ps.servers import (
+from distopt.ps.client.context import FetchRecord, discard_step
+from distopt.ps.client.embedding import RemoteEmbedding
+from distopt.ps.client.futures import FetchFuture
+from distopt.ps.client.registration import fetch_batched
+from distopt.ps.cluster.admin import (
     load_servers,
     load_state_dict,
     save_servers,
@@ -50,7 +46,24 @@ from distopt.ps.servers import (
     set_latency_ms,
     state_dict,
 )
+from distopt.ps.cluster.backend import Recovery
+from distopt.ps.cluster.job import PSJob
+from distopt.ps.cluster.session import (
+    abort,
+    init_trainer,
+    local_job,
+    recover,
+    running_servers,
+    servers_ready,
+    shutdown,
+    start_servers,
+    stop_servers,
+)
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
+
+# Bound for distopt.cli.explain, which reads ``distopt.ps.context.isolated_step``; issue 23's second
+# phase points it at distopt.ps.client.context and drops this name.
+from distopt.ps.client import context as context  # noqa: E402,F401  isort: skip
 
 __all__ = [
     "FetchFuture",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Literal
+from typing import Any, Literal
 
 from distopt.config import check
 
@@ -59,26 +59,64 @@ class TableSpec:
 
     def __post_init__(self) -> None:
         key = f"tables.{self.name}" if isinstance(self.name, str) else "tables"
-        check(isinstance(self.name, str) and bool(self.name), "tables.name", "a non-empty string", self.name)
+        check(
+            isinstance(self.name, str) and bool(self.name),
+            "tables.name",
+            "a non-empty string",
+            self.name,
+        )
         check(self.num_rows >= 1, f"{key}.num_rows", "an integer >= 1", self.num_rows)
         check(self.dim >= 1, f"{key}.dim", "an integer >= 1", self.dim)
-        check(self.kind in ("embedding", "dense"), f"{key}.kind", "'embedding' or 'dense'", self.kind)
-        check(self.optimizer in OPTIMIZERS, f"{key}.optimizer", "one of " + ", ".join(map(repr, OPTIMIZERS)),
-              self.optimizer)
+        check(
+            self.kind in ("embedding", "dense"), f"{key}.kind", "'embedding' or 'dense'", self.kind
+        )
+        check(
+            self.optimizer in OPTIMIZERS,
+            f"{key}.optimizer",
+            "one of " + ", ".join(map(repr, OPTIMIZERS)),
+            self.optimizer,
+        )
         check(self.init_std >= 0, f"{key}.init_std", "a number >= 0", self.init_std)
         check(self.adagrad_eps > 0, f"{key}.adagrad_eps", "a number > 0", self.adagrad_eps)
-        check(self.adagrad_initial >= 0, f"{key}.adagrad_initial", "a number >= 0", self.adagrad_initial)
+        check(
+            self.adagrad_initial >= 0,
+            f"{key}.adagrad_initial",
+            "a number >= 0",
+            self.adagrad_initial,
+        )
         if self.servers is not None:
             ok = len(self.servers) >= 1 and len(set(self.servers)) == len(self.servers)
-            check(ok and min(self.servers) >= 0, f"{key}.servers", "distinct server indices", self.servers)
+            check(
+                ok and min(self.servers) >= 0,
+                f"{key}.servers",
+                "distinct server indices",
+                self.servers,
+            )
             if self.kind == "dense":
-                check(len(self.servers) == 1, f"{key}.servers", "one server for a dense table", self.servers)
+                check(
+                    len(self.servers) == 1,
+                    f"{key}.servers",
+                    "one server for a dense table",
+                    self.servers,
+                )
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TableSpec:
+        """A spec from its fields as JSON or a server's answer hold them (lists for tuples)."""
+        fields: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items()
+        }
+        return cls(**fields)
 
     def placement(self, num_servers: int) -> tuple[int, ...]:
         """Server indices holding shards ``0, 1, ...`` of this table in a job of ``num_servers``."""
         if self.servers is not None:
-            check(max(self.servers) < num_servers, f"tables.{self.name}.servers",
-                  f"indices below num_servers={num_servers}", self.servers)
+            check(
+                max(self.servers) < num_servers,
+                f"tables.{self.name}.servers",
+                f"indices below num_servers={num_servers}",
+                self.servers,
+            )
             return self.servers
         if self.kind == "dense":
             return (zlib.crc32(self.name.encode()) % num_servers,)
@@ -95,7 +133,7 @@ class ServerOptions:
 
     backend: str = "rpc"
     """Transport and host of the servers: ``rpc`` (server processes in a ``torch.distributed.rpc``
-    group, TensorPipe) or ``ray`` (one Ray actor per server, :mod:`distopt.ps.ray_server`). Same
+    group, TensorPipe) or ``ray`` (one Ray actor per server, :mod:`distopt.ps.cluster.ray`). Same
     client API, ordering, errors and checkpoint files on both."""
     num_servers: int = 1
     """Number of server processes (``ps0 .. ps{n-1}``)."""
@@ -164,22 +202,51 @@ class ServerOptions:
         check(self.num_servers >= 1, "ps.num_servers", "an integer >= 1", self.num_servers)
         check(self.latency_ms >= 0, "ps.latency_ms", "a number >= 0", self.latency_ms)
         check(bool(self.host), "ps.host", "a host address", self.host)
-        check(self.num_worker_threads >= 1, "ps.num_worker_threads", "an integer >= 1", self.num_worker_threads)
-        check(bool(self.transports) and set(self.transports) <= {"uv", "shm", "ibv"}, "ps.transports",
-              "a non-empty list of 'uv', 'shm', 'ibv'", self.transports)
+        check(
+            self.num_worker_threads >= 1,
+            "ps.num_worker_threads",
+            "an integer >= 1",
+            self.num_worker_threads,
+        )
+        check(
+            bool(self.transports) and set(self.transports) <= {"uv", "shm", "ibv"},
+            "ps.transports",
+            "a non-empty list of 'uv', 'shm', 'ibv'",
+            self.transports,
+        )
         check(self.rpc_timeout_s > 0, "ps.rpc_timeout_s", "a number > 0", self.rpc_timeout_s)
         check(self.start_timeout_s > 0, "ps.start_timeout_s", "a number > 0", self.start_timeout_s)
         check(self.join_timeout_s > 0, "ps.join_timeout_s", "a number > 0", self.join_timeout_s)
-        check(self.trainer_timeout_s > 0, "ps.trainer_timeout_s", "a number > 0", self.trainer_timeout_s)
+        check(
+            self.trainer_timeout_s > 0,
+            "ps.trainer_timeout_s",
+            "a number > 0",
+            self.trainer_timeout_s,
+        )
         ray_endpoint(self.ray_address)
-        check(bool(self.ray_namespace), "ps.ray_namespace", "a non-empty string", self.ray_namespace)
+        check(
+            bool(self.ray_namespace), "ps.ray_namespace", "a non-empty string", self.ray_namespace
+        )
         check(self.ray_num_cpus > 0, "ps.ray_num_cpus", "a number > 0", self.ray_num_cpus)
         check(self.ray_memory_mb >= 0, "ps.ray_memory_mb", "an integer >= 0", self.ray_memory_mb)
-        check(self.ray_placement in PLACEMENTS, "ps.ray_placement", "one of " + ", ".join(PLACEMENTS),
-              self.ray_placement)
-        check(self.max_restarts >= -1, "ps.max_restarts", "an integer >= -1 (-1: forever)", self.max_restarts)
-        check(self.ray_state_dir is None or bool(self.ray_state_dir), "ps.ray_state_dir", "a directory",
-              self.ray_state_dir)
+        check(
+            self.ray_placement in PLACEMENTS,
+            "ps.ray_placement",
+            "one of " + ", ".join(PLACEMENTS),
+            self.ray_placement,
+        )
+        check(
+            self.max_restarts >= -1,
+            "ps.max_restarts",
+            "an integer >= -1 (-1: forever)",
+            self.max_restarts,
+        )
+        check(
+            self.ray_state_dir is None or bool(self.ray_state_dir),
+            "ps.ray_state_dir",
+            "a directory",
+            self.ray_state_dir,
+        )
 
 
 def ray_endpoint(address: str) -> tuple[str, int] | None:
@@ -188,8 +255,12 @@ def ray_endpoint(address: str) -> tuple[str, int] | None:
     if address in ("auto", "local"):
         return None
     host, sep, port = address.removeprefix("ray://").rpartition(":")
-    check(bool(sep and host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536, "ps.ray_address",
-          "HOST:PORT, ray://HOST:PORT, 'auto' or 'local'", address)
+    check(
+        bool(sep and host.strip("[]")) and port.isdigit() and 0 < int(port) < 65536,
+        "ps.ray_address",
+        "HOST:PORT, ray://HOST:PORT, 'auto' or 'local'",
+        address,
+    )
     return host.strip("[]"), int(port)
 
 

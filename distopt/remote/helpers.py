@@ -47,7 +47,11 @@ def _returned_rpc_call(fn: types.FunctionType) -> ast.Call | None:
     defs = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
     if len(defs) != 1:
         return None
-    body = [s for s in defs[0].body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    body = [
+        s
+        for s in defs[0].body
+        if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))
+    ]
     if not body or not isinstance(body[-1], ast.Return) or not isinstance(body[-1].value, ast.Call):
         return None
     call = body[-1].value
@@ -81,7 +85,11 @@ def _names_rpc(fn: types.FunctionType, expr: ast.expr, api: str) -> bool:
 
 def _sent_function(fn: types.FunctionType, call: ast.Call) -> Any:
     """The function the helper's ``rpc_sync`` sends, when it is a global name (else ``None``)."""
-    node = call.args[1] if len(call.args) > 1 else next((k.value for k in call.keywords if k.arg == "func"), None)
+    node = (
+        call.args[1]
+        if len(call.args) > 1
+        else next((k.value for k in call.keywords if k.arg == "func"), None)
+    )
     return fn.__globals__.get(node.id) if isinstance(node, ast.Name) else None
 
 
@@ -99,7 +107,9 @@ def _async_twin(fn: types.FunctionType) -> types.FunctionType:
             namespace[name] = rpc.rpc_async
         elif value is rpc:
             namespace[name] = shim
-    twin = types.FunctionType(fn.__code__, namespace, f"{fn.__name__}_async", fn.__defaults__, fn.__closure__)
+    twin = types.FunctionType(
+        fn.__code__, namespace, f"{fn.__name__}_async", fn.__defaults__, fn.__closure__
+    )
     twin.__kwdefaults__ = fn.__kwdefaults__
     twin.__qualname__ = f"{fn.__qualname__}_async"
     twin.__module__ = fn.__module__

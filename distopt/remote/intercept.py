@@ -104,7 +104,9 @@ def makes_remote_calls(root: Any) -> bool:
     return False
 
 
-def _route(fn: Callable[..., Any], handler: Handler, thread: int, *, proxy: bool) -> Callable[..., Any]:
+def _route(
+    fn: Callable[..., Any], handler: Handler, thread: int, *, proxy: bool
+) -> Callable[..., Any]:
     def routed(*args: Any, **kwargs: Any) -> Any:
         if threading.get_ident() != thread or getattr(_STATE, "through", False):
             return fn(*args, **kwargs)
@@ -125,7 +127,11 @@ def call_frame(default: types.FrameType) -> types.FrameType:
 
 
 def _route_method(
-    owner: type, method: Callable[..., Any], canonical: Callable[..., Any], handler: Handler, thread: int
+    owner: type,
+    method: Callable[..., Any],
+    canonical: Callable[..., Any],
+    handler: Handler,
+    thread: int,
 ) -> Callable[..., Any]:
     """A method of a library class (Ray's ``ActorMethod._remote``) routed as the call ``canonical``
     names; class attributes, so patched on the class rather than in a namespace."""
@@ -182,7 +188,9 @@ def namespaces_of(root: Any, *, with_leaf_modules: bool = True) -> list[dict[str
         add_module(getattr(root, "__module__", None))
     for namespace in list(result):
         for value in list(namespace.values()):
-            if isinstance(value, types.FunctionType) and not (value.__module__ or "").startswith("torch."):
+            if isinstance(value, types.FunctionType) and not (value.__module__ or "").startswith(
+                "torch."
+            ):
                 add(value.__globals__)
     for fn in registry.leaf_callables() if with_leaf_modules else ():
         add_module(getattr(fn, "__module__", None))

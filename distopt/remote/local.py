@@ -38,7 +38,9 @@ def named_local_modules(root: nn.Module, prefix: str = "") -> Iterator[tuple[str
         yield path, module
         if is_remote_module(module):
             continue
-        children = [(f"{path}.{n}" if path else n, m) for n, m in module._modules.items() if m is not None]
+        children = [
+            (f"{path}.{n}" if path else n, m) for n, m in module._modules.items() if m is not None
+        ]
         stack.extend(reversed(children))
 
 

@@ -59,7 +59,10 @@ of leaf functions answer with routing wrappers, so they are never looked up at c
 
 
 def ray_remote(
-    target: Any, method: str | None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+    target: Any,
+    method: str | None,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> Any:
     """``target.method.remote(*args, **kwargs)`` for an actor handle, ``target.remote(...)`` for a
@@ -72,7 +75,10 @@ def ray_remote(
 
 
 def ray_call(
-    target: Any, method: str | None, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+    target: Any,
+    method: str | None,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
     options: Mapping[str, Any] | None = None,
 ) -> Any:
     """``ray.get(ray_remote(...))``: the blocking form the spec is named after."""
@@ -81,7 +87,9 @@ def ray_call(
     return ray.get(ray_remote(target, method, args, kwargs, options))
 
 
-def ray_remote_many(arg_lists: Sequence[Sequence[Any]], kwarg_lists: Sequence[Mapping[str, Any]]) -> Any:
+def ray_remote_many(
+    arg_lists: Sequence[Sequence[Any]], kwarg_lists: Sequence[Mapping[str, Any]]
+) -> Any:
     """One request for several calls of one actor method (or task) with a batched variant: the
     variant receives the calls' argument tuples and returns their results in order."""
     target, method = arg_lists[0][0], arg_lists[0][1]
@@ -132,7 +140,7 @@ def _target_functions(target: Any, method: str | None) -> list[Any]:
 
 def _parts(args: Sequence[Any], kwargs: Mapping[str, Any]) -> tuple[Any, Any, Any, Any, Any]:
     names = ("target", "method", "args", "kwargs", "options")
-    values = [*args, *(kwargs.get(n) for n in names[len(args):])]
+    values = [*args, *(kwargs.get(n) for n in names[len(args) :])]
     return values[0], values[1], values[2] or (), values[3] or {}, values[4] or {}
 
 
@@ -148,7 +156,11 @@ def ray_effect(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Effect:
 def ray_runs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
     """The actor method (or task) a call runs, where its declaration is looked for."""
     target, method, *_ = _parts(args, kwargs)
-    found = [fn for fn in _target_functions(target, method if isinstance(method, str) else None) if fn is not None]
+    found = [
+        fn
+        for fn in _target_functions(target, method if isinstance(method, str) else None)
+        if fn is not None
+    ]
     return found + [fn for fn in found if inspect.isfunction(fn)][:1]  # last: the plain function
 
 
@@ -220,14 +232,18 @@ def _check_takes_the_calls(batched: Any, name: str, *, method: bool) -> None:
 # --------------------------------------------------------------------------- routing
 
 
-def _actor_call(method: Any, args: Any = None, kwargs: Any = None, **options: Any) -> tuple[Any, tuple[Any, ...]]:
+def _actor_call(
+    method: Any, args: Any = None, kwargs: Any = None, **options: Any
+) -> tuple[Any, tuple[Any, ...]]:
     """``ActorMethod._remote(args, kwargs, **options)`` as a call of :func:`ray_remote`."""
     given = {k: v for k, v in options.items() if v is not None and v != ""}
     call = (method._actor, method._method_name, tuple(args or ()), dict(kwargs or {}), given)
     return _CANONICAL["issue"], call
 
 
-def _task_call(fn: Any, args: Any = None, kwargs: Any = None, **options: Any) -> tuple[Any, tuple[Any, ...]]:
+def _task_call(
+    fn: Any, args: Any = None, kwargs: Any = None, **options: Any
+) -> tuple[Any, tuple[Any, ...]]:
     """``RemoteFunction._remote(args, kwargs, **options)`` as a call of :func:`ray_remote`;
     options that only repeat the ``@ray.remote`` defaults (what ``fn.remote`` passes) are dropped."""
     options.pop("serialized_runtime_env_info", None)

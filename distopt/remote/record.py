@@ -69,7 +69,9 @@ class RemoteWrite:
         return f"{self.call}{runs} at {self.where}"
 
 
-def remote_write(spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any], where: str) -> RemoteWrite:
+def remote_write(
+    spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any], where: str
+) -> RemoteWrite:
     """The :class:`RemoteWrite` of a call of ``spec`` with these arguments."""
     call = getattr(spec.fn, "__name__", None) or spec.name
     return RemoteWrite(call, where, registry.undeclared_write(spec, args, kwargs))
@@ -181,7 +183,9 @@ class Replay(torch.fx.Interpreter):
         from distopt.passes.remote.nodes import remote_ops
 
         self.record = record
-        self.starts: Mapping[Node, Any] = {n: op for n, op in remote_ops(gm.graph).items() if n is op.start}
+        self.starts: Mapping[Node, Any] = {
+            n: op for n, op in remote_ops(gm.graph).items() if n is op.start
+        }
         self.results: dict[Node, Any] = {}
         """Issues made from blocking calls: the recorded result (a list for a batched issue)."""
         wanted = sum(len(_indices(n)) for n in self.starts)

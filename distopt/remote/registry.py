@@ -135,8 +135,8 @@ def remote(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator form of :func:`register_remote`::
 
-        @distopt.remote(issue=fetch_async, effect="read")
-        def fetch(table, ids): return fetch_async(table, ids).wait()
+    @distopt.remote(issue=fetch_async, effect="read")
+    def fetch(table, ids): return fetch_async(table, ids).wait()
     """
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -254,7 +254,9 @@ def resource_of(
     return None if spec.resource is None else spec.resource(args, kwargs)
 
 
-def undeclared_write(spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any | None:
+def undeclared_write(
+    spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> Any | None:
     """The function a call runs on the server when the call counts as a write only because
     nothing declares it (no :func:`register_read`/:func:`register_write` on it, and no default
     makes it a read); ``None`` for reads, declared writes and calls whose effect is fixed."""
@@ -272,7 +274,9 @@ def undeclared_write(spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[
 
 
 _CONSTANT_TYPES: list[type] = []
-_ROUTED_METHODS: list[tuple[type, str, Callable[..., tuple[Callable[..., Any], tuple[Any, ...]]]]] = []
+_ROUTED_METHODS: list[
+    tuple[type, str, Callable[..., tuple[Callable[..., Any], tuple[Any, ...]]]]
+] = []
 _LAZY: dict[str, Callable[[], None]] = {}
 
 

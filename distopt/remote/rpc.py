@@ -47,7 +47,10 @@ UNSET_TIMEOUT = rpc.constants.UNSET_RPC_TIMEOUT
 
 
 def rref_call(
-    rref: Any, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+    rref: Any,
+    method: str,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
     timeout: float = UNSET_TIMEOUT,
 ) -> Any:
     """``rref.rpc_sync(timeout).<method>(*args, **kwargs)``: what the tracer records for it."""
@@ -55,7 +58,10 @@ def rref_call(
 
 
 def rref_call_async(
-    rref: Any, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+    rref: Any,
+    method: str,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
     timeout: float = UNSET_TIMEOUT,
 ) -> Future:
     """``rref.rpc_async(timeout).<method>(*args, **kwargs)``."""
@@ -63,7 +69,10 @@ def rref_call_async(
 
 
 def rref_call_remote(
-    rref: Any, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+    rref: Any,
+    method: str,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
     timeout: float = UNSET_TIMEOUT,
 ) -> Any:
     """``rref.remote(timeout).<method>(*args, **kwargs)`` (an RRef to the result)."""
@@ -71,7 +80,10 @@ def rref_call_remote(
 
 
 def rref_call_to_here(
-    rref: Any, method: str, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+    rref: Any,
+    method: str,
+    args: Sequence[Any] = (),
+    kwargs: Mapping[str, Any] | None = None,
     timeout: float = UNSET_TIMEOUT,
 ) -> Any:
     """``rref.remote().<method>(...).to_here()``: the blocking form of :func:`rref_call_remote`."""
@@ -79,7 +91,10 @@ def rref_call_to_here(
 
 
 def remote_to_here(
-    to: Any, func: Any, args: Sequence[Any] | None = None, kwargs: Mapping[str, Any] | None = None,
+    to: Any,
+    func: Any,
+    args: Sequence[Any] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
     timeout: float = UNSET_TIMEOUT,
 ) -> Any:
     """``rpc.remote(to, func, args, kwargs, timeout).to_here()``: create the value on ``to`` and
@@ -87,7 +102,8 @@ def remote_to_here(
     return rpc.remote(to, func, args, kwargs, timeout).to_here()
 
 
-def _to_here(rref: Any) -> Any:
+def wait_rref(rref: Any) -> Any:
+    """The wait of an ``rpc.remote`` issue: ``rref.to_here()`` (``pair_user_waits`` knows it)."""
     return rref.to_here()
 
 
@@ -250,25 +266,42 @@ def _remote_module_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> H
 def _register() -> None:
     places = (vars(rpc), vars(rpc.api))
     register_remote(
-        rpc.rpc_sync, issue=rpc.rpc_async, effect=rpc_effect, resource=rpc_resource, runs=rpc_runs,
-        aliases=[(ns, "rpc_sync") for ns in places],
-    )  # fmt: skip
-    register_remote(
-        remote_to_here, issue=rpc.remote, wait=_to_here, effect=rpc_effect, resource=rpc_resource,
+        rpc.rpc_sync,
+        issue=rpc.rpc_async,
+        effect=rpc_effect,
+        resource=rpc_resource,
         runs=rpc_runs,
-    )  # fmt: skip
+        aliases=[(ns, "rpc_sync") for ns in places],
+    )
     register_remote(
-        rref_call, issue=rref_call_async, effect=_rref_call_effect, resource=_rref_call_resource,
+        remote_to_here,
+        issue=rpc.remote,
+        wait=wait_rref,
+        effect=rpc_effect,
+        resource=rpc_resource,
+        runs=rpc_runs,
+    )
+    register_remote(
+        rref_call,
+        issue=rref_call_async,
+        effect=_rref_call_effect,
+        resource=_rref_call_resource,
         runs=_rref_call_runs,
-    )  # fmt: skip
+    )
     register_remote(
-        rref_call_to_here, issue=rref_call_remote, wait=_to_here, effect=_rref_call_effect,
-        resource=_rref_call_resource, runs=_rref_call_runs,
-    )  # fmt: skip
+        rref_call_to_here,
+        issue=rref_call_remote,
+        wait=wait_rref,
+        effect=_rref_call_effect,
+        resource=_rref_call_resource,
+        runs=_rref_call_runs,
+    )
     register_remote(
-        remote_module_call, issue=remote_module_call_async, effect=_remote_module_effect,
+        remote_module_call,
+        issue=remote_module_call_async,
+        effect=_remote_module_effect,
         resource=_remote_module_resource,
-    )  # fmt: skip
+    )
     # The halves users write themselves are recorded as nodes, never run on proxies.
     register_leaf_function(rpc.rpc_async, aliases=[(ns, "rpc_async") for ns in places])
     register_leaf_function(rpc.remote, aliases=[(ns, "remote") for ns in places])

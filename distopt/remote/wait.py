@@ -4,7 +4,7 @@ Each :class:`~distopt.remote.registry.RemoteCallSpec` owns one wait op (``spec.w
 here when the spec is registered. A rewritten graph calls it directly, so nothing is looked up by
 name while training::
 
-    fetch_issue = distopt_ps_client_fetch_async('emb0', getitem)
+    fetch_issue = distopt_ps_client_calls_fetch_async('emb0', getitem)
     fetch_wait = distopt_remote_wait_wait_fetch(fetch_issue, 'model.py:12: rows = ps.fetch(...)')
 
 The op runs the spec's ``wait`` inside a ``record_function("distopt.wait:<name>")`` range, so waits

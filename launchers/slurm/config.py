@@ -193,5 +193,3 @@ def remove_hosts() -> None:
     if HOSTS_MARK in text:
         with open(hosts, "w") as f:
             f.write("\n".join(ln for ln in text.splitlines() if HOSTS_MARK not in ln) + "\n")
-
-

@@ -40,13 +40,17 @@ def test_ps_overlap_runs_and_logs(tmp_path) -> None:
     assert sorted(point["variants"]) == variants
     assert all(v["steps"] == 3 for v in point["variants"].values())
     assert result["batching"]["fetches"] == 4 and result["batching"]["batched_s"] > 0
-    logs = {p.parent.name.rsplit("-", 1)[-1]: p for p in (tmp_path / "runs").glob("*/qps-rank0.jsonl")}
+    logs = {
+        p.parent.name.rsplit("-", 1)[-1]: p for p in (tmp_path / "runs").glob("*/qps-rank0.jsonl")
+    }
     assert sorted(logs) == variants
     header = json.loads(logs["optimized"].read_text().splitlines()[0])
     assert header["predicted_saving_s"] == point["predicted_saving_s"]
     assert "predicted_pipeline_staleness" not in header
     piped = json.loads(logs["pipelined"].read_text().splitlines()[0])
-    assert piped["predicted_pipeline_staleness"] == point["pipeline_staleness"] >= 1  # auto: per point
+    assert (
+        piped["predicted_pipeline_staleness"] == point["pipeline_staleness"] >= 1
+    )  # auto: per point
     assert piped["predicted_step_time_s"] == point["predicted_pipelined_step_s"] > 0
     assert point["pipelined_vs_no_network_qps"] > 0 and point["pipelined_vs_optimized_qps"] > 0
 
@@ -65,7 +69,9 @@ def test_ps_overlap_adds_rounds_until_each_variant_has_its_seconds(tmp_path) -> 
     assert point["rounds"] == 3
     assert all(v["steps"] == 3 * 2 for v in point["variants"].values())
     assert 0 <= point["hand_faster_rounds"] <= 3
-    if point["hidden_fraction"] is not None:  # scored only where hand beat baseline in >= 90% of rounds
+    if (
+        point["hidden_fraction"] is not None
+    ):  # scored only where hand beat baseline in >= 90% of rounds
         assert point["hand_faster_rounds"] == 3
 
 
@@ -132,12 +138,19 @@ def test_remote_idioms_runs(tmp_path) -> None:
     out = tmp_path / "out.json"
     result = subprocess.run(
         [sys.executable, "-m", "distopt", "bench", str(config), "--json", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     data = json.loads(out.read_text())
     (row,) = data["results"]
-    assert row["idiom"] == "rref_helper" and set(row["median_step_s"]) == {"baseline", "optimized", "hand"}
+    assert row["idiom"] == "rref_helper" and set(row["median_step_s"]) == {
+        "baseline",
+        "optimized",
+        "hand",
+    }
     assert row["opt_vs_hand_qps"] > 0
 
 
@@ -157,5 +170,6 @@ def test_data_loading_runs_both_arms(tmp_path) -> None:
     assert set(result["arms"]) == {"loader", "prebuilt"} and result["num_workers"] == 2
     assert all(arm["steps"] == 2 * 4 and arm["median_qps"] > 0 for arm in result["arms"].values())
     assert result["ratio"] == pytest.approx(
-        result["arms"]["loader"]["median_qps"] / result["arms"]["prebuilt"]["median_qps"])
+        result["arms"]["loader"]["median_qps"] / result["arms"]["prebuilt"]["median_qps"]
+    )
     assert len(result["load_average_after"]) == 3

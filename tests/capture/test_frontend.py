@@ -93,7 +93,9 @@ def test_a_dynamo_failure_runs_the_module_as_written_with_one_warning() -> None:
 
     call = CapturedCall(broken, model, learns=False)
     x = torch.randn(2, 4)
-    with pytest.warns(distopt.DistoptFallbackWarning, match="running Branchy as written from now on"):
+    with pytest.warns(
+        distopt.DistoptFallbackWarning, match="running Branchy as written from now on"
+    ):
         torch.testing.assert_close(call(x), model(x))
     torch.testing.assert_close(call(x), model(x))  # stays eager, no second warning
 

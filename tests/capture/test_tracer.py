@@ -82,7 +82,9 @@ def test_leaf_modules_by_class_name_and_by_path() -> None:
 
 
 def test_leaf_functions_are_recorded_not_traced() -> None:
-    gm = distopt.optimize(UsesRemoteFree(), config={"capture": {"leaf_functions": [f"{__name__}.helper"]}})
+    gm = distopt.optimize(
+        UsesRemoteFree(), config={"capture": {"leaf_functions": [f"{__name__}.helper"]}}
+    )
     assert helper in [n.target for n in gm.graph.nodes]
 
 

@@ -37,10 +37,17 @@ def test_the_demo_learns_the_click_log_the_same_in_both_variants(tmp_path: Path)
 
     from tests import shell
 
-    proc = shell.run("distopt", "demo", "--steps", "60", "--out", tmp_path, cwd=tmp_path, timeout=900)
+    proc = shell.run(
+        "distopt", "demo", "--steps", "60", "--out", tmp_path, cwd=tmp_path, timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    learned = dict(re.findall(r"^(baseline|optimized): held-out (auc [\d.]+, loss [\d.]+) after 60 steps",
-                              proc.stdout, re.M))
+    learned = dict(
+        re.findall(
+            r"^(baseline|optimized): held-out (auc [\d.]+, loss [\d.]+) after 60 steps",
+            proc.stdout,
+            re.M,
+        )
+    )
     assert learned["baseline"] == learned["optimized"], learned
     auc = float(learned["baseline"].split(",")[0].split()[1])
     assert auc > 0.75, learned

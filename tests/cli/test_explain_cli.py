@@ -25,7 +25,9 @@ def test_unknown_model_is_one_line_error(capsys) -> None:
 
 
 def test_module_entry_point_runs() -> None:
-    proc = subprocess.run([sys.executable, "-m", "distopt", "--help"], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "distopt", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0 and "explain" in proc.stdout
 
 

@@ -29,7 +29,9 @@ def test_explain_into_a_pipe_keeps_every_line_whole() -> None:
     lines = out.splitlines()
     assert [line for line in lines if line != line.rstrip()] == []  # no padding
     batched = [line for line in lines if line.startswith("+    fetch_batched = ")]
-    assert len(batched) == 1 and batched[0].endswith("getitem_3 = None"), batched  # one statement, one line
+    assert len(batched) == 1 and batched[0].endswith("getitem_3 = None"), (
+        batched
+    )  # one statement, one line
     assert max(map(len, lines)) > 110  # nothing wrapped at a console width
     assert lines[0] == "distopt DLRM: optimized"
     assert "merged 4 remote reads into 1 batched request " in out
@@ -49,12 +51,17 @@ def test_help_is_plain_text(command: str | None) -> None:
     if command is not None:
         parser = next(a for a in parser._actions if a.dest == "command").choices[command]
     text = parser.format_help()
-    assert "``" not in text and ":func:" not in text and ":class:" not in text and "`" not in text, text
+    assert (
+        "``" not in text and ":func:" not in text and ":class:" not in text and "`" not in text
+    ), text
 
 
 def test_launch_help_reads_as_plain_text() -> None:
     text = _distopt("launch", "--help").stdout
-    assert "distopt launch JOB.yaml [-s SCHEDULER] [--cfg k=v,...] [--set k=v ...]: submit" in " ".join(text.split())
+    assert (
+        "distopt launch JOB.yaml [-s SCHEDULER] [--cfg k=v,...] [--set k=v ...]: submit"
+        in " ".join(text.split())
+    )
     assert "(distopt.launch)" in text
 
 
@@ -63,6 +70,9 @@ def test_coverage_prints_only_its_own_lines() -> None:
     proc = _distopt("coverage", "--only", "deepfm")
     out = proc.stdout.splitlines()
     assert out[0] == "optimizing deepctr-torch:deepfm…"
-    assert out[-1] == "1 models: 1 symbolic_trace, 0 dynamo, 0 eager_fallback; correct model returned for 1/1"
+    assert (
+        out[-1]
+        == "1 models: 1 symbolic_trace, 0 dynamo, 0 eager_fallback; correct model returned for 1/1"
+    )
     assert not any("version" in line.lower() or "pypi" in line.lower() for line in out), out
     assert proc.stderr == ""

@@ -13,7 +13,7 @@ import pytest
 from distopt.cli import main
 from distopt.metrics import load_run
 
-PACKAGE = '''
+PACKAGE = """
 import torch
 from torch import nn
 from torch.utils.data import Dataset, IterableDataset
@@ -68,16 +68,20 @@ class Scorer(nn.Module):
 
 def scorer():
     return Scorer()
-'''
+"""
 
 
 @pytest.mark.parametrize("source", ["baskets", "stream"])
-def test_a_dataset_with_an_item_column_trains(source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_dataset_with_an_item_column_trains(
+    source: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "shopdata.py").write_text(textwrap.dedent(PACKAGE))
     monkeypatch.chdir(tmp_path)  # as a user runs it: the module next to the job config
     config = tmp_path / "job.yaml"
-    config.write_text(f"model: shopdata:scorer\nsteps: 12\nbatch_size: 16\noutput_dir: {tmp_path / 'runs'}\n"
-                      f"run_id: r\ndata: {{source: 'shopdata:{source}', task: click}}\n")
+    config.write_text(
+        f"model: shopdata:scorer\nsteps: 12\nbatch_size: 16\noutput_dir: {tmp_path / 'runs'}\n"
+        f"run_id: r\ndata: {{source: 'shopdata:{source}', task: click}}\n"
+    )
     assert main(["train", "--config", str(config)]) == 0
     losses = [s.loss for s in load_run(tmp_path / "runs" / "r").ranks[0].steps]
     assert len(losses) == 12 and losses[-1] < losses[0]

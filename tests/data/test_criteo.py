@@ -42,7 +42,10 @@ def test_sample_follows_the_dlrm_reference_conventions(tmp_path: Path) -> None:
 def test_hash_is_stable_across_processes() -> None:
     # Fixed expected values: a change of hash function would silently remap trained tables.
     assert mix64(np.array([0, 1, 0x68FD1E64], dtype=np.uint64), 3).tolist() == [
-        17909611376780542444, 8196980753821780235, 12162687767803035231]
+        17909611376780542444,
+        8196980753821780235,
+        12162687767803035231,
+    ]
     assert int(mix64(np.uint64(0), 0)) == 16294208416658607535
     assert mix_ints(7, 1, 12345) == 6268497062324690674
 
@@ -57,12 +60,16 @@ def test_round_robin_layout_pads_short_tables_with_their_last_row() -> None:
     assert ids[2, 6] == ids[3, 6] == 49
     assert ids[2, :6].max() < 49 and ids[3, :6].max() < 49
     # Table 0 holds C1, C5, ..., C25 in order.
-    expected = mix64(np.arange(0, 26, 4, dtype=np.uint64), np.arange(0, 26, 4, dtype=np.uint64)) % np.uint64(50)
+    expected = mix64(
+        np.arange(0, 26, 4, dtype=np.uint64), np.arange(0, 26, 4, dtype=np.uint64)
+    ) % np.uint64(50)
     assert ids[0].tolist() == expected.tolist()
 
 
 def test_explicit_table_mapping_and_bigger_bags() -> None:
-    layout = TableLayout(num_tables=2, num_rows=10, bag_size=20, table_of_feature=[0] * 20 + [1] * 6)
+    layout = TableLayout(
+        num_tables=2, num_rows=10, bag_size=20, table_of_feature=[0] * 20 + [1] * 6
+    )
     ids = layout.ids(np.zeros(NUM_CATEGORICAL, dtype=np.uint64))
     assert ids.shape == (2, 20) and (ids[1, 6:] == 9).all()
     assert layout.modulus.tolist() == [10, 9]  # only the padded table reserves its last row
@@ -71,13 +78,19 @@ def test_explicit_table_mapping_and_bigger_bags() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"num_tables": 4, "num_rows": 10, "bag_size": 4},
-         r"^data: 26 categorical features on 4 tables need bag_size >= 7 \(the model's bag_size is 4\)$"),
+        (
+            {"num_tables": 4, "num_rows": 10, "bag_size": 4},
+            r"^data: 26 categorical features on 4 tables need bag_size >= 7 \(the model's bag_size is 4\)$",
+        ),
         ({"num_tables": 27, "num_rows": 10}, r"^data: Criteo data feeds 1 to 26 tables"),
-        ({"num_tables": 2, "num_rows": 10, "table_of_feature": [0] * 26},
-         r"^data.table_of_feature: table 1 gets no feature$"),
-        ({"num_tables": 2, "num_rows": 10, "table_of_feature": [0, 2] * 13},
-         r"^data.table_of_feature: expected 26 table indices in 0..1"),
+        (
+            {"num_tables": 2, "num_rows": 10, "table_of_feature": [0] * 26},
+            r"^data.table_of_feature: table 1 gets no feature$",
+        ),
+        (
+            {"num_tables": 2, "num_rows": 10, "table_of_feature": [0, 2] * 13},
+            r"^data.table_of_feature: expected 26 table indices in 0..1",
+        ),
     ],
 )
 def test_bad_layout(kwargs: dict, message: str) -> None:
@@ -91,8 +104,14 @@ def test_bad_layout(kwargs: dict, message: str) -> None:
         (GOOD.rsplit("\t", 1)[0], "expected 40 tab-separated fields, got 39"),
         (GOOD + "\tab", "expected 40 tab-separated fields, got 41"),
         ("2" + GOOD[1:], r"field 1 \(label\): expected 0 or 1, got '2'"),
-        (GOOD.replace("\t3\t", "\t3.5\t", 1), r"field 2 \(I1\): expected an integer or nothing, got '3.5'"),
-        (GOOD.replace("68fd1e64", "68fd1e6g"), r"field 15 \(C1\): expected up to 16 hexadecimal digits"),
+        (
+            GOOD.replace("\t3\t", "\t3.5\t", 1),
+            r"field 2 \(I1\): expected an integer or nothing, got '3.5'",
+        ),
+        (
+            GOOD.replace("68fd1e64", "68fd1e6g"),
+            r"field 15 \(C1\): expected up to 16 hexadecimal digits",
+        ),
         ("", "expected 40 tab-separated fields, got 1"),
     ],
 )
@@ -154,11 +173,16 @@ def test_loader_workers_read_the_same_batches(tmp_path: Path, cached: bool) -> N
     ds = CriteoDataset(path, num_tables=4, num_rows=100)
 
     def batches(workers: int) -> list[Batch]:
-        loader = build_loader(ds, batch_size=4, num_workers=workers, collate_fn=ds.collate_fn, seed=3)
+        loader = build_loader(
+            ds, batch_size=4, num_workers=workers, collate_fn=ds.collate_fn, seed=3
+        )
         return list(loader.epoch(0))
 
     in_process, from_workers = batches(0), batches(2)
     assert len(in_process) == 6
     for a, b in zip(in_process, from_workers, strict=True):
         assert type(b) is Batch  # sent back by value, a plain batch again
-        assert all(torch.equal(x, y) for x, y in zip((*a.inputs, a.targets), (*b.inputs, b.targets), strict=True))
+        assert all(
+            torch.equal(x, y)
+            for x, y in zip((*a.inputs, a.targets), (*b.inputs, b.targets), strict=True)
+        )

@@ -46,15 +46,25 @@ def test_plain_tuple_and_split_factories() -> None:
 @pytest.mark.parametrize(
     ("spec", "kwargs", "message"),
     [
-        ("no_such_pkg.mod:make", {}, r"^data.source: cannot import 'no_such_pkg.mod:make' \(ModuleNotFoundError: "),
+        (
+            "no_such_pkg.mod:make",
+            {},
+            r"^data.source: cannot import 'no_such_pkg.mod:make' \(ModuleNotFoundError: ",
+        ),
         (f"{HERE}:missing", {}, r"^data.source: cannot import '.*:missing' \(AttributeError: "),
         (f"{HERE}:HERE", {}, r"^data.source: '.*:HERE' is a str, not a function$"),
         ("nocolon", {}, r"^data.source: expected 'package.module:function', got 'nocolon'$"),
-        (f"{HERE}:make_plain", {"bogus": 1}, r"^data.kwargs: got an unexpected keyword argument 'bogus' for"),
+        (
+            f"{HERE}:make_plain",
+            {"bogus": 1},
+            r"^data.kwargs: got an unexpected keyword argument 'bogus' for",
+        ),
         (f"{HERE}:make_wrong", {}, r"^data.source: '.*:make_wrong' returned list, not a Dataset"),
     ],
 )
-def test_bad_factories_are_one_line_errors_naming_them(spec: str, kwargs: dict, message: str) -> None:
+def test_bad_factories_are_one_line_errors_naming_them(
+    spec: str, kwargs: dict, message: str
+) -> None:
     with pytest.raises(ConfigError, match=message) as info:
         if kwargs or spec.endswith("make_wrong"):
             call_factory(spec, kwargs, split="train", seed=0)

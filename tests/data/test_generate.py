@@ -51,29 +51,41 @@ class LocalDLRM(DLRM):
 
     def __init__(self, config: DLRMConfig) -> None:
         super().__init__(config)
-        self.embeddings = nn.ModuleList(nn.Embedding(config.num_rows, config.embedding_dim)
-                                        for _ in range(config.num_tables))
+        self.embeddings = nn.ModuleList(
+            nn.Embedding(config.num_rows, config.embedding_dim) for _ in range(config.num_tables)
+        )
         for table in self.embeddings:
             nn.init.normal_(table.weight, std=0.05)
 
     def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
         h = self.bottom(dense)
-        features = [tower(h) + self.embeddings[k](sparse[k]).sum(dim=1) for k, tower in enumerate(self.towers)]
+        features = [
+            tower(h) + self.embeddings[k](sparse[k]).sum(dim=1)
+            for k, tower in enumerate(self.towers)
+        ]
         return self.interact(h, features)
 
 
 def test_dlrm_learns_the_click_log_to_a_high_held_out_auc(tmp_path: Path) -> None:
     path = write_criteo(tmp_path / "clicks.tsv", num_samples=12_000, seed=0)
     model = LocalDLRM(DLRMConfig(num_tables=4, num_rows=2000, bag_size=7, embedding_dim=8))
-    data = build_data(DataConfig(source="criteo", path=str(path), holdout_fraction=0.25),
-                      model_name="dlrm", model=model, batch_size=128, seed=0)
+    data = build_data(
+        DataConfig(source="criteo", path=str(path), holdout_fraction=0.25),
+        model_name="dlrm",
+        model=model,
+        batch_size=128,
+        seed=0,
+    )
     assert data.task == "click" and len(data.eval) == 3000
     steps = 100  # under one epoch: enough, and no time to overfit the noise features
     stepper = Stepper(model.parameters(), OptimConfig(name="adam", lr=0.003), total_steps=steps)
     held = data.eval_loader(rank=0, world_size=1, batch_size=500)
     before = evaluate(model, held, task="click")
-    for step, batch in zip(range(steps), data.train_loader(rank=0, world_size=1, batch_size=128, seed=0).batches(),
-                           strict=False):
+    for step, batch in zip(
+        range(steps),
+        data.train_loader(rank=0, world_size=1, batch_size=128, seed=0).batches(),
+        strict=False,
+    ):
         loss = nn.functional.binary_cross_entropy_with_logits(model(*batch.inputs), batch.targets)
         stepper.scale(loss).backward()
         stepper.step(step)
@@ -90,11 +102,21 @@ def test_gpt_learns_the_token_file_below_its_unigram_entropy(tmp_path: Path) -> 
     assert chain_entropy(64, 4, 0) < 1.5 < unigram
     torch.manual_seed(0)
     model = models.build("gpt", vocab_size=64, dim=32, heads=2, layers=1, seq_len=32, dropout=0.0)
-    data = build_data(DataConfig(source="tokens", path=str(path), holdout_fraction=0.1),
-                      model_name="gpt", model=model, batch_size=16, seed=0)
+    data = build_data(
+        DataConfig(source="tokens", path=str(path), holdout_fraction=0.1),
+        model_name="gpt",
+        model=model,
+        batch_size=16,
+        seed=0,
+    )
     steps = 80
-    stepper = Stepper(model.parameters(), OptimConfig(name="adamw", lr=1e-2, schedule=ScheduleConfig(
-        warmup_steps=10, decay="cosine")), total_steps=steps)
+    stepper = Stepper(
+        model.parameters(),
+        OptimConfig(
+            name="adamw", lr=1e-2, schedule=ScheduleConfig(warmup_steps=10, decay="cosine")
+        ),
+        total_steps=steps,
+    )
     loader = data.train_loader(rank=0, world_size=1, batch_size=16, seed=0)
     for step, batch in zip(range(steps), loader.batches(), strict=False):
         logits = model(*batch.inputs)
@@ -111,6 +133,8 @@ def test_command_line(tmp_path: Path, capsys) -> None:
     from distopt.data.generate import main
 
     assert main(["tokens", str(tmp_path / "t.bin"), "--samples", "500", "--vocab-size", "16"]) == 0
-    assert "unigram entropy" in capsys.readouterr().out and (tmp_path / "t.bin").stat().st_size == 1000
+    assert (
+        "unigram entropy" in capsys.readouterr().out and (tmp_path / "t.bin").stat().st_size == 1000
+    )
     assert main(["criteo", str(tmp_path / "c.tsv"), "--samples", "20"]) == 0
     assert len((tmp_path / "c.tsv").read_text().splitlines()) == 20

@@ -39,7 +39,9 @@ def _take(batches, n: int) -> list[list[int]]:
 
 
 def test_map_style_ranks_split_each_epoch_and_reshuffle() -> None:
-    loaders = [build_loader(Numbers(40), rank=r, world_size=2, batch_size=4, seed=5) for r in range(2)]
+    loaders = [
+        build_loader(Numbers(40), rank=r, world_size=2, batch_size=4, seed=5) for r in range(2)
+    ]
     assert [loader.steps_per_epoch for loader in loaders] == [5, 5]
     epochs = [[_take(loader.epoch(e), 5) for loader in loaders] for e in (0, 1)]
     for per_rank in epochs:
@@ -53,10 +55,15 @@ def test_map_style_ranks_split_each_epoch_and_reshuffle() -> None:
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_map_style_resume_matches_an_uninterrupted_run(num_workers: int) -> None:
     def loader():
-        return build_loader(Numbers(22), rank=1, world_size=2, batch_size=3, seed=1, num_workers=num_workers)
+        return build_loader(
+            Numbers(22), rank=1, world_size=2, batch_size=3, seed=1, num_workers=num_workers
+        )
 
     whole = _take(loader().batches(), 12)  # 3 batches per epoch (drop_last): 4 epochs
-    assert _take(build_loader(Numbers(22), rank=1, world_size=2, batch_size=3, seed=1).batches(), 12) == whole
+    assert (
+        _take(build_loader(Numbers(22), rank=1, world_size=2, batch_size=3, seed=1).batches(), 12)
+        == whole
+    )
     for start in (1, 3, 7):
         assert _take(loader().batches(start), 12 - start) == whole[start:]
 
@@ -69,8 +76,14 @@ def _windows(tmp_path: Path) -> TokenWindows:
 
 def test_streams_are_the_same_for_any_worker_count_and_resume(tmp_path: Path) -> None:
     def starts(num_workers: int, start: int = 0, rank: int = 0) -> list[list[int]]:
-        loader = build_loader(_windows(tmp_path), rank=rank, world_size=2, batch_size=4,
-                              num_workers=num_workers, collate_fn=collate_tokens)
+        loader = build_loader(
+            _windows(tmp_path),
+            rank=rank,
+            world_size=2,
+            batch_size=4,
+            num_workers=num_workers,
+            collate_fn=collate_tokens,
+        )
         return [b.inputs[0][:, 0].tolist() for b in itertools.islice(loader.batches(start), 6)]
 
     plain = starts(0)
@@ -100,21 +113,28 @@ def test_eval_loader_reads_every_sample_once_without_padding() -> None:
         loader = build_eval_loader(Numbers(10), rank=rank, world_size=3, batch_size=2)
         seen += [i for batch in loader for i in batch.tolist()]
     assert sorted(seen) == list(range(10))
-    iterable = [i for r in range(3)
-                for b in build_eval_loader(Counting(10), rank=r, world_size=3, batch_size=4)
-                for i in b.tolist()]
+    iterable = [
+        i
+        for r in range(3)
+        for b in build_eval_loader(Counting(10), rank=r, world_size=3, batch_size=4)
+        for i in b.tolist()
+    ]
     assert sorted(iterable) == list(range(10))
 
 
 def test_holdout_split_keeps_the_tail() -> None:
     train, held = holdout_split(Numbers(10), 0.3)
     assert list(train.indices) == list(range(7)) and list(held.indices) == [7, 8, 9]
-    with pytest.raises(ConfigError, match=r"^data.holdout_fraction: 0.01 of 10 samples leaves 0 held out"):
+    with pytest.raises(
+        ConfigError, match=r"^data.holdout_fraction: 0.01 of 10 samples leaves 0 held out"
+    ):
         holdout_split(Numbers(10), 0.01)
 
 
 def test_errors_and_options() -> None:
-    with pytest.raises(ConfigError, match=r"^data: 5 samples give no full batch of 4 on each of 2 trainers"):
+    with pytest.raises(
+        ConfigError, match=r"^data: 5 samples give no full batch of 4 on each of 2 trainers"
+    ):
         build_loader(Numbers(5), world_size=2, rank=0, batch_size=4)
     with pytest.raises(ConfigError, match=r"^data: rank 2 outside 0..1$"):
         build_loader(Numbers(5), world_size=2, rank=2, batch_size=1)
@@ -122,7 +142,9 @@ def test_errors_and_options() -> None:
         build_eval_loader(TokenWindows.__new__(TokenWindows), batch_size=1)
     loader = build_loader(Numbers(8), batch_size=2, pin_memory=True, num_workers=1)
     assert loader.loader is not None
-    assert loader.loader.pin_memory is torch.cuda.is_available() and loader.loader.persistent_workers
+    assert (
+        loader.loader.pin_memory is torch.cuda.is_available() and loader.loader.persistent_workers
+    )
 
 
 def test_workers_send_default_collated_batches_unchanged() -> None:

@@ -36,7 +36,9 @@ def _samples(ds: CriteoDataset) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return rows.dense, rows.ids, rows.labels
 
 
-def _line_parser(path: Path, layout: TableLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _line_parser(
+    path: Path, layout: TableLayout
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Samples as the line parser makes them, one line at a time."""
     dense, ids, labels = [], [], []
     for line in path.read_bytes().splitlines(keepends=True):
@@ -142,7 +144,8 @@ def test_build_data_passes_the_cache_dir(tmp_path: Path) -> None:
 
     path = write_criteo(tmp_path / "clicks.tsv", num_samples=40)
     _age(path)
-    cfg = DataConfig(source="criteo", path=str(path), holdout_fraction=0.25,
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        source="criteo", path=str(path), holdout_fraction=0.25, cache_dir=str(tmp_path / "cache")
+    )
     data = build_data(cfg, model_name="dlrm", model=Model(), batch_size=4, seed=0)
     assert len(_caches(tmp_path / "cache")) == 1 and len(data.train) == 30

@@ -22,8 +22,12 @@ def _file(tmp_path: Path, tokens, dtype: str = "uint16", name: str = "t.bin") ->
 @pytest.mark.parametrize("dtype", ["uint16", "uint32"])
 def test_windows_are_inputs_and_shifted_targets(tmp_path: Path, dtype: str) -> None:
     vocab = 70_000 if dtype == "uint32" else 1000
-    file = TokenFile(_file(tmp_path, np.arange(100) * (vocab // 100), dtype), vocab_size=vocab,
-                     seq_len=8, dtype=dtype)  # type: ignore[arg-type]
+    file = TokenFile(
+        _file(tmp_path, np.arange(100) * (vocab // 100), dtype),
+        vocab_size=vocab,
+        seq_len=8,
+        dtype=dtype,
+    )  # type: ignore[arg-type]
     x, y = TokenWindows(file.region(), seed=3).item(0, 5)
     assert x.shape == y.shape == (8,) and x.dtype == torch.int64
     assert torch.equal(x[1:], y[:-1]) and int(y[-1] - x[-1]) == vocab // 100
@@ -47,22 +51,36 @@ def test_split_keeps_training_windows_out_of_the_held_out_tail(tmp_path: Path) -
     windows = TokenWindows(train, seed=0)
     assert max(int(windows.item(0, i)[1][-1]) for i in range(500)) < 800
     blocks = TokenBlocks(held)
-    assert len(blocks) == 19  # (200 - 1) // 10: every held-out token after the first is a target once
+    assert (
+        len(blocks) == 19
+    )  # (200 - 1) // 10: every held-out token after the first is a target once
     targets = torch.cat([blocks[i][1] for i in range(len(blocks))])
     assert targets.tolist() == list(range(801, 991))
     batch = collate_tokens([blocks[0], blocks[1]])
     assert batch.inputs[0].shape == (2, 10) and batch.targets.shape == (2, 10)
-    with pytest.raises(ConfigError, match=r"^data.holdout_fraction: 0.995 leaves 5 training tokens"):
+    with pytest.raises(
+        ConfigError, match=r"^data.holdout_fraction: 0.995 leaves 5 training tokens"
+    ):
         file.split(0.995)
-    with pytest.raises(ConfigError, match=r"^data.holdout_fraction: 0.005 leaves 5 held-out tokens"):
+    with pytest.raises(
+        ConfigError, match=r"^data.holdout_fraction: 0.005 leaves 5 held-out tokens"
+    ):
         file.split(0.005)
 
 
 @pytest.mark.parametrize(
     ("tokens", "kwargs", "message"),
     [
-        (np.arange(10), {}, r"^data.path: .*t.bin: 10 tokens, fewer than one window of seq_len \+ 1 = 17$"),
-        (np.r_[np.zeros(40), 600, 0], {}, r"^data.path: .*t.bin: token id 600 at position 40 is >= vocab_size 500$"),
+        (
+            np.arange(10),
+            {},
+            r"^data.path: .*t.bin: 10 tokens, fewer than one window of seq_len \+ 1 = 17$",
+        ),
+        (
+            np.r_[np.zeros(40), 600, 0],
+            {},
+            r"^data.path: .*t.bin: token id 600 at position 40 is >= vocab_size 500$",
+        ),
     ],
 )
 def test_bad_token_files(tmp_path: Path, tokens, kwargs: dict, message: str) -> None:

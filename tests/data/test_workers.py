@@ -17,15 +17,21 @@ from distopt.data.workers import BY_VALUE_BYTES, MAX_BATCHES_PER_TASK, Tasks, by
 
 def _same(a: Batch, b: Batch) -> bool:
     pairs = zip((*a.inputs, a.targets), (*b.inputs, b.targets), strict=True)
-    return all(x is None and y is None or x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs)
+    return all(
+        x is None and y is None or x.dtype == y.dtype and torch.equal(x, y) for x, y in pairs
+    )
 
 
 def test_small_batches_pickle_by_value_and_come_back_plain() -> None:
-    small = Batch((torch.arange(6).reshape(2, 3), torch.ones(2, 2, dtype=torch.float16)), torch.zeros(2, 1))
+    small = Batch(
+        (torch.arange(6).reshape(2, 3), torch.ones(2, 2, dtype=torch.float16)), torch.zeros(2, 1)
+    )
     sent = by_value(small, 1 << 20)
     data = bytes(ForkingPickler.dumps(sent))
     # torch's default for tensors: a shared-memory file per tensor, its descriptor over a socket.
-    assert b"rebuild_storage_fd" not in data and b"rebuild_storage_fd" in bytes(ForkingPickler.dumps(small))
+    assert b"rebuild_storage_fd" not in data and b"rebuild_storage_fd" in bytes(
+        ForkingPickler.dumps(small)
+    )
     back = pickle.loads(data)
     assert type(back) is Batch and _same(back, small)
     untargeted = Batch((torch.ones(3),), None)
@@ -33,8 +39,13 @@ def test_small_batches_pickle_by_value_and_come_back_plain() -> None:
     assert [type(b) for b in several] == [Batch, Batch] and _same(several[0], small)
     assert several[1].targets is None
     # Sent the usual way: too big, a dtype numpy lacks, a tensor that needs grad, not a Batch.
-    for value in (small, Batch((torch.ones(2, dtype=torch.bfloat16),), None),
-                  Batch((torch.ones(2, requires_grad=True),), None), (torch.ones(2),), [small, 3]):
+    for value in (
+        small,
+        Batch((torch.ones(2, dtype=torch.bfloat16),), None),
+        Batch((torch.ones(2, requires_grad=True),), None),
+        (torch.ones(2),),
+        [small, 3],
+    ):
         assert by_value(value, 16) is value
 
 
@@ -79,8 +90,16 @@ class Pairs(Dataset):
 @pytest.mark.parametrize("drop_last", [True, False])
 def test_workers_give_the_batches_and_epochs_of_the_training_process(drop_last: bool) -> None:
     def batches(workers: int, start: int = 0) -> tuple[list[Batch], int | None]:
-        loader = build_loader(Pairs(), rank=1, world_size=2, batch_size=4, num_workers=workers,
-                              collate_fn=BatchCollate(), seed=7, drop_last=drop_last)
+        loader = build_loader(
+            Pairs(),
+            rank=1,
+            world_size=2,
+            batch_size=4,
+            num_workers=workers,
+            collate_fn=BatchCollate(),
+            seed=7,
+            drop_last=drop_last,
+        )
         made = list(itertools.islice(loader.batches(start), 20 - start))  # several epochs
         if workers:
             assert loader.tasks is not None and loader.tasks.per_task == MAX_BATCHES_PER_TASK
@@ -88,6 +107,8 @@ def test_workers_give_the_batches_and_epochs_of_the_training_process(drop_last: 
 
     (in_process, per_epoch), (from_workers, worker_epoch) = batches(0), batches(2)
     assert per_epoch == worker_epoch == (6 if drop_last else 7)
-    assert len(from_workers) == 20 and all(_same(a, b) for a, b in zip(in_process, from_workers, strict=True))
+    assert len(from_workers) == 20 and all(
+        _same(a, b) for a, b in zip(in_process, from_workers, strict=True)
+    )
     resumed, _ = batches(2, start=9)
     assert all(_same(a, b) for a, b in zip(in_process[9:], resumed, strict=True))

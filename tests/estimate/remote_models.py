@@ -75,7 +75,9 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(3, ps.DIM), torch.tensor([1, 2, 3])
 
 
-def graphs() -> tuple[nn.Module, torch.fx.GraphModule, torch.fx.GraphModule, tuple[torch.Tensor, ...]]:
+def graphs() -> tuple[
+    nn.Module, torch.fx.GraphModule, torch.fx.GraphModule, tuple[torch.Tensor, ...]
+]:
     """The model, its captured graph (blocking fetches), the optimized graph, example inputs."""
     model = Overlappable()
     example = inputs()
@@ -87,4 +89,8 @@ def graphs() -> tuple[nn.Module, torch.fx.GraphModule, torch.fx.GraphModule, tup
 
 def local_nodes(gm: torch.fx.GraphModule) -> set[str]:
     """Nodes that are neither inputs/outputs nor in-process server calls (before the passes)."""
-    return {n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output") and n.target is not fetch}
+    return {
+        n.name
+        for n in gm.graph.nodes
+        if n.op not in ("placeholder", "output") and n.target is not fetch
+    }

@@ -24,7 +24,12 @@ from tests.estimate.remote_models import PushesInBackward, graphs, inputs
 from tests.passes.remote import inprocess_server as ps
 from tests.passes.remote.inprocess_server import STORE, fetch
 
-HEADER_KEYS = ["predicted_gain", "predicted_step_time_s", "predicted_saving_s", "predicted_rpc_latency_s"]
+HEADER_KEYS = [
+    "predicted_gain",
+    "predicted_step_time_s",
+    "predicted_saving_s",
+    "predicted_rpc_latency_s",
+]
 
 
 def test_prediction_before_and_after_the_passes() -> None:
@@ -70,7 +75,9 @@ def test_bad_latency_is_rejected() -> None:
 
 def test_a_model_without_a_graph_is_a_one_line_error() -> None:
     _, before, _, inputs = graphs()
-    with pytest.raises(distopt.CaptureError, match=r"needs torch.fx graphs, got .* and Linear \(optimized\)$"):
+    with pytest.raises(
+        distopt.CaptureError, match=r"needs torch.fx graphs, got .* and Linear \(optimized\)$"
+    ):
         predict(before, nn.Linear(ps.DIM, ps.DIM), inputs, rpc_latency_s=0.001)
 
 
@@ -79,7 +86,9 @@ def _timeline(total_s: float, compute_s: float) -> Timeline:
 
 
 def test_gain_takes_the_forward_saving_off_the_measured_step() -> None:
-    forward = Prediction(before=_timeline(0.030, 0.005), after=_timeline(0.010, 0.005), rpc_latency_s=0.02)
+    forward = Prediction(
+        before=_timeline(0.030, 0.005), after=_timeline(0.010, 0.005), rpc_latency_s=0.02
+    )
     stepped = GainPrediction(forward=forward, measured_step_s=0.050)
     assert stepped.saving_s == pytest.approx(0.020) and stepped.step_s == pytest.approx(0.030)
     assert stepped.gain == pytest.approx(0.050 / 0.030)
@@ -131,12 +140,15 @@ def test_a_step_that_pushes_in_backward_is_not_measured_and_nothing_is_pushed() 
     model, example = PushesInBackward(), inputs()
     STORE.reset()
     before = STORE.snapshot()
-    optimized = distopt.optimize(model, example, passes=["split_remote", "hoist_issue", "sink_wait"])
+    optimized = distopt.optimize(
+        model, example, passes=["split_remote", "hoist_issue", "sink_wait"]
+    )
     prediction = predict_gain(model, optimized, example, measure_step=True, repeats=2)
     assert prediction.measured_step_s is None
     assert prediction.unmeasured_step == (
         f"the step sends a remote write (push at {Path(remote_models.__file__)}:53: "
-        'push("t1", ctx.saved_tensors[0], grad))')
+        'push("t1", ctx.saved_tensors[0], grad))'
+    )
     assert "predicted_step_time_s" not in prediction.to_header()
     assert torch.equal(STORE.snapshot()["t1"], before["t1"])  # verified, predicted: never pushed
 
@@ -144,14 +156,25 @@ def test_a_step_that_pushes_in_backward_is_not_measured_and_nothing_is_pushed() 
 def test_predict_gain_refuses_a_bad_pipeline_staleness_before_any_request() -> None:
     model, _, after, inputs = graphs()
     STORE.reset()
-    with pytest.raises(distopt.ConfigError, match=r"^pipeline_staleness: expected an integer >= 0 or 'auto', got -1$"):
+    with pytest.raises(
+        distopt.ConfigError,
+        match=r"^pipeline_staleness: expected an integer >= 0 or 'auto', got -1$",
+    ):
         predict_gain(model, after, inputs, latency_s=0.004, pipeline_staleness=-1)
     assert STORE.requests == 0
 
 
 def test_predict_gain_reports_the_staleness_it_chose() -> None:
     model, _, after, inputs = graphs()
-    prediction = predict_gain(model, after, inputs, latency_s=0.004, measure_step=True, repeats=2,
-                              pipeline_staleness="auto", max_staleness=3)
+    prediction = predict_gain(
+        model,
+        after,
+        inputs,
+        latency_s=0.004,
+        measure_step=True,
+        repeats=2,
+        pipeline_staleness="auto",
+        max_staleness=3,
+    )
     assert prediction.pipeline_staleness in (1, 2, 3)
     assert prediction.to_header()["predicted_pipeline_staleness"] == prediction.pipeline_staleness

@@ -61,13 +61,19 @@ def test_the_pipelined_prediction_hides_what_the_window_covers() -> None:
 
     _, before, after, _ = graphs()
     costs = _synthetic_costs(after, 0.001)
-    forward = Prediction(before=simulate(before, costs, 0.050), after=simulate(after, costs, 0.050),
-                         rpc_latency_s=0.050, after_costs=costs)
+    forward = Prediction(
+        before=simulate(before, costs, 0.050),
+        after=simulate(after, costs, 0.050),
+        rpc_latency_s=0.050,
+        after_costs=costs,
+    )
     # Exact mode gains only the unmodelled optimizer step; staleness 1 the backward too.
     assert pipeline_window_s(forward, measured_step_s=None, staleness=0) == 0.0
     step = forward.before_s + 0.030  # a measured forward+backward: 30 ms of backward
     assert pipeline_window_s(forward, step, staleness=1) == pytest.approx(0.030)
-    assert pipeline_window_s(forward, step, staleness=2) == pytest.approx(0.030 + forward.after_s + 0.030)
+    assert pipeline_window_s(forward, step, staleness=2) == pytest.approx(
+        0.030 + forward.after_s + 0.030
+    )
     piped = predict_pipelined(after, forward, window_s=0.030)
     assert isinstance(piped, Timeline) and piped.blocked_s == pytest.approx(0.047 - 0.030)
 
@@ -82,14 +88,22 @@ def test_the_staleness_to_hide_is_the_least_whose_window_covers_the_latency() ->
 
     _, before, after, _ = graphs()
     costs = _synthetic_costs(after, 0.001)
-    forward = Prediction(before=simulate(before, costs, 0.050), after=simulate(after, costs, 0.050),
-                         rpc_latency_s=0.050, after_costs=costs)
+    forward = Prediction(
+        before=simulate(before, costs, 0.050),
+        after=simulate(after, costs, 0.050),
+        rpc_latency_s=0.050,
+        after_costs=costs,
+    )
     # The window must cover LATENCY_COVER latencies (2 x 50 ms), not one: reads came back late on
     # their jitter with a window of exactly one latency.
     cover = LATENCY_COVER * 0.050
     step = forward.before_s + 0.030
     chosen = staleness_to_hide(forward, step, limit=8)
-    assert pipeline_window_s(forward, step, chosen - 1) < cover <= pipeline_window_s(forward, step, chosen)
+    assert (
+        pipeline_window_s(forward, step, chosen - 1)
+        < cover
+        <= pipeline_window_s(forward, step, chosen)
+    )
     long_backward = forward.before_s + 0.200
     assert pipeline_window_s(forward, long_backward, 1) >= cover
     assert staleness_to_hide(forward, long_backward, limit=8) == 1
@@ -97,7 +111,7 @@ def test_the_staleness_to_hide_is_the_least_whose_window_covers_the_latency() ->
 
 
 def test_a_read_waits_for_the_previous_push_so_a_long_latency_shrinks_the_window() -> None:
-    """A table's prefetch leaves once the previous step's push is done (distopt.ps.ordering)."""
+    """A table's prefetch leaves once the previous step's push is done (distopt.ps.client.ordering)."""
     import dataclasses
 
     from distopt.estimate.predict import (
@@ -109,12 +123,18 @@ def test_a_read_waits_for_the_previous_push_so_a_long_latency_shrinks_the_window
 
     _, before, after, _ = graphs()
     costs = _synthetic_costs(after, 0.001)
-    forward = Prediction(before=simulate(before, costs, 0.050), after=simulate(after, costs, 0.050),
-                         rpc_latency_s=0.050, after_costs=costs)
+    forward = Prediction(
+        before=simulate(before, costs, 0.050),
+        after=simulate(after, costs, 0.050),
+        rpc_latency_s=0.050,
+        after_costs=costs,
+    )
     slow = dataclasses.replace(forward, rpc_latency_s=forward.after_s + 0.040)
     measured = slow.before_s + 0.030
     step = slow.after_s + 0.030
-    assert pipeline_window_s(slow, measured, 1) == pytest.approx(max(0.0, step - slow.rpc_latency_s))
+    assert pipeline_window_s(slow, measured, 1) == pytest.approx(
+        max(0.0, step - slow.rpc_latency_s)
+    )
     assert pipeline_window_s(slow, measured, 3) == pytest.approx(3 * step - slow.rpc_latency_s)
     chosen = staleness_to_hide(slow, measured, limit=8)
     assert pipeline_window_s(slow, measured, chosen - 1) < LATENCY_COVER * slow.rpc_latency_s

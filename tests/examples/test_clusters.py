@@ -31,4 +31,8 @@ def test_ray_dryrun_targets_the_dashboard(tmp_path: Path) -> None:
 @pytest.mark.parametrize("scheduler", ["slurm", "ray"])
 def test_the_dryrun_script_runs_as_its_docstring_says(scheduler: str) -> None:
     proc = run_documented("python", "examples/clusters/dryrun.py", scheduler)
-    assert ("--partition=gpu" in proc.stdout) if scheduler == "slurm" else ("10.0.0.5:8265" in proc.stdout)
+    assert (
+        ("--partition=gpu" in proc.stdout)
+        if scheduler == "slurm"
+        else ("10.0.0.5:8265" in proc.stdout)
+    )

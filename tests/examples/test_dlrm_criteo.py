@@ -26,8 +26,16 @@ def load_example(relative: str) -> ModuleType:
 
 @pytest.mark.slow
 def test_launched_dlrm_learns_and_variants_match(tmp_path: Path) -> None:
-    proc = run_documented("python", "examples/dlrm_criteo.py", "--samples", "12000", "--steps", "80",
-                          "--out", tmp_path)
+    proc = run_documented(
+        "python",
+        "examples/dlrm_criteo.py",
+        "--samples",
+        "12000",
+        "--steps",
+        "80",
+        "--out",
+        tmp_path,
+    )
     auc = {v: float(a) for v, a in re.findall(r"(\w+): held-out AUC (\d\.\d+)", proc.stdout)}
     assert auc["baseline"] >= 0.75 and auc["optimized"] == auc["baseline"]
     assert "gain [95% CI]" in proc.stdout  # distopt compare's table

@@ -16,8 +16,16 @@ from tests.examples.scripts import ROOT, run_documented
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["baseline", "optimized"])
 def test_own_rpc_model_trains_as_a_job(variant: str, tmp_path: Path) -> None:
-    proc = run_documented("python", "examples/own_model/run.py", "--steps", "120", "--out", tmp_path,
-                          "--variant", variant)
+    proc = run_documented(
+        "python",
+        "examples/own_model/run.py",
+        "--steps",
+        "120",
+        "--out",
+        tmp_path,
+        "--variant",
+        variant,
+    )
     auc = float(re.search(r"held-out AUC (\d\.\d+)", proc.stdout).group(1))  # type: ignore[union-attr]
     assert auc > 0.85  # the labels follow the remote rows: it learned them through rpc_sync
     header = load_run(tmp_path / f"own-{variant}").ranks[0].header
@@ -30,8 +38,19 @@ def test_own_rpc_model_trains_as_a_job(variant: str, tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_job_config_launches_as_its_comment_says(tmp_path: Path) -> None:
-    proc = run_documented("distopt", "launch", "examples/own_model/job.yaml", "--num-ps", "1",
-                          "--set", "steps=10", "--set", f"output_dir={tmp_path}", "--run-id", "own")
+    proc = run_documented(
+        "distopt",
+        "launch",
+        "examples/own_model/job.yaml",
+        "--num-ps",
+        "1",
+        "--set",
+        "steps=10",
+        "--set",
+        f"output_dir={tmp_path}",
+        "--run-id",
+        "own",
+    )
     assert "SUCCEEDED" in proc.stdout + proc.stderr
     assert len(load_run(tmp_path / "own").ranks[0].steps) == 10
 

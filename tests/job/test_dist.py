@@ -10,9 +10,16 @@ from distopt.job.env import JobEnv
 
 
 def test_trainer_zero_hosts_on_the_master_address() -> None:
-    env = JobEnv.from_environ({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"})
+    env = JobEnv.from_environ(
+        {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "10.0.0.5", "MASTER_PORT": "29500"}
+    )
     plan = store_plan(env)
-    assert (plan.hosted_by, plan.host, plan.gloo_port, plan.rpc_port) == ("trainer0", "10.0.0.5", 29500, None)
+    assert (plan.hosted_by, plan.host, plan.gloo_port, plan.rpc_port) == (
+        "trainer0",
+        "10.0.0.5",
+        29500,
+        None,
+    )
 
 
 def test_a_lone_trainer_hosts_on_a_free_loopback_port() -> None:
@@ -21,5 +28,7 @@ def test_a_lone_trainer_hosts_on_a_free_loopback_port() -> None:
 
 
 def test_several_trainers_need_the_master_address() -> None:
-    with pytest.raises(ConfigError, match=r"^environment MASTER_ADDR/MASTER_PORT: required for 2 trainers"):
+    with pytest.raises(
+        ConfigError, match=r"^environment MASTER_ADDR/MASTER_PORT: required for 2 trainers"
+    ):
         store_plan(JobEnv.from_environ({"RANK": "0", "WORLD_SIZE": "2"}))

@@ -62,20 +62,27 @@ def mann_whitney(scores: torch.Tensor, labels: torch.Tensor) -> float:
 def test_auc_counts_ties_half_and_is_nan_for_one_class() -> None:
     data = Clicks()
     assert auc(torch.sigmoid(data.x.flatten()), data.y.flatten()) == pytest.approx(
-        mann_whitney(data.x.flatten(), data.y.flatten()), abs=1e-12)
+        mann_whitney(data.x.flatten(), data.y.flatten()), abs=1e-12
+    )
     assert math.isnan(auc(torch.tensor([0.1, 0.2]), torch.tensor([1.0, 1.0])))
 
 
 def test_click_metrics_in_eval_mode_without_grad_and_mode_restored() -> None:
     model, data = Identity(), Clicks()
     model.frozen.eval()  # a submodule deliberately in eval mode stays so
-    result = evaluate(model, build_eval_loader(data, batch_size=16, collate_fn=collate), task="click")
+    result = evaluate(
+        model, build_eval_loader(data, batch_size=16, collate_fn=collate), task="click"
+    )
     expected_loss = nn.functional.binary_cross_entropy_with_logits(data.x, data.y)
     assert result.samples == 101 and result.loss == pytest.approx(float(expected_loss), rel=1e-6)
     assert result.auc == pytest.approx(mann_whitney(data.x.flatten(), data.y.flatten()), abs=1e-12)
     assert set(model.seen) == {(False, False)}
     assert model.training and not model.frozen.training
-    assert result.as_dict() == {"eval_loss": result.loss, "eval_samples": 101, "eval_auc": result.auc}
+    assert result.as_dict() == {
+        "eval_loss": result.loss,
+        "eval_samples": 101,
+        "eval_auc": result.auc,
+    }
 
 
 def test_token_and_plain_metrics() -> None:
@@ -86,12 +93,17 @@ def test_token_and_plain_metrics() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return logits[x]
 
-    batches = [Batch((torch.tensor([0, 1]),), targets[:2]), Batch((torch.tensor([2]),), targets[2:])]
+    batches = [
+        Batch((torch.tensor([0, 1]),), targets[:2]),
+        Batch((torch.tensor([2]),), targets[2:]),
+    ]
     result = evaluate(Fixed(), batches, task="tokens")
     expected = nn.functional.cross_entropy(logits.reshape(-1, 7), targets.reshape(-1))
     assert result.samples == 15 and result.loss == pytest.approx(float(expected), rel=1e-6)
     assert result.perplexity == pytest.approx(math.exp(float(expected)), rel=1e-6)
-    plain = evaluate(nn.Linear(2, 1), [(torch.ones(4, 2),), (torch.ones(2, 2),)], task="none", max_batches=1)
+    plain = evaluate(
+        nn.Linear(2, 1), [(torch.ones(4, 2),), (torch.ones(2, 2),)], task="none", max_batches=1
+    )
     assert plain.samples == 4 and plain.auc is None and plain.perplexity is None
     with pytest.raises(ConfigError, match="^data.task: click evaluation needs targets"):
         evaluate(nn.Linear(2, 1), [(torch.ones(4, 2),)], task="click")
@@ -108,7 +120,9 @@ def _rank(rank: int, world_size: int, plan: StorePlan, out: str) -> None:
     init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world_size, timeout_s=60.0)
     try:
         # 101 samples over 2 ranks: 51 and 50, no padding; batch 8 leaves uneven last batches.
-        loader = build_eval_loader(Clicks(), rank=rank, world_size=world_size, batch_size=8, collate_fn=collate)
+        loader = build_eval_loader(
+            Clicks(), rank=rank, world_size=world_size, batch_size=8, collate_fn=collate
+        )
         result = evaluate(Identity(), loader, task="click")
         torch.save(result.as_dict(), Path(out) / f"rank{rank}.pt")
     finally:
@@ -121,10 +135,14 @@ def test_all_reduced_metrics_equal_the_metrics_of_the_union(tmp_path: Path) -> N
         mp.spawn(_rank, args=(2, plan, str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     assert results[0] == results[1]  # every rank gets the union's metrics
-    whole = evaluate(Identity(), build_eval_loader(Clicks(), batch_size=101, collate_fn=collate), task="click")
+    whole = evaluate(
+        Identity(), build_eval_loader(Clicks(), batch_size=101, collate_fn=collate), task="click"
+    )
     assert results[0]["eval_samples"] == 101
     assert results[0]["eval_auc"] == pytest.approx(whole.auc, abs=1e-12)
-    assert results[0]["eval_loss"] == pytest.approx(whole.loss, rel=1e-6)  # float32 sums in another order
+    assert results[0]["eval_loss"] == pytest.approx(
+        whole.loss, rel=1e-6
+    )  # float32 sums in another order
 
 
 def _lockstep_rank(rank: int, world_size: int, plan: StorePlan, out: str) -> None:
@@ -138,7 +156,9 @@ def _lockstep_rank(rank: int, world_size: int, plan: StorePlan, out: str) -> Non
             model.bias.zero_()
         fully_shard(model)  # every forward all-gathers: ranks must run as many forwards
         # 51 and 50 samples in batches of 2: 26 and 25 batches.
-        loader = build_eval_loader(Clicks(), rank=rank, world_size=world_size, batch_size=2, collate_fn=collate)
+        loader = build_eval_loader(
+            Clicks(), rank=rank, world_size=world_size, batch_size=2, collate_fn=collate
+        )
         result = evaluate(model, loader, task="click", lockstep=True)
         torch.save(result.as_dict(), Path(out) / f"lockstep{rank}.pt")
     finally:
@@ -150,6 +170,8 @@ def test_lockstep_evaluates_a_collective_model_on_uneven_shards(tmp_path: Path) 
     with spawned_gloo() as plan:
         mp.spawn(_lockstep_rank, args=(2, plan, str(tmp_path)), nprocs=2, join=True)
     results = [torch.load(tmp_path / f"lockstep{r}.pt") for r in range(2)]
-    whole = evaluate(Identity(), build_eval_loader(Clicks(), batch_size=101, collate_fn=collate), task="click")
+    whole = evaluate(
+        Identity(), build_eval_loader(Clicks(), batch_size=101, collate_fn=collate), task="click"
+    )
     assert results[0] == results[1] and results[0]["eval_samples"] == 101  # repeats not counted
     assert results[0]["eval_auc"] == pytest.approx(whole.auc, abs=1e-12)

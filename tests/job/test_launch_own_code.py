@@ -60,7 +60,7 @@ def make_model():
     return Model()
 '''
 
-TABLE_MODEL = '''
+TABLE_MODEL = """
 import torch
 from torch import nn
 
@@ -83,9 +83,9 @@ class Model(nn.Module):
 
 def make_model():
     return Model()
-'''
+"""
 
-DENSE_MODEL = '''
+DENSE_MODEL = """
 import torch
 from torch import nn
 
@@ -102,9 +102,9 @@ class Model(nn.Module):
 
 def make_model():
     return Model()
-'''
+"""
 
-DATA = '''
+DATA = """
 import torch
 from torch.utils.data import Dataset
 
@@ -132,7 +132,7 @@ class Clicks(Dataset):
 
 def make_data(split, seed, size=256):
     return Clicks(size, seed if split == "train" else seed + 1)
-'''
+"""
 
 JOB = """\
 model: {pkg}.model:make_model
@@ -147,7 +147,9 @@ output_dir: runs
 """
 
 
-def user_package(where: Path, *, model: str = RPC_MODEL, data: str = DATA, extra: str = "") -> tuple[Path, str]:
+def user_package(
+    where: Path, *, model: str = RPC_MODEL, data: str = DATA, extra: str = ""
+) -> tuple[Path, str]:
     """``where/<pkg>/`` (model.py, data.py, extra.py) and ``where/job.yaml``; the package name is
     new on every call, since in-process launches import it into this test process."""
     pkg = f"shop_{uuid.uuid4().hex[:8]}"
@@ -160,8 +162,14 @@ def user_package(where: Path, *, model: str = RPC_MODEL, data: str = DATA, extra
     return job, pkg
 
 
-def _refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-             *args: str, extra: str = "", **files: str) -> str:
+def _refused(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    *args: str,
+    extra: str = "",
+    **files: str,
+) -> str:
     """``distopt launch job.yaml ARGS`` run in the package's directory: its one-line error, after
     checking that it exits 2 and schedules nothing."""
     job, pkg = user_package(tmp_path, extra=extra, **files)
@@ -171,16 +179,24 @@ def _refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: py
     assert code == 2, err
     assert not (tmp_path / "runs").exists()  # nothing written, so nothing was scheduled
     assert "\n" not in err and err.startswith("distopt launch: error: "), err
-    return err.removeprefix("distopt launch: error: ").replace(pkg, "{pkg}").replace(str(tmp_path), "{dir}")
+    return (
+        err.removeprefix("distopt launch: error: ")
+        .replace(pkg, "{pkg}")
+        .replace(str(tmp_path), "{dir}")
+    )
 
 
 def test_an_unknown_scheduler_option_is_refused_as_in_the_api(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Issue 22 item 4: `--cfg partiton=gpu` on the command line was dropped (exit 0)."""
-    message = _refused(tmp_path, capsys, monkeypatch, "-s", "slurm", "--cfg", "partiton=gpu", "--dryrun")
-    assert message == ("cfg.partiton: not an option of the slurm scheduler (known: comment, constraint, "
-                       "job_dir, mail-type, mail-user, partition, time); did you mean 'partition'?")
+    message = _refused(
+        tmp_path, capsys, monkeypatch, "-s", "slurm", "--cfg", "partiton=gpu", "--dryrun"
+    )
+    assert message == (
+        "cfg.partiton: not an option of the slurm scheduler (known: comment, constraint, "
+        "job_dir, mail-type, mail-user, partition, time); did you mean 'partition'?"
+    )
     # The Python API says the same through the same check.
     import distopt
     from distopt.errors import ConfigError
@@ -195,12 +211,14 @@ def test_a_known_option_typed_from_the_command_line(
 ) -> None:
     job, _ = user_package(tmp_path)
     monkeypatch.chdir(tmp_path)
-    code = cli(["launch", str(job), "-s", "slurm", "--cfg", "partition=gpu,time=1:00:00", "--dryrun"])
+    code = cli(
+        ["launch", str(job), "-s", "slurm", "--cfg", "partition=gpu,time=1:00:00", "--dryrun"]
+    )
     out = capsys.readouterr().out
     assert code == 0 and "--partition=gpu" in out and "--time=1:00:00" in out, out[-2000:]
 
 
-VARIANTS = '''
+VARIANTS = """
 import torch
 import torch.distributed.rpc as rpc
 
@@ -254,57 +272,87 @@ class Triples(Clicks):
 
 def data_as_triples(split, seed):
     return Triples(64, seed)
-'''
+"""
 
 
-@pytest.mark.parametrize(("args", "expected"), [
-    (["--set", "model={pkg}.extra:make_plain"],
-     "model: NoServers.forward makes remote calls (rpc_sync('ps0', {pkg}.model.lookup) at "
-     "{dir}/{pkg}/model.py:27), but NoServers has no ps_tables() method, so the job would start "
-     "no parameter server and run as plain data parallel: add ps_tables() to NoServers (return [] "
-     "when your own functions keep the tables on the servers, ps0, ps1, ...)"),
-    (["--set", "model={pkg}.extra:make_elsewhere"],
-     "model: Elsewhere.forward calls rpc_sync('worker1', {pkg}.model.lookup) at {dir}/{pkg}/extra.py:15, "
-     "but 'worker1' is no process of this job (its RPC workers are ps0, trainer0, trainer1)"),
-    (["--set", "model={pkg}.extra:make_nested"],
-     "model: Nested.forward sends {pkg}.extra.make_nested.<locals>.nearby ({dir}/{pkg}/extra.py:33) to "
-     "run on ps0, which imports it by name, but it is defined inside a function (or is a lambda): "
-     "define it at the top level of a module of your package"),
-    (["--set", "model={pkg}.extra:make_failing"],
-     "model: {pkg}.extra:make_failing failed: ValueError: no catalogue at /data/items.csv (at "
-     '{dir}/{pkg}/extra.py:40: raise ValueError("no catalogue at /data/items.csv"))'),
-    (["--set", "data.source={pkg}.extra:data_by_mode"],
-     "data.kwargs: missing a required argument: 'mode' for '{pkg}.extra:data_by_mode': the job calls "
-     "{pkg}.extra:data_by_mode(mode, seed) as (seed=0): split and seed when it takes them, the rest "
-     "from data.kwargs"),
-    (["--set", "data.source={pkg}.extra:data_as_triples"],
-     "data: a batch of {pkg}.extra:data_as_triples has 3 inputs and no targets, which "
-     "Model.forward(dense, ids) does not take (too many positional arguments): make the collate "
-     "function return distopt.data.Batch(inputs=(...), targets=...); a tuple or list is taken for "
-     "the inputs alone"),
-    (["--set", "model={pkg}.extra:make_plain", "--num-ps", "1"],
-     "num_ps: 1 parameter servers, but NoServers ({pkg}.extra:make_plain) has no ps_tables() method, "
-     "which each server calls to learn its tables: add one (return [] when your own functions keep "
-     "the tables on the servers)"),
-    (["--set", "ps.backend=ray"],
-     "ps.backend: 'ray' jobs have no RPC group, but Model.forward calls rpc_sync('ps0', "
-     "{pkg}.model.lookup) at {dir}/{pkg}/model.py:27: use ps.backend: rpc, or distopt.ps tables"),
-])
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (
+            ["--set", "model={pkg}.extra:make_plain"],
+            "model: NoServers.forward makes remote calls (rpc_sync('ps0', {pkg}.model.lookup) at "
+            "{dir}/{pkg}/model.py:27), but NoServers has no ps_tables() method, so the job would start "
+            "no parameter server and run as plain data parallel: add ps_tables() to NoServers (return [] "
+            "when your own functions keep the tables on the servers, ps0, ps1, ...)",
+        ),
+        (
+            ["--set", "model={pkg}.extra:make_elsewhere"],
+            "model: Elsewhere.forward calls rpc_sync('worker1', {pkg}.model.lookup) at {dir}/{pkg}/extra.py:15, "
+            "but 'worker1' is no process of this job (its RPC workers are ps0, trainer0, trainer1)",
+        ),
+        (
+            ["--set", "model={pkg}.extra:make_nested"],
+            "model: Nested.forward sends {pkg}.extra.make_nested.<locals>.nearby ({dir}/{pkg}/extra.py:33) to "
+            "run on ps0, which imports it by name, but it is defined inside a function (or is a lambda): "
+            "define it at the top level of a module of your package",
+        ),
+        (
+            ["--set", "model={pkg}.extra:make_failing"],
+            "model: {pkg}.extra:make_failing failed: ValueError: no catalogue at /data/items.csv (at "
+            '{dir}/{pkg}/extra.py:40: raise ValueError("no catalogue at /data/items.csv"))',
+        ),
+        (
+            ["--set", "data.source={pkg}.extra:data_by_mode"],
+            "data.kwargs: missing a required argument: 'mode' for '{pkg}.extra:data_by_mode': the job calls "
+            "{pkg}.extra:data_by_mode(mode, seed) as (seed=0): split and seed when it takes them, the rest "
+            "from data.kwargs",
+        ),
+        (
+            ["--set", "data.source={pkg}.extra:data_as_triples"],
+            "data: a batch of {pkg}.extra:data_as_triples has 3 inputs and no targets, which "
+            "Model.forward(dense, ids) does not take (too many positional arguments): make the collate "
+            "function return distopt.data.Batch(inputs=(...), targets=...); a tuple or list is taken for "
+            "the inputs alone",
+        ),
+        (
+            ["--set", "model={pkg}.extra:make_plain", "--num-ps", "1"],
+            "num_ps: 1 parameter servers, but NoServers ({pkg}.extra:make_plain) has no ps_tables() method, "
+            "which each server calls to learn its tables: add one (return [] when your own functions keep "
+            "the tables on the servers)",
+        ),
+        (
+            ["--set", "ps.backend=ray"],
+            "ps.backend: 'ray' jobs have no RPC group, but Model.forward calls rpc_sync('ps0', "
+            "{pkg}.model.lookup) at {dir}/{pkg}/model.py:27: use ps.backend: rpc, or distopt.ps tables",
+        ),
+    ],
+)
 def test_the_job_code_is_checked_before_scheduling(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
-    args: list[str], expected: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    expected: str,
 ) -> None:
     """Issue 22 item 7: the factory contract, checked, each failure one line naming the thing."""
     assert _refused(tmp_path, capsys, monkeypatch, *args, extra=VARIANTS) == expected
 
 
-def _launch(cwd: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _launch(
+    cwd: Path, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``distopt launch ...`` as a user types it, in ``cwd``."""
-    return subprocess.run([DISTOPT, "launch", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=420, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [DISTOPT, "launch", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=420,
+        env={**os.environ, **(env or {})},
+    )
 
 
-FAILING = '''
+FAILING = """
 import torch
 import torch.distributed as dist
 
@@ -323,8 +371,7 @@ class Failing(Model):
 
 def make_model():
     return Failing()
-'''
-
+"""
 
 
 @pytest.mark.slow
@@ -335,28 +382,39 @@ def test_a_failed_launch_names_the_replica_that_failed_first(tmp_path: Path) -> 
     assert proc.returncode == 1, proc.stderr[-3000:]
     handle, run_line = proc.stdout.splitlines()[:2]
     run_dir = tmp_path / run_line.split("logs in ")[1]
-    report = proc.stderr[proc.stderr.index(f"{handle}: FAILED"):].splitlines()
-    assert report[0] == (f"{handle}: FAILED: trainer 1 failed first (exit code 1): "
-                         "ValueError: item 7 is not in the catalogue")
+    report = proc.stderr[proc.stderr.index(f"{handle}: FAILED") :].splitlines()
+    assert report[0] == (
+        f"{handle}: FAILED: trainer 1 failed first (exit code 1): "
+        "ValueError: item 7 is not in the catalogue"
+    )
     app_logs = run_dir.resolve() / "logs" / "torchx" / handle.rsplit("/", 1)[1]
     assert report[1] == f"  last lines of {app_logs}/trainer/1/stderr.log:"
-    tail = report[2:report.index(next(line for line in report if line.startswith("  then: ")))]
-    assert tail[-2:] == ['    [rank1]:     raise ValueError("item 7 is not in the catalogue")',
-                         "    [rank1]: ValueError: item 7 is not in the catalogue"]
-    assert re.fullmatch(r"  then: (ps 0|trainer 0) \(exit code 1\), (ps 0|trainer 0) \(exit code 1\)",
-                        report[-2]), report[-2]
+    tail = report[2 : report.index(next(line for line in report if line.startswith("  then: ")))]
+    assert tail[-2:] == [
+        '    [rank1]:     raise ValueError("item 7 is not in the catalogue")',
+        "    [rank1]: ValueError: item 7 is not in the catalogue",
+    ]
+    assert re.fullmatch(
+        r"  then: (ps 0|trainer 0) \(exit code 1\), (ps 0|trainer 0) \(exit code 1\)", report[-2]
+    ), report[-2]
     assert report[-1] == f"  logs: {app_logs}/<role>/<replica>/{{stderr,stdout}}.log"
-    assert "item 7 is not in the catalogue" in (app_logs / "trainer" / "1" / "stderr.log").read_text()
+    assert (
+        "item 7 is not in the catalogue" in (app_logs / "trainer" / "1" / "stderr.log").read_text()
+    )
     # trainer 0's log was streamed while the job ran
     assert any(line.startswith("trainer/0 ") for line in proc.stderr.splitlines())
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("model", "variant", "replicas"), [
-    (TABLE_MODEL, "baseline", ["ps/0", "trainer/0", "trainer/1"]),   # parameter server + DDP
-    (TABLE_MODEL, "optimized", ["ps/0", "trainer/0", "trainer/1"]),
-    (DENSE_MODEL, "optimized", ["trainer/0"]),                        # torchrun: DDP only
-], ids=["servers-baseline", "servers-optimized", "ddp-optimized"])
+@pytest.mark.parametrize(
+    ("model", "variant", "replicas"),
+    [
+        (TABLE_MODEL, "baseline", ["ps/0", "trainer/0", "trainer/1"]),  # parameter server + DDP
+        (TABLE_MODEL, "optimized", ["ps/0", "trainer/0", "trainer/1"]),
+        (DENSE_MODEL, "optimized", ["trainer/0"]),  # torchrun: DDP only
+    ],
+    ids=["servers-baseline", "servers-optimized", "ddp-optimized"],
+)
 def test_a_successful_launch_streams_progress_and_is_quiet(
     tmp_path: Path, model: str, variant: str, replicas: list[str]
 ) -> None:
@@ -386,7 +444,8 @@ def test_own_rpc_functions_run_on_the_servers_from_a_package_elsewhere(tmp_path:
     work_dir.mkdir()
     job, _ = user_package(package_dir)
     script = package_dir / "launch_it.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import sys
         from pathlib import Path
 
@@ -398,8 +457,12 @@ def test_own_rpc_functions_run_on_the_servers_from_a_package_elsewhere(tmp_path:
             failed = job.failure(status)
         print(failed.format() if failed else status.state.name)
         sys.exit(failed is not None)
-    '''))
-    proc = subprocess.run([sys.executable, str(script)], cwd=work_dir, capture_output=True, text=True,
-                          timeout=420)
-    assert proc.returncode == 0 and proc.stdout.strip() == "SUCCEEDED", proc.stdout + proc.stderr[-2000:]
+    """)
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], cwd=work_dir, capture_output=True, text=True, timeout=420
+    )
+    assert proc.returncode == 0 and proc.stdout.strip() == "SUCCEEDED", (
+        proc.stdout + proc.stderr[-2000:]
+    )
     assert len(list((work_dir / "runs").glob("*/qps-rank*.jsonl"))) == 2

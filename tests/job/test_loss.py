@@ -14,13 +14,17 @@ from distopt.job.loss import task_loss
 def test_click_and_token_losses() -> None:
     logits, labels = torch.randn(4, 1), torch.tensor([[1.0], [0.0], [1.0], [0.0]])
     batch = Batch((torch.zeros(4),), labels)
-    torch.testing.assert_close(task_loss("click", logits, batch, None),  # type: ignore[arg-type]
-                               F.binary_cross_entropy_with_logits(logits, labels))
+    torch.testing.assert_close(
+        task_loss("click", logits, batch, None),  # type: ignore[arg-type]
+        F.binary_cross_entropy_with_logits(logits, labels),
+    )
     vocab = torch.randn(2, 3, 5, dtype=torch.bfloat16)
     targets = torch.randint(0, 5, (2, 3))
     loss = task_loss("tokens", vocab, Batch((targets,), targets), None)  # type: ignore[arg-type]
     assert loss.dtype == torch.float32
-    torch.testing.assert_close(loss, F.cross_entropy(vocab.float().reshape(6, 5), targets.reshape(6)))
+    torch.testing.assert_close(
+        loss, F.cross_entropy(vocab.float().reshape(6, 5), targets.reshape(6))
+    )
 
 
 def test_none_uses_the_model_loss_and_targets_are_required_otherwise() -> None:

@@ -13,16 +13,26 @@ from distopt.errors import ConfigError
 from distopt.job.optim import OptimConfig, ScheduleConfig, Stepper, build_optimizer, build_scheduler
 
 
-@pytest.mark.parametrize(("name", "cls"), [("sgd", torch.optim.SGD), ("Adam", torch.optim.Adam),
-                                           ("adamw", torch.optim.AdamW), ("adagrad", torch.optim.Adagrad)])
+@pytest.mark.parametrize(
+    ("name", "cls"),
+    [
+        ("sgd", torch.optim.SGD),
+        ("Adam", torch.optim.Adam),
+        ("adamw", torch.optim.AdamW),
+        ("adagrad", torch.optim.Adagrad),
+    ],
+)
 def test_optimizer_by_name(name: str, cls: type) -> None:
     opt = build_optimizer(nn.Linear(2, 2).parameters(), OptimConfig(name=name, lr=0.1))
     assert type(opt) is cls and opt.param_groups[0]["lr"] == 0.1
 
 
 def test_kwargs_reach_the_optimizer_and_lists_become_tuples() -> None:
-    cfg = from_dict(OptimConfig, {"name": "adamw", "lr": 3e-4,
-                                  "kwargs": {"betas": [0.9, 0.95], "weight_decay": 0.1}}, prefix="optim")
+    cfg = from_dict(
+        OptimConfig,
+        {"name": "adamw", "lr": 3e-4, "kwargs": {"betas": [0.9, 0.95], "weight_decay": 0.1}},
+        prefix="optim",
+    )
     group = build_optimizer(nn.Linear(2, 2).parameters(), cfg).param_groups[0]
     assert group["betas"] == (0.9, 0.95) and group["weight_decay"] == 0.1
 
@@ -31,16 +41,26 @@ def test_kwargs_reach_the_optimizer_and_lists_become_tuples() -> None:
     ("data", "message"),
     [
         ({"name": "adamw2"}, r"^optim.name: unknown optimizer 'adamw2' \(known: .*adamw, .*sgd"),
-        ({"name": "adam", "kwargs": {"betas2": 1}},
-         r"^optim.kwargs.betas2: Adam takes no argument 'betas2' \(accepted: betas, eps, weight_decay"),
-        ({"name": "sgd", "kwargs": {"betas": [0.9, 0.9]}}, r"^optim.kwargs.betas: SGD takes no argument"),
-        ({"name": "adam", "kwargs": {"betas": [1.5, 0.9]}},
-         r"^optim.kwargs: Adam rejects .*Invalid beta parameter at index 0"),
+        (
+            {"name": "adam", "kwargs": {"betas2": 1}},
+            r"^optim.kwargs.betas2: Adam takes no argument 'betas2' \(accepted: betas, eps, weight_decay",
+        ),
+        (
+            {"name": "sgd", "kwargs": {"betas": [0.9, 0.9]}},
+            r"^optim.kwargs.betas: SGD takes no argument",
+        ),
+        (
+            {"name": "adam", "kwargs": {"betas": [1.5, 0.9]}},
+            r"^optim.kwargs: Adam rejects .*Invalid beta parameter at index 0",
+        ),
         ({"lr": 0}, r"^optim.lr: expected a number > 0, got 0"),
         ({"clip_grad_norm": -1.0}, r"^optim.clip_grad_norm: expected a number > 0, got -1.0"),
         ({"accumulate_steps": 0}, r"^optim.accumulate_steps: expected an integer >= 1, got 0"),
         ({"schedule": {"decay": "step"}}, r"^optim.schedule.decay: expected one of"),
-        ({"schedule": {"min_lr_factor": 2}}, r"^optim.schedule.min_lr_factor: expected a number in \[0, 1\]"),
+        (
+            {"schedule": {"min_lr_factor": 2}},
+            r"^optim.schedule.min_lr_factor: expected a number in \[0, 1\]",
+        ),
     ],
 )
 def test_bad_config_is_one_line_naming_the_key(data: dict, message: str) -> None:
@@ -61,7 +81,9 @@ def _lrs(cfg: OptimConfig, total: int) -> list[float]:
 
 
 def test_warmup_then_cosine_decay() -> None:
-    cfg = OptimConfig(lr=1.0, schedule=ScheduleConfig(warmup_steps=4, decay="cosine", min_lr_factor=0.1))
+    cfg = OptimConfig(
+        lr=1.0, schedule=ScheduleConfig(warmup_steps=4, decay="cosine", min_lr_factor=0.1)
+    )
     lrs = _lrs(cfg, 14)
     assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])
     assert lrs[4] == pytest.approx(1.0)
@@ -100,8 +122,14 @@ def _train(model: nn.Module, stepper: Stepper, batches, first: int = 0) -> list[
 @pytest.mark.parametrize("name", ["adamw", "adagrad", "sgd"])
 def test_resume_mid_schedule_matches_an_uninterrupted_run(name: str) -> None:
     kwargs = {"momentum": 0.9} if name == "sgd" else {}
-    cfg = OptimConfig(name=name, lr=0.05, kwargs=kwargs, clip_grad_norm=0.5, accumulate_steps=2,
-                      schedule=ScheduleConfig(warmup_steps=3, decay="cosine"))
+    cfg = OptimConfig(
+        name=name,
+        lr=0.05,
+        kwargs=kwargs,
+        clip_grad_norm=0.5,
+        accumulate_steps=2,
+        schedule=ScheduleConfig(warmup_steps=3, decay="cosine"),
+    )
     batches = _micro_batches(20)
     whole = _model()
     whole_stepper = Stepper(whole.parameters(), cfg, total_steps=10)
@@ -120,8 +148,11 @@ def test_resume_mid_schedule_matches_an_uninterrupted_run(name: str) -> None:
     assert lrs == whole_lrs and len(lrs) == 10
     for a, b in zip(resumed.parameters(), whole.parameters(), strict=True):
         assert torch.equal(a, b)
-    for a, b in zip(resumed_stepper.optimizer.state.values(), whole_stepper.optimizer.state.values(),
-                    strict=True):
+    for a, b in zip(
+        resumed_stepper.optimizer.state.values(),
+        whole_stepper.optimizer.state.values(),
+        strict=True,
+    ):
         for key in a:
             assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), key
 
@@ -131,7 +162,9 @@ def test_accumulation_equals_one_big_batch() -> None:
     big, small = _model(), _model()
     big_stepper = Stepper(big.parameters(), OptimConfig(lr=0.1), total_steps=1)
     _train(big, big_stepper, [(x, y)])
-    small_stepper = Stepper(small.parameters(), OptimConfig(lr=0.1, accumulate_steps=2), total_steps=1)
+    small_stepper = Stepper(
+        small.parameters(), OptimConfig(lr=0.1, accumulate_steps=2), total_steps=1
+    )
     assert _train(small, small_stepper, [(x[:4], y[:4]), (x[4:], y[4:])]) == [0.1]
     for a, b in zip(big.parameters(), small.parameters(), strict=True):
         torch.testing.assert_close(a, b)

@@ -7,20 +7,29 @@ import pytest
 from distopt.errors import ConfigError
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
-from distopt.job.ps_roles import serve, server_options, store_plan
+from distopt.job.ps_roles import serve
+from distopt.job.ps_setup import server_options, store_plan
 from distopt.ps.spec import ServerOptions
 
 _ENV = {
-    "DISTOPT_NUM_PS": "2", "DISTOPT_NUM_TRAINERS": "2", "DISTOPT_PS_ADDR": "localhost:4000",
-    "DISTOPT_DDP_PORT": "4001", "REPLICA_ID": "1",
-}  # fmt: skip
+    "DISTOPT_NUM_PS": "2",
+    "DISTOPT_NUM_TRAINERS": "2",
+    "DISTOPT_PS_ADDR": "localhost:4000",
+    "DISTOPT_DDP_PORT": "4001",
+    "REPLICA_ID": "1",
+}
 
 
 @pytest.mark.parametrize("role", ["ps", "trainer"])
 def test_server_zero_hosts_both_stores_on_the_ps_address(role: str) -> None:
     env = JobEnv.from_environ({**_ENV, "DISTOPT_ROLE": role})
     plan = store_plan(env, server_options(JobConfig(model="mlp"), env))
-    assert (plan.hosted_by, plan.host, plan.rpc_port, plan.gloo_port) == ("ps0", "127.0.0.1", 4000, 4001)
+    assert (plan.hosted_by, plan.host, plan.rpc_port, plan.gloo_port) == (
+        "ps0",
+        "127.0.0.1",
+        4000,
+        4001,
+    )
 
 
 def test_without_a_ddp_port_the_plan_has_no_gloo_store() -> None:

@@ -22,7 +22,9 @@ ray = pytest.importorskip("ray")  # imported now: its import time is no part of 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "jobs" / "ps_dlrm_tiny.yaml"
 
 
-def test_no_ray_cluster_at_the_address_fails_in_one_line_within_start_timeout(tmp_path: Path) -> None:
+def test_no_ray_cluster_at_the_address_fails_in_one_line_within_start_timeout(
+    tmp_path: Path,
+) -> None:
     port = free_port()  # closed: nothing listens there
     overrides = ["ps.backend=ray", f"ps.ray_address=127.0.0.1:{port}", "ps.start_timeout_s=2",
                  "parallel=none", f"output_dir={tmp_path}", "run_id=unreachable"]  # fmt: skip

@@ -17,8 +17,15 @@ def test_steps_and_evaluations_reach_the_log_and_tensorboard(tmp_path: Path) -> 
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    log = QpsLogWriter.create(tmp_path, run_id="r", variant="baseline", rank=0, world_size=1,
-                              global_batch_size=8, config={})
+    log = QpsLogWriter.create(
+        tmp_path,
+        run_id="r",
+        variant="baseline",
+        rank=0,
+        world_size=1,
+        global_batch_size=8,
+        config={},
+    )
     board = tensorboard_writer(tmp_path / "r" / "tensorboard")
     with Recorder(log, Progress(total=2, rank=0, log_every=1, stream=io.StringIO()), board) as rec:
         rec.step(0, 0.5, loss=0.7, lr=0.1, wait_s=0.01)

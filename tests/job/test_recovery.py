@@ -28,19 +28,36 @@ DIED = "fetch of 'emb0' on ps1 failed: the actor process exited or was killed (R
     ("message", "server"),
     [
         (DIED, "ps1"),
-        ("push to 'emb2' on ps0 failed: the actor is unreachable or restarting; the call may or may not "
-         "have run (Ray: ActorUnavailableError)", "ps0"),  # fmt: skip
-        ("fetch of 'emb1' on ps12 failed: ServerRestarted: ps12 was restarted by Ray (pid 42) and reloaded "
-         "its shards from /c/step-4; call distopt.ps.recover() to reload every server", "ps12"),  # fmt: skip
-        (f"ps.fetch:emb0: an earlier push to the table failed: {DIED}", "ps1"),  # quoted by a later call
-        ("fetch of 'emb0' on ps1 failed: no answer within 30 s (ps.rpc_timeout_s): the server is slow, "
-         "stuck or gone", None),  # fmt: skip
+        (
+            "push to 'emb2' on ps0 failed: the actor is unreachable or restarting; the call may or may not "
+            "have run (Ray: ActorUnavailableError)",
+            "ps0",
+        ),  # fmt: skip
+        (
+            "fetch of 'emb1' on ps12 failed: ServerRestarted: ps12 was restarted by Ray (pid 42) and reloaded "
+            "its shards from /c/step-4; call distopt.ps.recover() to reload every server",
+            "ps12",
+        ),  # fmt: skip
+        (
+            f"ps.fetch:emb0: an earlier push to the table failed: {DIED}",
+            "ps1",
+        ),  # quoted by a later call
+        (
+            "fetch of 'emb0' on ps1 failed: no answer within 30 s (ps.rpc_timeout_s): the server is slow, "
+            "stuck or gone",
+            None,
+        ),  # fmt: skip
         ("fetch of 'emb0' on ps1 failed: KeyError: ps1 holds no table 'emb0'", None),
-        ("distopt.ps.recover: ps1 is gone and Ray does not restart it (ps.max_restarts=0): "
-         "the actor process exited or was killed (Ray: ActorDiedError)", None),  # fmt: skip
+        (
+            "distopt.ps.recover: ps1 is gone and Ray does not restart it (ps.max_restarts=0): "
+            "the actor process exited or was killed (Ray: ActorDiedError)",
+            None,
+        ),  # fmt: skip
     ],
 )
-def test_lost_server_names_the_actor_only_for_a_death_or_restart(message: str, server: str | None) -> None:
+def test_lost_server_names_the_actor_only_for_a_death_or_restart(
+    message: str, server: str | None
+) -> None:
     assert lost_server(RemoteCallError(message)) == server
 
 
@@ -133,7 +150,9 @@ def _cutting_rank(rank: int, plan: StorePlan, out: str) -> None:
                                     rank=rank, parallel="ddp", num_trainers=2, job={})  # fmt: skip
 
     def save_remote(path: Path) -> None:
-        raise RemoteCallError("checkpoint save on ps0 failed: ServerRestarted: ps0 was restarted by Ray")
+        raise RemoteCallError(
+            "checkpoint save on ps0 failed: ServerRestarted: ps0 was restarted by Ray"
+        )
 
     try:
         agreement.step = 3
@@ -148,10 +167,13 @@ def _cutting_rank(rank: int, plan: StorePlan, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_failed_save_of_the_servers_rolls_back_before_the_checkpoint_is_complete(tmp_path: Path) -> None:
+def test_a_failed_save_of_the_servers_rolls_back_before_the_checkpoint_is_complete(
+    tmp_path: Path,
+) -> None:
     for written in _two_trainers(_cutting_rank, tmp_path):
         assert written == (
-            "ps0 lost at step 3 (trainer 0: checkpoint save on ps0 failed: ServerRestarted: ps0 was restarted by Ray)")
+            "ps0 lost at step 3 (trainer 0: checkpoint save on ps0 failed: ServerRestarted: ps0 was restarted by Ray)"
+        )
     assert latest_complete(tmp_path / "ckpt") is None
 
 

@@ -23,8 +23,9 @@ GPT = {"vocab_size": 64, "dim": 32, "heads": 2, "layers": 1, "seq_len": 16, "dro
 
 @pytest.fixture(scope="module")
 def tokens(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tokens(tmp_path_factory.mktemp("data") / "tokens.bin", num_tokens=20_000,
-                        vocab_size=64, seed=0)
+    return write_tokens(
+        tmp_path_factory.mktemp("data") / "tokens.bin", num_tokens=20_000, vocab_size=64, seed=0
+    )
 
 
 def _config(tokens: Path, out: Path, run_id: str, **overrides: object) -> JobConfig:
@@ -45,8 +46,9 @@ def test_resume_gives_the_same_losses_lr_and_evaluations(tokens: Path, tmp_path:
     assert whole.steps == 12 and whole.evaluation is not None
     # Resume another run from the uninterrupted run's checkpoint after 6 steps.
     (tmp_path / "part" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "whole/checkpoints/step-00000006",
-                    tmp_path / "part/checkpoints/step-00000006")
+    shutil.copytree(
+        tmp_path / "whole/checkpoints/step-00000006", tmp_path / "part/checkpoints/step-00000006"
+    )
     part = train(_config(tokens, tmp_path, "part", resume=True), JobEnv())
     assert part.resumed_from == 6 and part.steps == 6
     a, b = load_run(tmp_path / "whole").ranks[0], load_run(tmp_path / "part").ranks[0]
@@ -58,9 +60,17 @@ def test_resume_gives_the_same_losses_lr_and_evaluations(tokens: Path, tmp_path:
 
 
 def test_synthetic_data_and_the_model_loss(tmp_path: Path) -> None:
-    config = from_dict(JobConfig, {"model": "mlp", "steps": 3, "output_dir": str(tmp_path),
-                                   "run_id": "s", "tensorboard": False,
-                                   "data": {"synthetic_batches": 2}})
+    config = from_dict(
+        JobConfig,
+        {
+            "model": "mlp",
+            "steps": 3,
+            "output_dir": str(tmp_path),
+            "run_id": "s",
+            "tensorboard": False,
+            "data": {"synthetic_batches": 2},
+        },
+    )
     result = train(config, JobEnv())
     assert result.evaluation is None and result.final_loss > 0
     steps = load_run(tmp_path / "s").ranks[0].steps
@@ -68,23 +78,44 @@ def test_synthetic_data_and_the_model_loss(tmp_path: Path) -> None:
 
 
 def _torchrun(config: Path, *sets: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "distopt.train", "--config", str(config), *[a for s in sets for a in ("--set", s)]]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "distopt.train",
+        "--config",
+        str(config),
+        *[a for s in sets for a in ("--set", s)],
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
 
 
 @pytest.mark.slow
 def test_gpt_fsdp2_bf16_learns_and_resumes_exactly(tokens: Path, tmp_path: Path) -> None:
     config = ROOT / "configs" / "jobs" / "gpt_tokens.yaml"
-    common = (f"data.path={tokens}", f"output_dir={tmp_path}", "steps=40", "eval.every=20",
-              "checkpoint_every=20", "tensorboard=false")
+    common = (
+        f"data.path={tokens}",
+        f"output_dir={tmp_path}",
+        "steps=40",
+        "eval.every=20",
+        "checkpoint_every=20",
+        "tensorboard=false",
+    )
     done = _torchrun(config, *common, "run_id=whole")
     assert done.returncode == 0, done.stderr[-3000:]
     (tmp_path / "part" / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "whole/checkpoints/step-00000020",
-                    tmp_path / "part/checkpoints/step-00000020")
+    shutil.copytree(
+        tmp_path / "whole/checkpoints/step-00000020", tmp_path / "part/checkpoints/step-00000020"
+    )
     done = _torchrun(config, *common, "run_id=part", "resume=true")
     assert done.returncode == 0, done.stderr[-3000:]
     whole, part = load_run(tmp_path / "whole"), load_run(tmp_path / "part")

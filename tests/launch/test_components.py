@@ -63,7 +63,9 @@ def test_ps_job_on_ray_actors_has_the_trainer_role_only(tmp_path: Path, where: s
     assert (trainer.name, trainer.num_replicas) == ("trainer", 3)
     assert trainer.env["DISTOPT_NUM_PS"] == "2" and trainer.env["DISTOPT_NUM_TRAINERS"] == "3"
     assert trainer.env["WORLD_SIZE"] == "3" and trainer.env["DISTOPT_ROLE"] == "trainer"
-    assert "RANK=$((0 + ${replica_id}))" in _script(app)  # trainer 0 is the first replica: MASTER_ADDR
+    assert "RANK=$((0 + ${replica_id}))" in _script(
+        app
+    )  # trainer 0 is the first replica: MASTER_ADDR
 
 
 def test_ps_job_master_address_comes_from_scheduler_rank0_variable(config: str) -> None:

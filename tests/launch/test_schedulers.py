@@ -144,7 +144,11 @@ def test_torchxconfig_sections_of_distopt_schedulers(tmp_path: Path) -> None:
         assert {opt.opt_type for _, opt in runner.scheduler_run_opts("distopt_ray")} == {str}
         cfg: dict[str, object] = {"requirements": "r.txt"}
         apply_torchxconfig(runner, "distopt_ray", cfg, [str(tmp_path)])
-        assert cfg == {"requirements": "r.txt", "dashboard_address": "127.0.0.1:1", "working_dir": None}
+        assert cfg == {
+            "requirements": "r.txt",
+            "dashboard_address": "127.0.0.1:1",
+            "working_dir": None,
+        }
         given: dict[str, object] = {"dashboard_address": "10.0.0.1:2"}
         apply_torchxconfig(runner, "distopt_ray", given, [str(tmp_path)])
         assert given["dashboard_address"] == "10.0.0.1:2"  # the caller's value wins

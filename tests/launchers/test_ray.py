@@ -70,9 +70,11 @@ def _run_with_runner(scheduler: str, cfg: str, args: tuple[str, ...]) -> Ran:
         status = runner.wait(handle, wait_interval=1)
         described = runner.describe(handle)
         logs = "".join(
-            line for role in described.roles for k in range(role.num_replicas)
+            line
+            for role in described.roles
+            for k in range(role.num_replicas)
             for line in runner.log_lines(handle, role.name, k)
-        )  # fmt: skip
+        )
     return Ran(status.state == AppState.SUCCEEDED, handle, f"State: {status.state.name}", logs)
 
 
@@ -90,9 +92,17 @@ def test_ray_head_listens_on_loopback_only(ray_cluster) -> None:
 def test_real_ps_job_on_ray(ray_cluster, tmp_path: Path, scheduler: str) -> None:
     started = time.monotonic()
     ran = _run_on_ray(
-        ray_cluster, "--config", TINY, "--output_dir", str(tmp_path / "runs"),
-        "--set", "steps=5", "--run_id", "ray", scheduler=scheduler,
-    )  # fmt: skip
+        ray_cluster,
+        "--config",
+        TINY,
+        "--output_dir",
+        str(tmp_path / "runs"),
+        "--set",
+        "steps=5",
+        "--run_id",
+        "ray",
+        scheduler=scheduler,
+    )
     assert ran.ok, ran.status + ran.logs[-3000:]
     run = load_run(tmp_path / "runs" / "ray")
     assert run.world_size == 2 and run.merged_steps()[-1].step == 4
@@ -104,12 +114,31 @@ def test_real_ps_job_on_ray(ray_cluster, tmp_path: Path, scheduler: str) -> None
 def test_distopt_launch_on_distopt_ray(ray_cluster, tmp_path: Path) -> None:
     """The README's `distopt launch -s distopt_ray`: works on any TorchX, nothing registered."""
     out = subprocess.run(
-        [sys.executable, "-m", "distopt", "launch", TINY, "-s", "distopt_ray", "--wait",
-         "--cfg", f"dashboard_address={ray_cluster.dashboard_address}", "--run-id", "launched",
-         "--set", f"output_dir={tmp_path / 'runs'}", "--set", "steps=5",
-         "--arg", f"master_port={free_port_pair()}"],
-        cwd=REPO, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "distopt",
+            "launch",
+            TINY,
+            "-s",
+            "distopt_ray",
+            "--wait",
+            "--cfg",
+            f"dashboard_address={ray_cluster.dashboard_address}",
+            "--run-id",
+            "launched",
+            "--set",
+            f"output_dir={tmp_path / 'runs'}",
+            "--set",
+            "steps=5",
+            "--arg",
+            f"master_port={free_port_pair()}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert out.stdout.startswith("distopt_ray://"), out.stdout
     run = load_run(tmp_path / "runs" / "launched")
@@ -125,8 +154,9 @@ def test_the_criteo_job_config_runs_on_ray(ray_cluster, tmp_path: Path) -> None:
 @pytest.mark.parametrize("scheduler", SCHEDULERS)
 def test_failing_trainer_fails_the_ray_job(ray_cluster, tmp_path: Path, scheduler: str) -> None:
     config = job_config(tmp_path, fail_trainer=1)
-    ran = _run_on_ray(ray_cluster, "--config", str(config), "--module", JOB_MODULE,
-                      scheduler=scheduler)  # fmt: skip
+    ran = _run_on_ray(
+        ray_cluster, "--config", str(config), "--module", JOB_MODULE, scheduler=scheduler
+    )
     assert not ran.ok and "State: FAILED" in ran.status, ran.status + ran.logs[-3000:]
 
 
@@ -145,7 +175,7 @@ def test_the_head_runs_actors_at_its_own_priority() -> None:
     try:
         script = (
             "import os, ray\n"
-            "from distopt.ps.ray_cluster import single_host\n"
+            "from distopt.ps.cluster.ray_placement import single_host\n"
             "single_host()\n"
             f"ray.init(address={head.gcs_address!r}, log_to_driver=False)\n"
             "@ray.remote\n"
@@ -156,8 +186,13 @@ def test_the_head_runs_actors_at_its_own_priority() -> None:
             "ray.shutdown()\n"
         )
         env = {k: v for k, v in os.environ.items() if k != "RAY_worker_niceness"}
-        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                              env={**env, "RAY_AUTH_MODE": "disabled"})  # fmt: skip
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**env, "RAY_AUTH_MODE": "disabled"},
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip().splitlines()[-1] == "0"
     finally:

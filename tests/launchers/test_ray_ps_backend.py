@@ -50,12 +50,18 @@ def _launch(out: Path, run_id: str, clicks: Path, *sets: str) -> tuple[Any, list
     with job:
         roles = [role.name for role in job.runner.describe(job.handle).roles]
         status = job.wait(interval_s=0.5)
-    logs = "".join(p.read_text(errors="replace") for p in sorted((out / "logs" / run_id).rglob("stderr.log")))
+    logs = "".join(
+        p.read_text(errors="replace") for p in sorted((out / "logs" / run_id).rglob("stderr.log"))
+    )
     return status.state, roles, logs
 
 
 def _on_ray(cluster: Any, namespace: str) -> list[str]:
-    return ["ps.backend=ray", f"ps.ray_address={cluster.gcs_address}", f"ps.ray_namespace={namespace}"]
+    return [
+        "ps.backend=ray",
+        f"ps.ray_address={cluster.gcs_address}",
+        f"ps.ray_namespace={namespace}",
+    ]
 
 
 def _losses(run: RunLog) -> dict[int, list[tuple[int, float | None]]]:
@@ -104,7 +110,9 @@ def test_ray_backed_job_has_trainers_only_and_equals_the_rpc_job(
     ray_cluster: Any, rpc_run: Path, clicks: Path, tmp_path: Path
 ) -> None:
     started = time.monotonic()
-    state, roles, logs = _launch(tmp_path, "ray", clicks, "checkpoint_every=2", *_on_ray(ray_cluster, "rj-full"))
+    state, roles, logs = _launch(
+        tmp_path, "ray", clicks, "checkpoint_every=2", *_on_ray(ray_cluster, "rj-full")
+    )
     assert state == AppState.SUCCEEDED, logs[-3000:]
     assert roles == ["trainer"]  # no ps role: trainer 0 created the actors
     run_dir = tmp_path / "runs" / "ray"
@@ -122,7 +130,9 @@ def test_ray_backed_job_has_trainers_only_and_equals_the_rpc_job(
     # The actors ran in a placement group on 1 CPU each (ps.ray_num_cpus), and are gone.
     (actor,) = _assert_all_dead(ray_cluster, "rj-full-")
     assert actor.name == "ps0" and actor.placement_group_id
-    assert actor.required_resources[f"CPU_group_{actor.placement_group_id}"] == 1.0, actor.required_resources
+    assert actor.required_resources[f"CPU_group_{actor.placement_group_id}"] == 1.0, (
+        actor.required_resources
+    )
     print(f"ray-backed criteo job: {time.monotonic() - started:.1f}s")
 
 
@@ -144,7 +154,9 @@ def test_checkpoints_switch_backends_both_ways(
     _assert_all_dead(ray_cluster, "rj-switch-")
 
 
-def test_failing_trainers_fail_the_job_and_leave_no_actors(ray_cluster: Any, tmp_path: Path) -> None:
+def test_failing_trainers_fail_the_job_and_leave_no_actors(
+    ray_cluster: Any, tmp_path: Path
+) -> None:
     config = tmp_path / "job.yaml"
     config.write_text(
         "model: 'tests.job.remote_model:remote_mlp'\nmodel_kwargs: {fail_after: 3}\nsteps: 8\n"
@@ -155,8 +167,12 @@ def test_failing_trainers_fail_the_job_and_leave_no_actors(ray_cluster: Any, tmp
                          component_args={"master_port": free_port_pair()}, log_dir=str(tmp_path / "logs"))  # fmt: skip
     with job:
         status = job.wait(interval_s=0.5)
-    logs = "".join(p.read_text(errors="replace") for p in sorted((tmp_path / "logs").rglob("stderr.log")))
-    assert status.state == AppState.FAILED and "injected failure in forward call 4" in logs, logs[-3000:]
+    logs = "".join(
+        p.read_text(errors="replace") for p in sorted((tmp_path / "logs").rglob("stderr.log"))
+    )
+    assert status.state == AppState.FAILED and "injected failure in forward call 4" in logs, logs[
+        -3000:
+    ]
     _assert_all_dead(ray_cluster, "rj-fail-")
 
 
@@ -169,7 +185,9 @@ def test_ray_address_local_is_one_private_instance_for_the_job(tmp_path: Path) -
                          component_args={"master_port": free_port_pair()}, log_dir=str(tmp_path / "logs"))  # fmt: skip
     with job:
         status = job.wait(interval_s=0.5)
-    logs = "".join(p.read_text(errors="replace") for p in sorted((tmp_path / "logs").rglob("stderr.log")))
+    logs = "".join(
+        p.read_text(errors="replace") for p in sorted((tmp_path / "logs").rglob("stderr.log"))
+    )
     assert status.state == AppState.SUCCEEDED, logs[-3000:]
     run = load_run(tmp_path / "runs" / "local")
     assert run.world_size == 2 and [s.step for s in run.merged_steps()] == [0, 1, 2, 3]

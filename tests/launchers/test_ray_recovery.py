@@ -43,7 +43,9 @@ def clicks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_criteo(tmp_path_factory.mktemp("data") / "clicks.tsv", num_samples=1500, seed=0)
 
 
-def _overrides(out: Path, clicks: Path, cluster: Any, namespace: str, max_restarts: int) -> list[str]:
+def _overrides(
+    out: Path, clicks: Path, cluster: Any, namespace: str, max_restarts: int
+) -> list[str]:
     # 20 ms per server call: a step takes long enough that the kill lands mid-run.
     return [f"data.path={clicks}", f"output_dir={out / 'runs'}", f"steps={STEPS}", f"checkpoint_every={EVERY}",
             "eval.every=10", "variant=optimized", "ps.backend=ray", f"ps.ray_address={cluster.gcs_address}",
@@ -88,13 +90,18 @@ def _launch(out: Path, run_id: str, overrides: list[str], *,
             cluster, namespace, steps = kill
             log, killed = out / "runs" / run_id / "qps-rank0.jsonl", set()
             for step in steps:
-                actor = _wait_for("a live actor ps0", lambda: _alive_actor(cluster, f"{namespace}-", "ps0", killed))
+                actor = _wait_for(
+                    "a live actor ps0",
+                    lambda: _alive_actor(cluster, f"{namespace}-", "ps0", killed),
+                )
                 _wait_for(f"step {step}", lambda at=step: at in _logged_steps(log))
                 os.kill(actor.pid, signal.SIGKILL)
                 killed.add(actor.pid)
                 assert max(_logged_steps(log)) < STEPS - 1, "the kill came too late to land mid-run"
         status = job.wait(interval_s=0.5)
-    logs = "".join(p.read_text(errors="replace") for p in sorted((out / "logs" / run_id).rglob("stderr.log")))
+    logs = "".join(
+        p.read_text(errors="replace") for p in sorted((out / "logs" / run_id).rglob("stderr.log"))
+    )
     return status.state, logs
 
 
@@ -123,9 +130,15 @@ def test_a_killed_server_actor_rolls_every_trainer_back_and_the_job_ends_as_an_u
     started = time.monotonic()
     namespace = f"rr-kill{kill_after}"
     overrides = _overrides(tmp_path, clicks, ray_cluster, namespace, 1)
-    state, logs = _launch(tmp_path, "killed", overrides, kill=(ray_cluster, namespace, (kill_after,)))
+    state, logs = _launch(
+        tmp_path, "killed", overrides, kill=(ray_cluster, namespace, (kill_after,))
+    )
     assert state == AppState.SUCCEEDED, logs[-4000:]
-    lines = [ln for ln in logs.splitlines() if "distopt.job.recovery: recovery 1 of 1: ps0 lost at step" in ln]
+    lines = [
+        ln
+        for ln in logs.splitlines()
+        if "distopt.job.recovery: recovery 1 of 1: ps0 lost at step" in ln
+    ]
     assert len(lines) == 2, logs[-4000:]  # one line on each trainer
     back = "the seeded tables (step 0)" if kill_after == 0 else "checkpoint "
     assert f"every trainer and server back at {back}" in lines[0], lines[0]
@@ -139,13 +152,18 @@ def test_a_killed_server_actor_rolls_every_trainer_back_and_the_job_ends_as_an_u
         if kill_after == 0:
             assert recovery["resumed_from"] == 0 and recovery["checkpoint"] is None
         else:
-            assert recovery["resumed_from"] in (4, 8) and recovery["resumed_from"] <= recovery["failed_step"]
+            assert (
+                recovery["resumed_from"] in (4, 8)
+                and recovery["resumed_from"] <= recovery["failed_step"]
+            )
         # Each step once, the re-run ones replacing those after the checkpoint: the same losses.
         assert [(s.step, s.loss) for s in run.ranks[rank].steps] == [
             (s.step, s.loss) for s in reference.ranks[rank].steps]  # fmt: skip
     assert [e.metrics for e in run.ranks[0].evals] == [e.metrics for e in reference.ranks[0].evals]
     ours, theirs = _final(tmp_path / "runs" / "killed"), _final(uninterrupted)
-    assert any(k.startswith("ps0/") for k in ours) and any(k.startswith("dense/model/") for k in ours)
+    assert any(k.startswith("ps0/") for k in ours) and any(
+        k.startswith("dense/model/") for k in ours
+    )
     assert ours.keys() == theirs.keys()
     assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
     print(f"killed ps0 after step {kill_after}, failed at step {recovery['failed_step']}, recovered from step "
@@ -160,18 +178,26 @@ def test_without_restarts_a_killed_server_actor_fails_the_job_in_one_line(
     state, logs = _launch(tmp_path, "dies", overrides, kill=(ray_cluster, "rr-norestart", (5,)))
     assert state == AppState.FAILED, logs[-3000:]
     errors = [ln for ln in logs.splitlines() if ln.startswith("distopt.train: error: ")]
-    assert any(" on ps0 failed: the actor process exited or was killed (Ray: " in ln for ln in errors), logs[-3000:]
+    assert any(
+        " on ps0 failed: the actor process exited or was killed (Ray: " in ln for ln in errors
+    ), logs[-3000:]
     assert "recovery 1 of" not in logs
 
 
-def test_recoveries_are_bounded_by_max_restarts(ray_cluster: Any, clicks: Path, tmp_path: Path) -> None:
+def test_recoveries_are_bounded_by_max_restarts(
+    ray_cluster: Any, clicks: Path, tmp_path: Path
+) -> None:
     """Killed twice with ``ps.max_restarts: 1``: one recovery, then the one-line error."""
     overrides = _overrides(tmp_path, clicks, ray_cluster, "rr-twice", 1)
     state, logs = _launch(tmp_path, "twice", overrides, kill=(ray_cluster, "rr-twice", (5, 12)))
     assert state == AppState.FAILED, logs[-3000:]
     assert logs.count("recovery 1 of 1: ps0 lost at step") == 2, logs[-3000:]
-    errors = [ln for ln in logs.splitlines() if ln.startswith("distopt.train: error: ps0 lost at step ")]
-    assert errors and all(ln.endswith(": no recovery left (1 done, ps.max_restarts=1)") for ln in errors), errors
+    errors = [
+        ln for ln in logs.splitlines() if ln.startswith("distopt.train: error: ps0 lost at step ")
+    ]
+    assert errors and all(
+        ln.endswith(": no recovery left (1 done, ps.max_restarts=1)") for ln in errors
+    ), errors
 
 
 @pytest.fixture(autouse=True)

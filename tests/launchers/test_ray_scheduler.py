@@ -70,7 +70,9 @@ def test_two_role_app_succeeds_and_reports(ray_cluster, tmp_path: Path) -> None:
     assert [(r.name, r.num_replicas) for r in desc.roles] == [("writer", 2), ("chief", 1)]
     assert [len(s.replicas) for s in desc.roles_statuses] == [2, 1]
 
-    listed = {a.app_id: a.state for a in sched.list({"dashboard_address": ray_cluster.dashboard_address})}
+    listed = {
+        a.app_id: a.state for a in sched.list({"dashboard_address": ray_cluster.dashboard_address})
+    }
     assert listed[app_id] == AppState.SUCCEEDED
 
     assert list(sched.log_iter(app_id, "writer", k=1)) == ["hello writer 1\n"]

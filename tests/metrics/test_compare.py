@@ -107,7 +107,9 @@ def test_predicted_gain_from_header(write_run: WriteRun) -> None:
 
 def test_predicted_saving_is_taken_off_the_measured_baseline_step(write_run: WriteRun) -> None:
     base = load_run(write_run("base", 1000.0, extra={"predicted_step_time_s": 0.08}))
-    saving = load_run(write_run("saving", 1500.0, extra={"predicted_saving_s": 0.02, "predicted_gain": 9.0}))
+    saving = load_run(
+        write_run("saving", 1500.0, extra={"predicted_saving_s": 0.02, "predicted_gain": 9.0})
+    )
     absurd = load_run(write_run("absurd", 1500.0, extra={"predicted_saving_s": 100.0}))
     result = compare_runs([base, saving, absurd], labels=["b", "s", "a"])
     t_base = result.runs[0].median_step_time_s

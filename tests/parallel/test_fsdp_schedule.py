@@ -59,4 +59,4 @@ def test_never_worse_than_the_leanest_and_within_the_budget(sizes, world, slack)
     assert plan.root_held <= {0, len(sizes) - 1}
     sharded = [i for i in range(len(sizes)) if i not in plan.root_held]
     kept = sorted(plan.keep_after_forward)
-    assert kept == sharded[len(sharded) - len(kept):] and (not sharded or sharded[-1] in kept)
+    assert kept == sharded[len(sharded) - len(kept) :] and (not sharded or sharded[-1] in kept)

@@ -26,13 +26,36 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same optimized job three times: no pipeline, exact pipeline, staleness 1."""
     root = tmp_path_factory.mktemp("pipeline_job")
     clicks = write_criteo(root / "clicks.tsv", num_samples=12_000, seed=0)
-    for run_id, pipeline in [("plain", "{enabled: false}"), ("exact", "{enabled: true, staleness: 0}"),
-                             ("stale1", "{enabled: true, staleness: 1}")]:
-        sets = [f"data.path={clicks}", "variant=optimized", f"steps={STEPS}", "deterministic=true",
-                "eval={every: 0, batch_size: 500}", f"output_dir={root}", f"run_id={run_id}",
-                f"pipeline={pipeline}", f"checkpoint_every={STEPS}", "tensorboard=false"]
-        command = [sys.executable, "-m", "distopt.supervise", "--config", "configs/jobs/dlrm_criteo.yaml",
-                   "--num-ps", "1", "--num-trainers", "2", "--max-restarts", "0"]
+    for run_id, pipeline in [
+        ("plain", "{enabled: false}"),
+        ("exact", "{enabled: true, staleness: 0}"),
+        ("stale1", "{enabled: true, staleness: 1}"),
+    ]:
+        sets = [
+            f"data.path={clicks}",
+            "variant=optimized",
+            f"steps={STEPS}",
+            "deterministic=true",
+            "eval={every: 0, batch_size: 500}",
+            f"output_dir={root}",
+            f"run_id={run_id}",
+            f"pipeline={pipeline}",
+            f"checkpoint_every={STEPS}",
+            "tensorboard=false",
+        ]
+        command = [
+            sys.executable,
+            "-m",
+            "distopt.supervise",
+            "--config",
+            "configs/jobs/dlrm_criteo.yaml",
+            "--num-ps",
+            "1",
+            "--num-trainers",
+            "2",
+            "--max-restarts",
+            "0",
+        ]
         for value in sets:
             command += ["--set", value]
         done = subprocess.run(command, capture_output=True, text=True, timeout=400)
@@ -49,8 +72,10 @@ def _checkpoint(root: Path, run_id: str) -> dict[str, Any]:
     step = root / run_id / "checkpoints" / f"step-{STEPS:08d}"
     dense = root / f"{run_id}-dense.pt"
     dcp_to_torch_save(step / "dense", dense)
-    return {"dense": torch.load(dense, weights_only=False),
-            "tables": torch.load(step / "ps0.pt", weights_only=False)}
+    return {
+        "dense": torch.load(dense, weights_only=False),
+        "tables": torch.load(step / "ps0.pt", weights_only=False),
+    }
 
 
 def test_exact_mode_ends_bitwise_equal_to_the_job_without_a_pipeline(runs: Path) -> None:
@@ -58,7 +83,9 @@ def test_exact_mode_ends_bitwise_equal_to_the_job_without_a_pipeline(runs: Path)
     # Dense parameters and Adam state of the trainers, rows and row-wise Adagrad state of the server.
     assert bitwise_equal(plain["dense"], exact["dense"])
     assert bitwise_equal(plain["tables"], exact["tables"])
-    assert [r["loss"] for r in _records(runs, "plain", "step")] == [r["loss"] for r in _records(runs, "exact", "step")]
+    assert [r["loss"] for r in _records(runs, "plain", "step")] == [
+        r["loss"] for r in _records(runs, "exact", "step")
+    ]
     assert {r["staleness_max"] for r in _records(runs, "exact", "step")} == {0}
 
 

@@ -9,14 +9,21 @@ from hypothesis import strategies as st
 from distopt.pipeline.prefetch import PushJournal
 
 TABLES = ("a", "b", "c")
-ids_of = st.lists(st.integers(0, 20), min_size=0, max_size=12).map(lambda v: torch.tensor(v, dtype=torch.int64))
-events = st.lists(st.one_of(
-    st.tuples(st.just("push"), st.sampled_from(TABLES), ids_of),
-    st.tuples(st.just("fetch"), st.sampled_from(TABLES), ids_of),
-), max_size=40)
+ids_of = st.lists(st.integers(0, 20), min_size=0, max_size=12).map(
+    lambda v: torch.tensor(v, dtype=torch.int64)
+)
+events = st.lists(
+    st.one_of(
+        st.tuples(st.just("push"), st.sampled_from(TABLES), ids_of),
+        st.tuples(st.just("fetch"), st.sampled_from(TABLES), ids_of),
+    ),
+    max_size=40,
+)
 
 
-def _reference(pushes: list[tuple[str, set[int]]], table: str, ids: torch.Tensor, since: int) -> list[int]:
+def _reference(
+    pushes: list[tuple[str, set[int]]], table: str, ids: torch.Tensor, since: int
+) -> list[int]:
     mine = [pushed for name, pushed in pushes if name == table][since:]
     return [sum(int(i) in pushed for pushed in mine) for i in ids.tolist()]
 
@@ -40,7 +47,9 @@ def test_each_fetched_row_counts_the_later_pushes_of_its_own_table_that_named_it
     # One batch of all the fetches, each with its own clock: count them one by one and together.
     for table, ids, clocks in fetches:
         since = {table: clocks.get(table, 0)}
-        assert journal.missed([(table, ids)], since).tolist() == _reference(pushes, table, ids, since[table])
+        assert journal.missed([(table, ids)], since).tolist() == _reference(
+            pushes, table, ids, since[table]
+        )
 
 
 def test_a_batch_over_several_tables_is_counted_per_table_in_request_order():
@@ -50,7 +59,11 @@ def test_a_batch_over_several_tables_is_counted_per_table_in_request_order():
     journal.record("a", torch.tensor([2, 3]))
     journal.record("b", torch.tensor([1]))
     journal.record("a", torch.tensor([2]))
-    requests = [("a", torch.tensor([[1, 2], [3, 4]])), ("b", torch.tensor([1, 2])), ("a", torch.tensor([2]))]
+    requests = [
+        ("a", torch.tensor([[1, 2], [3, 4]])),
+        ("b", torch.tensor([1, 2])),
+        ("a", torch.tensor([2])),
+    ]
     assert journal.missed(requests, since).tolist() == [0, 2, 1, 0, 1, 0, 2]
 
 

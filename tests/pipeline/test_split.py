@@ -16,8 +16,11 @@ from tests.pipeline.conftest import CONFIG, optimized_dlrm
 
 
 def _slots(gm: torch.fx.GraphModule) -> list[str]:
-    return [str(n.target.__name__) for n in gm.graph.nodes
-            if n.op == "call_function" and hasattr(n.target, "_distopt_prefetch_slot")]
+    return [
+        str(n.target.__name__)
+        for n in gm.graph.nodes
+        if n.op == "call_function" and hasattr(n.target, "_distopt_prefetch_slot")
+    ]
 
 
 def test_the_batched_read_of_every_table_is_the_prefetch_stage(server) -> None:
@@ -29,7 +32,7 @@ def test_the_batched_read_of_every_table_is_the_prefetch_stage(server) -> None:
     assert len(split.slots) == 1 and "dlrm.py" in split.slots[0]
     with torch.no_grad():
         issued = split.prefetch(batch.dense, batch.sparse)
-        (future, args, kwargs), = issued
+        ((future, args, kwargs),) = issued
         with provided(issued):
             pipelined = split.main(batch.dense, batch.sparse)
         ps.discard_step()
@@ -86,11 +89,20 @@ class ParameterIds(nn.Module):
 )
 def test_reads_that_cannot_run_ahead_stay_in_the_main_stage(server, model, kept) -> None:
     ids = torch.tensor([1, 2, 3])
-    gm = distopt.optimize(model(), (ids,), passes=["split_remote"], strict=True,
-                          config={"verify": {"remote_writes": True}})
+    gm = distopt.optimize(
+        model(),
+        (ids,),
+        passes=["split_remote"],
+        strict=True,
+        config={"verify": {"remote_writes": True}},
+    )
     ps.discard_step()
     split = split_prefetch(gm)
-    issues = [n for n in split.prefetch.graph.nodes if n.op == "call_function" and "fetch" in str(n.target)]
+    issues = [
+        n
+        for n in split.prefetch.graph.nodes
+        if n.op == "call_function" and "fetch" in str(n.target)
+    ]
     assert [n.args[0] for n in issues] == kept, split.prefetch.code
     ps.load_state_dict(server)
 
@@ -101,9 +113,13 @@ class Local(nn.Module):
 
 
 def test_a_model_without_remote_reads_is_a_one_line_error_naming_it() -> None:
-    with pytest.raises(ConfigError, match=r"^pipeline: model Local has no remote read; nothing to prefetch$"):
+    with pytest.raises(
+        ConfigError, match=r"^pipeline: model Local has no remote read; nothing to prefetch$"
+    ):
         pipeline_split(torch.fx.symbolic_trace(Local()))
-    with pytest.raises(ConfigError, match=r"^pipeline: model Local is not a result of distopt.optimize"):
+    with pytest.raises(
+        ConfigError, match=r"^pipeline: model Local is not a result of distopt.optimize"
+    ):
         pipeline_split(Local())
 
 
@@ -113,4 +129,4 @@ def test_explain_shows_the_prefetch_stage_next_to_the_main_stage(server) -> None
     text = distopt.explain(main)
     assert "pipeline: 1 read prefetched a step ahead" in text
     assert "slot 0: fetch_batched: " in text and "ps.fetch(self.tables[k], sparse[k])" in text
-    assert "prefetch stage:" in text and "distopt_ps_registration_fetch_batched" in text
+    assert "prefetch stage:" in text and "distopt_ps_client_registration_fetch_batched" in text

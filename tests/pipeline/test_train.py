@@ -10,6 +10,7 @@ import distopt.ps as ps
 from distopt.errors import ConfigError
 from distopt.models.dlrm import dlrm_loss, make_batch
 from distopt.pipeline import TrainPipeline
+from distopt.ps.client import calls
 from tests.pipeline.conftest import CONFIG, bitwise_equal, optimized_dlrm
 
 STEPS = 8
@@ -45,18 +46,27 @@ def _sequential(server) -> tuple[list[float], dict, dict]:
     return losses, gm.state_dict(), opt.state_dict()
 
 
-def _pipelined(server, staleness: int, deterministic: bool = False) -> tuple[list[float], dict, dict, TrainPipeline]:
+def _pipelined(
+    server, staleness: int, deterministic: bool = False
+) -> tuple[list[float], dict, dict, TrainPipeline]:
     ps.load_state_dict(server)
     batches = _batches()
     gm = optimized_dlrm(_inputs(batches[0]))
     opt = torch.optim.Adam(gm.parameters(), lr=0.01)
-    pipe = TrainPipeline(gm, opt, iter(batches), staleness=staleness, loss_fn=_loss, inputs=_inputs,
-                         push=lambda: ps.push_gradients(lr=LR), deterministic=deterministic)
+    pipe = TrainPipeline(
+        gm,
+        opt,
+        iter(batches),
+        staleness=staleness,
+        loss_fn=_loss,
+        inputs=_inputs,
+        push=lambda: ps.push_gradients(lr=LR),
+        deterministic=deterministic,
+    )
     losses = [out.loss.item() for out in pipe.run()]
     pipe.close()
     ps.flush()
     return losses, gm.state_dict(), opt.state_dict(), pipe
-
 
 
 def test_exact_mode_is_bitwise_the_optimized_model_without_a_pipeline(server) -> None:
@@ -90,15 +100,22 @@ def test_deterministic_stale_runs_repeat_bitwise_and_pushes_are_ordered_again_af
     assert bitwise_equal(ps.state_dict(), first_tables)
     assert pipe.stats.staleness_max == 1 == first.stats.staleness_max
     _pipelined(server, staleness=1)  # relaxed: pushes may overtake each other while it runs
-    assert ps.client.set_stale_pushes(False) is False  # and the issue order is back after it
+    assert calls.set_stale_pushes(False) is False  # and the issue order is back after it
 
 
 def test_the_data_ends_cleanly_between_steps(server) -> None:
     ps.load_state_dict(server)
     batches = _batches()[:3]
     gm = optimized_dlrm(_inputs(batches[0]))
-    pipe = TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.1), iter(batches), staleness=1,
-                         loss_fn=_loss, inputs=_inputs, push=lambda: ps.push_gradients(lr=LR))
+    pipe = TrainPipeline(
+        gm,
+        torch.optim.SGD(gm.parameters(), lr=0.1),
+        iter(batches),
+        staleness=1,
+        loss_fn=_loss,
+        inputs=_inputs,
+        push=lambda: ps.push_gradients(lr=LR),
+    )
     steps = [pipe.progress().step for _ in range(3)]
     with pytest.raises(StopIteration):
         pipe.progress()

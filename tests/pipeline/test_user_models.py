@@ -23,8 +23,10 @@ distopt.register_read(lookup_rows)
 
 DIM = 8
 ROWS = 24  # few rows: consecutive batches share rows, so a missed update is observable
-TABLES = (ps.TableSpec(name="users", num_rows=ROWS, dim=DIM, optimizer="adagrad"),
-          ps.TableSpec(name="items", num_rows=ROWS, dim=DIM))
+TABLES = (
+    ps.TableSpec(name="users", num_rows=ROWS, dim=DIM, optimizer="adagrad"),
+    ps.TableSpec(name="items", num_rows=ROWS, dim=DIM),
+)
 # Two features share one table, as TorchRec's EmbeddingBagConfig(feature_names=[...]) allows.
 FEATURES = {"user_id": "users", "item_id": "items", "item_history": "items"}
 BATCH = 6
@@ -45,8 +47,12 @@ class RemoteBagCollection(nn.Module):
         super().__init__()
         self.lookups = nn.ModuleDict({f: ps.RemoteEmbedding(t, DIM) for f, t in features.items()})
 
-    def forward(self, jagged: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {f: sum_bags(lookup(jagged[f][0]), jagged[f][1]) for f, lookup in self.lookups.items()}
+    def forward(
+        self, jagged: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    ) -> dict[str, torch.Tensor]:
+        return {
+            f: sum_bags(lookup(jagged[f][0]), jagged[f][1]) for f, lookup in self.lookups.items()
+        }
 
 
 class Ranker(nn.Module):
@@ -56,7 +62,9 @@ class Ranker(nn.Module):
         super().__init__()
         self.dense_arch = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, DIM))
         self.sparse_arch = RemoteBagCollection(FEATURES)
-        self.over_arch = nn.Sequential(nn.Linear((1 + len(FEATURES)) * DIM, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.over_arch = nn.Sequential(
+            nn.Linear((1 + len(FEATURES)) * DIM, 16), nn.ReLU(), nn.Linear(16, 1)
+        )
 
     def forward(self, dense: torch.Tensor, jagged: dict) -> torch.Tensor:
         pooled = self.sparse_arch(jagged)
@@ -86,7 +94,6 @@ def _push():
     ps.push_gradients(lr=0.5)
 
 
-
 @pytest.fixture(scope="module")
 def tables() -> Iterator[dict]:
     """Two servers holding the ranker's tables; yields their first state."""
@@ -97,7 +104,9 @@ def tables() -> Iterator[dict]:
 def _optimized(with_example: bool) -> torch.fx.GraphModule:
     torch.manual_seed(0)
     example = _inputs(make_batch(0)) if with_example else None
-    gm = distopt.optimize(Ranker(), example, strict=True, config={"verify": {"remote_writes": True}})
+    gm = distopt.optimize(
+        Ranker(), example, strict=True, config={"verify": {"remote_writes": True}}
+    )
     ps.discard_step()  # verification's fetches are no training step
     assert isinstance(gm, torch.fx.GraphModule)
     return gm
@@ -121,11 +130,19 @@ def _train(tables, with_example: bool, staleness: int | None):
             opt.step()
             losses.append(loss.item())
     else:
-        pipe = TrainPipeline(gm, opt, iter(batches), staleness=staleness, loss_fn=_loss, inputs=_inputs, push=_push)
+        pipe = TrainPipeline(
+            gm, opt, iter(batches), staleness=staleness, loss_fn=_loss, inputs=_inputs, push=_push
+        )
         losses = [out.loss.item() for out in pipe.run()]
         pipe.close()
     ps.flush()
-    return losses, copy.deepcopy(gm.state_dict()), copy.deepcopy(opt.state_dict()), ps.state_dict(), pipe
+    return (
+        losses,
+        copy.deepcopy(gm.state_dict()),
+        copy.deepcopy(opt.state_dict()),
+        ps.state_dict(),
+        pipe,
+    )
 
 
 @pytest.mark.parametrize("with_example", [True, False], ids=["example", "no_example"])
@@ -168,7 +185,9 @@ class ZerosPooling(Ranker):
             values, offsets = jagged[feature]
             rows = lookup(values)
             bags = torch.zeros(offsets.shape[0] - 1, DIM)
-            pooled.append(bags.index_add(0, torch.repeat_interleave(offsets[1:] - offsets[:-1]), rows))
+            pooled.append(
+                bags.index_add(0, torch.repeat_interleave(offsets[1:] - offsets[:-1]), rows)
+            )
         return self.over_arch(torch.cat([self.dense_arch(dense), *pooled], dim=1))
 
 
@@ -183,7 +202,9 @@ def _refusal(model: nn.Module, **kwargs) -> str:
 def test_a_dynamo_compiled_model_is_refused_with_the_line_that_needed_dynamo() -> None:
     compiled = distopt.optimize(ZerosPooling())  # Dynamo compiles lazily: nothing runs here
     message = _refusal(compiled)
-    assert message.startswith("pipeline: model ZerosPooling was compiled with Dynamo by distopt.optimize (")
+    assert message.startswith(
+        "pipeline: model ZerosPooling was compiled with Dynamo by distopt.optimize ("
+    )
     assert "bags = torch.zeros(offsets.shape[0] - 1, DIM)" in message
     assert message.endswith("the pipeline splits only symbolically traced graphs")
 
@@ -194,8 +215,12 @@ def test_a_model_returned_unoptimized_is_refused_saying_why() -> None:
         same = distopt.optimize(model, config={"capture": {"dynamo": False}})
     assert same is model
     message = _refusal(same)
-    assert message.startswith("pipeline: model ZerosPooling was returned unoptimized by distopt.optimize (")
-    assert "symbolic tracing failed" in message and message.endswith("so there is no graph to split")
+    assert message.startswith(
+        "pipeline: model ZerosPooling was returned unoptimized by distopt.optimize ("
+    )
+    assert "symbolic tracing failed" in message and message.endswith(
+        "so there is no graph to split"
+    )
 
 
 def test_a_model_never_optimized_is_refused_with_what_to_do() -> None:
@@ -224,7 +249,9 @@ def test_a_model_whose_reads_need_its_parameters_is_refused_naming_the_read() ->
         "pipeline: model LearnedIds has 1 remote read(s) but none whose arguments come from its "
         "inputs alone (first: "
     )
-    assert "self.emb(self.route(dense).argmax(dim=1))" in message and message.endswith("nothing to prefetch")
+    assert "self.emb(self.route(dense).argmax(dim=1))" in message and message.endswith(
+        "nothing to prefetch"
+    )
 
 
 # ------------------------------------------- user RPC reads: staleness the pipeline cannot count
@@ -248,15 +275,23 @@ class ReadThenWrite(nn.Module):
 
 def _pipeline(model: nn.Module, staleness: int, push) -> TrainPipeline:
     gm = distopt.optimize(model)
-    return TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.1), iter([]), staleness=staleness,
-                         loss_fn=_loss, push=push)
+    return TrainPipeline(
+        gm,
+        torch.optim.SGD(gm.parameters(), lr=0.1),
+        iter([]),
+        staleness=staleness,
+        loss_fn=_loss,
+        push=push,
+    )
 
 
 def test_user_rpc_reads_ahead_of_an_unseen_push_are_refused() -> None:
     with pytest.raises(ConfigError) as caught:
         _pipeline(ReadThenWrite(), staleness=1, push=lambda: None)
     message = str(caught.value)
-    assert message.startswith("pipeline: model ReadThenWrite: staleness=1 cannot count what the read ")
+    assert message.startswith(
+        "pipeline: model ReadThenWrite: staleness=1 cannot count what the read "
+    )
     assert 'rows = rpc.rpc_sync("ps0", lookup_rows, args=("t0", ids))' in message
     assert "it would run before push=" in message and message.endswith("use staleness=0 (exact)")
     assert "\n" not in message
@@ -266,7 +301,7 @@ def test_user_rpc_reads_two_steps_ahead_of_a_conflicting_write_are_refused() -> 
     with pytest.raises(ConfigError) as caught:
         _pipeline(ReadThenWrite(), staleness=2, push=None)
     message = str(caught.value)
-    assert 'it would run before the write ' in message and "add_rows" in message
+    assert "it would run before the write " in message and "add_rows" in message
     assert message.endswith("use staleness <= 1") and "\n" not in message
 
 

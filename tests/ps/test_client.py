@@ -12,9 +12,10 @@ import torch.distributed.rpc as rpc
 import distopt.ps as ps
 from distopt.capture import DistoptTracer
 from distopt.errors import ConfigError, RemoteCallError
-from distopt.ps.server import ps_server_fetch, ps_server_set_latency
+from distopt.ps.client import calls, context, ordering
+from distopt.ps.server.table import ShardTable, initial_rows
 from distopt.ps.spec import ServerOptions, TableSpec
-from distopt.ps.table import ShardTable, initial_rows
+from distopt.ps.transport.rpc import HANDLERS
 from distopt.remote import effect_of, lookup
 
 pytestmark = pytest.mark.slow
@@ -38,7 +39,9 @@ TABLES = (
 
 @pytest.fixture(scope="module")
 def job() -> Iterator[ps.PSJob]:
-    options = ServerOptions(num_servers=2, seed=SEED, latency_ms=20, rpc_timeout_s=10, start_timeout_s=20)
+    options = ServerOptions(
+        num_servers=2, seed=SEED, latency_ms=20, rpc_timeout_s=10, start_timeout_s=20
+    )
     with ps.local_job(TABLES, options) as job:
         yield job
 
@@ -89,33 +92,39 @@ def test_async_push_then_fetch_sees_the_push(job: ps.PSJob) -> None:
 
 
 @pytest.mark.parametrize("stale", [False, True])
-def test_a_stale_read_sees_earlier_pushes_and_does_not_hold_back_later_ones(job: ps.PSJob, stale: bool) -> None:
+def test_a_stale_read_sees_earlier_pushes_and_does_not_hold_back_later_ones(
+    job: ps.PSJob, stale: bool
+) -> None:
     """Odd ids live on ps1, made slow (1 s); a push of even ids (ps0) issued after a slow read of
     the same table waits for it, unless the read was issued as stale."""
     with torch.no_grad():
         before = ps.fetch("stale")
     ps.push_async("stale", torch.tensor([1, 3]), torch.ones(2, 2), lr=1.0)  # in flight, 20 ms
-    rpc.rpc_sync("ps1", ps_server_set_latency, args=(1000.0,))
+    rpc.rpc_sync("ps1", HANDLERS["set_latency"], args=(1000.0,))
     try:
-        with ps.ordering.stale_reads() if stale else contextlib.nullcontext(), torch.no_grad():
+        with ordering.stale_reads() if stale else contextlib.nullcontext(), torch.no_grad():
             read = ps.fetch_async("stale", torch.tensor([1, 3]))
         push = ps.push_async("stale", torch.tensor([0, 2]), torch.ones(2, 2), lr=1.0)
         ps.wait(push)
         assert read.done() is not stale  # exact reads hold the push back; stale ones do not
         rows = read.wait()
     finally:
-        rpc.rpc_sync("ps1", ps_server_set_latency, args=(20.0,))
+        rpc.rpc_sync("ps1", HANDLERS["set_latency"], args=(20.0,))
     torch.testing.assert_close(rows, before[[1, 3]] - 1)  # the push issued before it is seen
     with torch.no_grad():
-        torch.testing.assert_close(ps.fetch("stale"), before - torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0])[:, None])
+        torch.testing.assert_close(
+            ps.fetch("stale"), before - torch.tensor([1.0, 1, 1, 1, 0, 0, 0, 0])[:, None]
+        )
 
 
 @pytest.mark.parametrize("stale", [False, True])
-def test_stale_pushes_overtake_earlier_pushes_and_fetches_still_see_all(job: ps.PSJob, stale: bool) -> None:
+def test_stale_pushes_overtake_earlier_pushes_and_fetches_still_see_all(
+    job: ps.PSJob, stale: bool
+) -> None:
     with torch.no_grad():
         before = ps.fetch("stale")
-    rpc.rpc_sync("ps1", ps_server_set_latency, args=(1000.0,))
-    previous = ps.client.set_stale_pushes(stale)
+    rpc.rpc_sync("ps1", HANDLERS["set_latency"], args=(1000.0,))
+    previous = calls.set_stale_pushes(stale)
     try:
         slow = ps.push_async("stale", torch.tensor([1, 3]), torch.ones(2, 2), lr=1.0)  # ps1: 1 s
         fast = ps.push_async("stale", torch.tensor([0, 2]), torch.ones(2, 2), lr=1.0)
@@ -124,28 +133,33 @@ def test_stale_pushes_overtake_earlier_pushes_and_fetches_still_see_all(job: ps.
         with torch.no_grad():
             after = ps.fetch("stale", torch.tensor([0, 1, 2, 3]))  # waits for both pushes
     finally:
-        ps.client.set_stale_pushes(previous)
-        rpc.rpc_sync("ps1", ps_server_set_latency, args=(20.0,))
+        calls.set_stale_pushes(previous)
+        rpc.rpc_sync("ps1", HANDLERS["set_latency"], args=(20.0,))
     torch.testing.assert_close(after, before[:4] - 1)
 
 
 @pytest.mark.parametrize("stale", [False, True])
 def test_a_failed_push_fails_every_later_operation_of_its_table(job: ps.PSJob, stale: bool) -> None:
     """Even after the failure is known (done), and in stale mode: the table's state is unknown."""
-    previous = ps.client.set_stale_pushes(stale)
+    previous = calls.set_stale_pushes(stale)
     try:
         bad = ps.push_async("poisoned", torch.tensor([64]), torch.ones(1, 2), lr=1.0)  # no row 64
         with pytest.raises(RemoteCallError):
             ps.wait(bad)
         with pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
             ps.wait(ps.push_async("poisoned", torch.tensor([0]), torch.ones(1, 2), lr=1.0))
-        with torch.no_grad(), pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
+        with (
+            torch.no_grad(),
+            pytest.raises(RemoteCallError, match="an earlier push to the table failed"),
+        ):
             ps.fetch("poisoned", torch.tensor([0]))
     finally:
-        ps.client.set_stale_pushes(previous)
+        calls.set_stale_pushes(previous)
 
 
-def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(job: ps.PSJob) -> None:
+def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(
+    job: ps.PSJob,
+) -> None:
     """Three pushes (one table twice) over two servers: one request each, and the rows are what
     the same pushes made one by one give, seen by a fetch issued while the push is in flight."""
     pushes = [
@@ -153,7 +167,10 @@ def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(
         ("many_ada", torch.tensor([[2, 3], [3, 11]]), torch.randn(2, 2, 3)),
         ("many_sgd", torch.tensor([1, 7]), torch.randn(2, 4)),
     ]
-    expected = {name: ShardTable(_spec(name), shard=0, num_shards=1, seed=SEED) for name in ("many_sgd", "many_ada")}
+    expected = {
+        name: ShardTable(_spec(name), shard=0, num_shards=1, seed=SEED)
+        for name in ("many_sgd", "many_ada")
+    }
     for name, ids, grads in pushes:
         expected[name].push(ids.reshape(-1), grads.reshape(ids.numel(), -1), lr=0.5)
     before = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
@@ -171,19 +188,35 @@ def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(
 
 
 def test_a_failed_batched_push_fails_later_operations_of_each_of_its_tables(job: ps.PSJob) -> None:
-    bad = ps.push_many_async([("many_bad", torch.tensor([64]), torch.ones(1, 2)),  # no row 64
-                              ("many_sgd", torch.tensor([0]), torch.ones(1, 4))], lr=1.0)
+    bad = ps.push_many_async(
+        [
+            ("many_bad", torch.tensor([64]), torch.ones(1, 2)),  # no row 64
+            ("many_sgd", torch.tensor([0]), torch.ones(1, 4)),
+        ],
+        lr=1.0,
+    )
     with pytest.raises(RemoteCallError, match="many_bad"):
         ps.wait(bad)
     for table in ("many_bad", "many_sgd"):  # failed as one request: later operations of each fail
-        with torch.no_grad(), pytest.raises(RemoteCallError, match="an earlier push to the table failed"):
+        with (
+            torch.no_grad(),
+            pytest.raises(RemoteCallError, match="an earlier push to the table failed"),
+        ):
             ps.fetch(table, torch.tensor([0]))
 
 
 def test_batched_push_names_the_table_whose_grads_do_not_fit(job: ps.PSJob) -> None:
-    with pytest.raises(ConfigError, match=r"push to 'many_ada': grads of shape \(2, 4\) do not match 2 ids of dim 3"):
-        ps.push_many_async([("many_sgd", torch.tensor([0]), torch.ones(1, 4)),
-                            ("many_ada", torch.tensor([0, 1]), torch.ones(2, 4))], lr=1.0)
+    with pytest.raises(
+        ConfigError,
+        match=r"push to 'many_ada': grads of shape \(2, 4\) do not match 2 ids of dim 3",
+    ):
+        ps.push_many_async(
+            [
+                ("many_sgd", torch.tensor([0]), torch.ones(1, 4)),
+                ("many_ada", torch.tensor([0, 1]), torch.ones(2, 4)),
+            ],
+            lr=1.0,
+        )
 
 
 def test_batched_fetch_is_one_request_per_server(job: ps.PSJob) -> None:
@@ -204,7 +237,12 @@ def test_batched_fetch_is_one_request_per_server(job: ps.PSJob) -> None:
 
 def test_state_dict_round_trip(job: ps.PSJob) -> None:
     saved = ps.state_dict()
-    assert set(saved) == {"ps0", "ps1"} and set(saved["ps1"]["ckpt"]) == {"weight", "accum", "shard", "num_shards"}
+    assert set(saved) == {"ps0", "ps1"} and set(saved["ps1"]["ckpt"]) == {
+        "weight",
+        "accum",
+        "shard",
+        "num_shards",
+    }
     with torch.no_grad():
         original = ps.fetch("ckpt")
     ps.push("ckpt", torch.arange(6), torch.ones(6, 2), lr=0.1)
@@ -215,7 +253,9 @@ def test_state_dict_round_trip(job: ps.PSJob) -> None:
 
 def test_server_exception_surfaces_at_the_wait(job: ps.PSJob) -> None:
     fut = ps.fetch_async("read", torch.tensor([2, 99]))  # 99 lives on ps1 and is out of range
-    with pytest.raises(RemoteCallError, match=r"fetch of 'read' on ps1 failed: .*row id 99 outside 0\.\.9"):
+    with pytest.raises(
+        RemoteCallError, match=r"fetch of 'read' on ps1 failed: .*row id 99 outside 0\.\.9"
+    ):
         ps.wait(fut)
     with pytest.raises(ConfigError, match="unknown table 'nope'"):  # caught before any RPC
         ps.fetch("nope", torch.tensor([0]))
@@ -230,7 +270,7 @@ def test_push_gradients_of_remote_embedding(job: ps.PSJob) -> None:
     expected = ShardTable(spec, shard=0, num_shards=1, seed=SEED)
     expected.push(ids.reshape(-1), (upstream / 3).repeat_interleave(3, dim=0), lr=0.2)
     futures = ps.push_gradients(lr=0.2)
-    assert len(futures) == 1 and not ps.context.current()
+    assert len(futures) == 1 and not context.current()
     assert ps.push_gradients(lr=0.2) == []  # nothing fetched since
     with torch.no_grad():
         torch.testing.assert_close(ps.fetch("bag"), expected.weight)
@@ -250,12 +290,14 @@ def test_registration_for_the_passes(job: ps.PSJob) -> None:
     assert spec.resource(("read", None), {}) == ("distopt.ps", "read")
     assert spec.batch_key(("read", None), {}) == ("distopt.ps", ("ps0", "ps1"))
     with torch.no_grad():
-        rows = spec.wait(spec.batched([("read", torch.tensor([1])), ("bag", torch.tensor([2]))], [{}, {}]))
+        rows = spec.wait(
+            spec.batched([("read", torch.tensor([1])), ("bag", torch.tensor([2]))], [{}, {}])
+        )
     assert [r.shape for r in rows] == [(1, 4), (1, 4)]
     push_spec = lookup(ps.push)
     assert push_spec is not None and effect_of(push_spec, ("read",), {}) == "write"
     raw = lookup(rpc.rpc_sync)
-    assert effect_of(raw, ("ps0", ps_server_fetch, ("read", torch.tensor([0]))), {}) == "read"
+    assert effect_of(raw, ("ps0", HANDLERS["fetch"], ("read", torch.tensor([0]))), {}) == "read"
 
 
 def test_remote_embedding_traces_to_one_fetch_node(job: ps.PSJob) -> None:

@@ -10,6 +10,7 @@ import torch
 import distopt.ps as ps
 from distopt.capture import DistoptTracer
 from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm_tables, make_batch
+from distopt.ps.client import context
 from distopt.ps.spec import ServerOptions
 
 CONFIG = DLRMConfig(num_tables=3, num_rows=50, embedding_dim=8, batch_size=6, bag_size=3)
@@ -41,12 +42,14 @@ def job() -> Iterator[ps.PSJob]:
         yield job
 
 
-def _step(model: DLRM, step: int) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _step(
+    model: DLRM, step: int
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     batch = make_batch(CONFIG, step)
     model.zero_grad()
     out = model(batch.dense, batch.sparse)
     dlrm_loss(out, batch.labels).backward()
-    rows = {r.table: r.rows.grad for r in ps.context.take()}
+    rows = {r.table: r.rows.grad for r in context.take()}
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, rows
 
 
@@ -57,7 +60,9 @@ def test_hand_async_matches_baseline_outputs_and_gradients(job: ps.PSJob) -> Non
         out_b, grads_b, rows_b = _step(base, step)
         out_h, grads_h, rows_h = _step(hand, step)
         assert torch.equal(out_b, out_h)
-        assert grads_b.keys() == grads_h.keys() and all(torch.equal(grads_b[k], grads_h[k]) for k in grads_b)
+        assert grads_b.keys() == grads_h.keys() and all(
+            torch.equal(grads_b[k], grads_h[k]) for k in grads_b
+        )
         assert rows_b.keys() == {"emb0", "emb1", "emb2"} == rows_h.keys()
         assert all(torch.equal(rows_b[k], rows_h[k]) for k in rows_b)
 
@@ -82,7 +87,6 @@ def test_training_steps_push_and_change_the_tables(job: ps.PSJob) -> None:
 def test_verification_rows_are_never_pushed(job: ps.PSJob) -> None:
     """optimize() verifies with real fetches; those rows must not join the user's step."""
     import distopt
-    from distopt.ps import context
 
     batch = make_batch(CONFIG, 0)
     model = DLRM(CONFIG)

@@ -11,7 +11,8 @@ import torch
 
 import distopt.ps as ps
 from distopt.errors import RemoteCallError
-from distopt.ps.launch import LAUNCHER, PSJob, stop_servers
+from distopt.ps import PSJob, stop_servers
+from distopt.ps.cluster.job import LAUNCHER
 from distopt.ps.spec import ServerOptions, TableSpec
 from distopt.rendezvous import StorePlan
 from tests.conftest import free_port
@@ -37,7 +38,9 @@ def test_servers_that_never_join_are_named_within_start_timeout() -> None:
         for pid in job.pids:  # servers die before the trainer arrives
             os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(RemoteCallError, match=r"trainer0: ps0, ps1 did not join .* within 2 s.*exited with -9"):
+        with pytest.raises(
+            RemoteCallError, match=r"trainer0: ps0, ps1 did not join .* within 2 s.*exited with -9"
+        ):
             ps.init_trainer(job)
         assert time.monotonic() - start < 2.0 + 3.0
 

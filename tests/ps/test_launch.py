@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import distopt.ps as ps
-from distopt.ps.launch import stop_servers
+from distopt.ps import stop_servers
 from distopt.ps.spec import ServerOptions, TableSpec
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,10 @@ def test_every_listener_of_a_job_is_on_loopback() -> None:
         ps.fetch("t", torch.tensor([1]))
         ps.discard_step()
         listeners = _listening([os.getpid(), *job.pids])
-        by_pid = {p: [a for a in _listening([p]) if not a.startswith("0100007F")] for p in [os.getpid(), *job.pids]}
+        by_pid = {
+            p: [a for a in _listening([p]) if not a.startswith("0100007F")]
+            for p in [os.getpid(), *job.pids]
+        }
     assert len(listeners) >= 3  # job store + each server's TensorPipe listener(s)
     assert [a for a in listeners if a.split(":")[0] not in _LOOPBACK] == [], by_pid
 

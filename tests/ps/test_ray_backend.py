@@ -18,8 +18,8 @@ from distopt.config import from_dict
 from distopt.errors import ConfigError, RemoteCallError
 from distopt.models.dlrm import DLRM, DLRMConfig, dlrm_tables, make_batch
 from distopt.passes.remote.nodes import remote_ops
+from distopt.ps.server.table import ShardTable, initial_rows
 from distopt.ps.spec import ServerOptions, TableSpec
-from distopt.ps.table import ShardTable, initial_rows
 from distopt.remote.wait import is_wait
 from distopt.report import report_of
 
@@ -93,7 +93,9 @@ def test_numerics_and_checkpoints_agree_across_backends(ray_cluster, tmp_path: P
         for table, state in shards.items():
             for key, value in state.items():
                 other = loaded[server][table][key]
-                assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+                assert (
+                    torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+                )
 
 
 def test_interleaved_pushes_and_fetches_equal_the_sequential_reference(ray_cluster) -> None:
@@ -125,14 +127,23 @@ def test_batched_fetch_and_push_are_one_call_per_actor(ray_cluster) -> None:
         before = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
         rows = ps.wait(ps.fetch_many_async([("sgd", [0, 1, 2]), ("ada", [3, 4]), ("row", [8])]))
         assert torch.equal(rows[1], initial_rows(TABLES[1], SEED)[[3, 4]])
-        ps.wait(ps.push_many_async([("sgd", torch.tensor([0, 1]), torch.ones(2, 4)),
-                                    ("ada", torch.tensor([2, 3]), torch.ones(2, 3))], lr=1.0))
+        ps.wait(
+            ps.push_many_async(
+                [
+                    ("sgd", torch.tensor([0, 1]), torch.ones(2, 4)),
+                    ("ada", torch.tensor([2, 3]), torch.ones(2, 3)),
+                ],
+                lr=1.0,
+            )
+        )
         for server in ("ps0", "ps1"):
             after = ps.server_stats(server)
             assert after["requests"] - before[server].get("requests", 0) == 2
             assert after["fetch_many"] - before[server].get("fetch_many", 0) == 1
             assert after["push_many"] - before[server].get("push_many", 0) == 1
-        torch.testing.assert_close(ps.fetch("sgd", [0, 1]), initial_rows(TABLES[0], SEED)[[0, 1]] - 1)
+        torch.testing.assert_close(
+            ps.fetch("sgd", [0, 1]), initial_rows(TABLES[0], SEED)[[0, 1]] - 1
+        )
 
 
 def test_errors_name_the_actor_and_a_killed_actor_fails_within_the_timeout(ray_cluster) -> None:
@@ -140,13 +151,18 @@ def test_errors_name_the_actor_and_a_killed_actor_fails_within_the_timeout(ray_c
     with ps.local_job(TABLES, options), torch.no_grad():
         with pytest.raises(ConfigError, match=r"unknown table 'nope'"):
             ps.fetch("nope", [0])
-        with pytest.raises(RemoteCallError, match=r"^fetch of 'sgd' on ps1 failed: ConfigError: table 'sgd': row id 99 outside 0\.\.9$"):
+        with pytest.raises(
+            RemoteCallError,
+            match=r"^fetch of 'sgd' on ps1 failed: ConfigError: table 'sgd': row id 99 outside 0\.\.9$",
+        ):
             ps.fetch("sgd", [2, 99])
         pid = ps.server_stats("ps1")["pid"]
         fut = ps.fetch_async("sgd", torch.arange(10))  # both shards, 500 ms each
         os.kill(pid, signal.SIGKILL)
         start = time.monotonic()
-        with pytest.raises(RemoteCallError, match=r"fetch of 'sgd' on ps1 failed: the actor process exited"):
+        with pytest.raises(
+            RemoteCallError, match=r"fetch of 'sgd' on ps1 failed: the actor process exited"
+        ):
             ps.wait(fut)
         assert time.monotonic() - start < options.rpc_timeout_s
         with pytest.raises(RemoteCallError, match="on ps1 failed"):  # later calls fail too
@@ -170,11 +186,17 @@ def test_optimize_hoists_and_batches_fetches_on_the_ray_backend(ray_cluster) -> 
         ops = remote_ops(gm.graph)
         issues = [i for i, n in enumerate(nodes) if n in ops and n is ops[n].start]
         waits = [i for i, n in enumerate(nodes) if is_wait(n)]
-        towers = [i for i, n in enumerate(nodes) if n.op == "call_module" and str(n.target).startswith("towers")]
+        towers = [
+            i
+            for i, n in enumerate(nodes)
+            if n.op == "call_module" and str(n.target).startswith("towers")
+        ]
         assert len(issues) == 1, gm.code  # the three fetches batched into one request
         assert issues[0] < min(towers) and waits and max(waits) > min(towers), gm.code
         with torch.no_grad():
-            torch.testing.assert_close(gm(batch.dense, batch.sparse), model(batch.dense, batch.sparse), rtol=0, atol=0)
+            torch.testing.assert_close(
+                gm(batch.dense, batch.sparse), model(batch.dense, batch.sparse), rtol=0, atol=0
+            )
 
 
 def test_a_private_instance_stays_on_loopback_and_runs_actors_at_the_trainers_priority() -> None:
@@ -187,7 +209,7 @@ def test_a_private_instance_stays_on_loopback_and_runs_actors_at_the_trainers_pr
 
     script = (
         "import ray\n"
-        "from distopt.ps.ray_server import ensure_ray\n"
+        "from distopt.ps.cluster.ray import ensure_ray\n"
         "from distopt.ps.spec import ServerOptions\n"
         "ensure_ray('local', ServerOptions(backend='ray'))\n"
         "@ray.remote\n"
@@ -203,7 +225,9 @@ def test_a_private_instance_stays_on_loopback_and_runs_actors_at_the_trainers_pr
         "    ray.shutdown()\n"
     )
     env = dict(os.environ, RAY_AUTH_MODE="disabled")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     *_, niceness, nodes = done.stdout.strip().splitlines()
     assert nodes == "['127.0.0.1']"

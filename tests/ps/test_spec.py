@@ -12,7 +12,9 @@ from distopt.ps.spec import ServerOptions, TableSpec, check_tables
 def test_placement_defaults() -> None:
     assert TableSpec(name="e", num_rows=4, dim=2).placement(3) == (0, 1, 2)
     dense = TableSpec(name="w", num_rows=4, dim=2, kind="dense").placement(3)
-    assert len(dense) == 1 and dense == TableSpec(name="w", num_rows=4, dim=2, kind="dense").placement(3)
+    assert len(dense) == 1 and dense == TableSpec(
+        name="w", num_rows=4, dim=2, kind="dense"
+    ).placement(3)
     assert TableSpec(name="e", num_rows=4, dim=2, servers=(1,)).placement(2) == (1,)
 
 
@@ -21,7 +23,10 @@ def test_placement_defaults() -> None:
     [
         ({"num_rows": 0}, r"tables.t.num_rows: expected an integer >= 1, got 0"),
         ({"dim": -2}, r"tables.t.dim: expected an integer >= 1, got -2"),
-        ({"optimizer": "adam"}, r"tables.t.optimizer: expected one of 'sgd', 'adagrad', 'rowwise_adagrad', got 'adam'"),
+        (
+            {"optimizer": "adam"},
+            r"tables.t.optimizer: expected one of 'sgd', 'adagrad', 'rowwise_adagrad', got 'adam'",
+        ),
         ({"servers": (0, 0)}, r"tables.t.servers: expected distinct server indices, got \(0, 0\)"),
         ({"kind": "dense", "servers": (0, 1)}, r"one server for a dense table"),
     ],
@@ -49,7 +54,9 @@ def test_server_options_from_yaml_dict() -> None:
 def test_transports_are_checked() -> None:
     assert ServerOptions().transports == ("uv",)
     assert from_dict(ServerOptions, {"transports": ["shm", "uv"]}).transports == ("shm", "uv")
-    with pytest.raises(ConfigError, match=r"ps.transports: expected a non-empty list of 'uv', 'shm', 'ibv'"):
+    with pytest.raises(
+        ConfigError, match=r"ps.transports: expected a non-empty list of 'uv', 'shm', 'ibv'"
+    ):
         ServerOptions(transports=("tcp",))
 
 

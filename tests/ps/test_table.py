@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 from distopt.errors import ConfigError
+from distopt.ps.server.table import ShardTable, accumulate, initial_rows
 from distopt.ps.spec import TableSpec
-from distopt.ps.table import ShardTable, accumulate, initial_rows
 
 
 def _whole(spec: TableSpec, num_shards: int, seed: int = 0) -> list[ShardTable]:
@@ -43,7 +43,9 @@ def test_sparse_update_matches_torch_optimizer(optimizer: str) -> None:
     ref = nn.Embedding(10, 4, sparse=True)
     ref.weight.data.copy_(initial_rows(spec, seed=1))
     opt_cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.Adagrad
-    opt = opt_cls(ref.parameters(), lr=0.3, **({"eps": spec.adagrad_eps} if optimizer == "adagrad" else {}))
+    opt = opt_cls(
+        ref.parameters(), lr=0.3, **({"eps": spec.adagrad_eps} if optimizer == "adagrad" else {})
+    )
     gen = torch.Generator().manual_seed(0)
     for ids in (torch.tensor([1, 3, 3, 7]), torch.tensor([3, 0, 7, 7, 7])):
         upstream = torch.randn(len(ids), 4, generator=gen)
@@ -51,7 +53,9 @@ def test_sparse_update_matches_torch_optimizer(optimizer: str) -> None:
         (ref(ids) * upstream).sum().backward()
         opt.step()
         table.push(ids, upstream, lr=0.3)
-    torch.testing.assert_close(table.fetch(torch.arange(10)), ref.weight.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        table.fetch(torch.arange(10)), ref.weight.detach(), rtol=1e-6, atol=1e-7
+    )
 
 
 def test_sharded_push_equals_unsharded_push() -> None:
@@ -105,7 +109,9 @@ def test_bad_ids_name_the_table_and_id(ids: torch.Tensor, message: str) -> None:
         table.fetch(ids)
 
 
-@pytest.mark.parametrize("grads", [torch.ones(3, 2), torch.ones(5), torch.ones(2, 2, dtype=torch.int64)])
+@pytest.mark.parametrize(
+    "grads", [torch.ones(3, 2), torch.ones(5), torch.ones(2, 2, dtype=torch.int64)]
+)
 def test_push_rejects_mismatched_grads_before_touching_the_rows(grads: torch.Tensor) -> None:
     table = ShardTable(TableSpec(name="t", num_rows=4, dim=2), shard=0, num_shards=1)
     before = table.weight.clone()
@@ -134,19 +140,27 @@ def test_rowwise_adagrad_matches_reference() -> None:
     table = ShardTable(spec, shard=0, num_shards=1, seed=1)
     assert table.accum is not None and table.accum.shape == (10,)  # one scalar per row
     gen = torch.Generator().manual_seed(0)
-    pushes = [(ids, torch.randn(len(ids), 4, generator=gen))
-              for ids in (torch.tensor([1, 3, 3, 7]), torch.tensor([3, 0, 7, 7, 7]), torch.tensor([9]))]
+    pushes = [
+        (ids, torch.randn(len(ids), 4, generator=gen))
+        for ids in (torch.tensor([1, 3, 3, 7]), torch.tensor([3, 0, 7, 7, 7]), torch.tensor([9]))
+    ]
     for ids, grads in pushes:
         table.push(ids, grads, lr=0.3)
-    weight, state = _rowwise_adagrad_reference(initial_rows(spec, seed=1), pushes, 0.3, spec.adagrad_eps)
+    weight, state = _rowwise_adagrad_reference(
+        initial_rows(spec, seed=1), pushes, 0.3, spec.adagrad_eps
+    )
     torch.testing.assert_close(table.fetch(torch.arange(10)), weight.float(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(table.accum, state.float(), rtol=1e-6, atol=1e-7)
 
 
 def test_rowwise_adagrad_differs_from_elementwise_adagrad() -> None:
     ids, grads = torch.tensor([2]), torch.tensor([[1.0, 3.0]])
-    tables = {opt: ShardTable(TableSpec(name="t", num_rows=4, dim=2, optimizer=opt), shard=0, num_shards=1)
-              for opt in ("adagrad", "rowwise_adagrad")}
+    tables = {
+        opt: ShardTable(
+            TableSpec(name="t", num_rows=4, dim=2, optimizer=opt), shard=0, num_shards=1
+        )
+        for opt in ("adagrad", "rowwise_adagrad")
+    }
     for table in tables.values():
         table.push(ids, grads, lr=1.0)
     moved = {opt: initial_rows(t.spec, 0)[2] - t.fetch(ids)[0] for opt, t in tables.items()}
@@ -165,8 +179,12 @@ def test_rowwise_adagrad_state_round_trip_and_mismatch() -> None:
     for table in (a, b):
         table.push(torch.tensor([2, 4]), torch.ones(2, 3), lr=0.5)
     assert torch.equal(b.weight, a.weight) and torch.equal(b.accum, a.accum)
-    elementwise = ShardTable(TableSpec(name="t", num_rows=6, dim=3, optimizer="adagrad"), shard=0, num_shards=2)
-    with pytest.raises(ConfigError, match=r"shape \(3, 3\) does not match optimizer 'rowwise_adagrad'"):
+    elementwise = ShardTable(
+        TableSpec(name="t", num_rows=6, dim=3, optimizer="adagrad"), shard=0, num_shards=2
+    )
+    with pytest.raises(
+        ConfigError, match=r"shape \(3, 3\) does not match optimizer 'rowwise_adagrad'"
+    ):
         b.load_state_dict(elementwise.state_dict())
     sgd = ShardTable(TableSpec(name="t", num_rows=6, dim=3), shard=0, num_shards=2)
     with pytest.raises(ConfigError, match="optimizer state none does not match"):

@@ -14,5 +14,9 @@ def schedule(gm: torch.fx.GraphModule) -> tuple[list[int], list[int], list[int]]
     ops = remote_ops(gm.graph)
     issues = [i for i, n in enumerate(nodes) if n in ops and n is ops[n].start]
     waits = [i for i, n in enumerate(nodes) if is_wait(n)]
-    tower = [i for i, n in enumerate(nodes) if n.op == "call_module" and str(n.target).startswith("tower")]
+    tower = [
+        i
+        for i, n in enumerate(nodes)
+        if n.op == "call_module" and str(n.target).startswith("tower")
+    ]
     return issues, waits, tower

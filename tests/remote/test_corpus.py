@@ -31,7 +31,14 @@ pytestmark = pytest.mark.slow
 # What the servers run by name only reads: declared once, as a user would (not in the models).
 distopt.register_read(tables.lookup_rows)
 
-OVERLAPPING = ["rref_helper", "rref_proxy", "remote_module", "remote_to_here", "by_name", "user_async"]
+OVERLAPPING = [
+    "rref_helper",
+    "rref_proxy",
+    "remote_module",
+    "remote_to_here",
+    "by_name",
+    "user_async",
+]
 IDIOMS = [*OVERLAPPING, "chained", "reads_writes", "recommender"]
 
 

@@ -58,7 +58,9 @@ def test_a_model_that_needs_dynamo_gets_the_remote_rewrite(group) -> None:
     assert max(issues) < min(tower) < max(tower) < min(waits), first
     assert "hf_bert.py:33: e0 = _remote_method(EmbeddingTable.forward" in first
     text = distopt.explain(optimized, show_code=True)
-    assert "split 2 remote calls into issue + wait" in text and "hoisted 2 of 2 remote issues" in text
+    assert (
+        "split 2 remote calls into issue + wait" in text and "hoisted 2 of 2 remote issues" in text
+    )
 
 
 def test_no_recompiles_and_the_same_result_every_step(group) -> None:

@@ -27,8 +27,17 @@ distopt.register_read(tables.lookup_rows)
 # Reads that can run a step ahead, per idiom: the chained lookup's second read needs the first's
 # rows, the recommender's chained table likewise; in reads_writes the write (a counter on ps0)
 # precedes no read of its own resource, so both reads go ahead of the next step.
-PREFETCHED = {"rref_helper": 2, "rref_proxy": 2, "remote_module": 2, "remote_to_here": 2,
-              "by_name": 2, "user_async": 2, "chained": 1, "recommender": 5, "reads_writes": 2}
+PREFETCHED = {
+    "rref_helper": 2,
+    "rref_proxy": 2,
+    "remote_module": 2,
+    "remote_to_here": 2,
+    "by_name": 2,
+    "user_async": 2,
+    "chained": 1,
+    "recommender": 5,
+    "reads_writes": 2,
+}
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +80,13 @@ def test_pipelined_training_equals_the_optimized_model(group, name: str, stalene
         optimizer.step()
         expected.append(loss.item())
     gm = _optimized(name, seed=12)
-    pipe = TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.05), iter(_batches()),
-                         staleness=staleness, inputs=lambda b: b[:2],
-                         loss_fn=lambda out, b: common.loss(out, b[2]))
+    pipe = TrainPipeline(
+        gm,
+        torch.optim.SGD(gm.parameters(), lr=0.05),
+        iter(_batches()),
+        staleness=staleness,
+        inputs=lambda b: b[:2],
+        loss_fn=lambda out, b: common.loss(out, b[2]),
+    )
     assert [out.loss.item() for out in pipe.run()] == expected
     pipe.close()

@@ -67,8 +67,15 @@ def _sequential(gm, push=None) -> list[float]:
 
 
 def _pipelined(gm, staleness: int, push=None) -> list[float]:
-    pipe = TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.05), iter(_batches()),
-                         staleness=staleness, inputs=lambda b: b[:2], loss_fn=_loss, push=push)
+    pipe = TrainPipeline(
+        gm,
+        torch.optim.SGD(gm.parameters(), lr=0.05),
+        iter(_batches()),
+        staleness=staleness,
+        inputs=lambda b: b[:2],
+        loss_fn=_loss,
+        push=push,
+    )
     losses = [out.loss.item() for out in pipe.run()]
     pipe.close()
     return losses
@@ -113,7 +120,9 @@ def test_two_steps_ahead_of_a_forward_write_is_refused(group) -> None:
         _pipelined(_optimized("reads_writes"), staleness=2)
     message = str(caught.value)
     assert message.startswith("pipeline: model Model: staleness=2 cannot count what the read ")
-    assert "bump_counter" in message and message.endswith("use staleness <= 1") and "\n" not in message
+    assert (
+        "bump_counter" in message and message.endswith("use staleness <= 1") and "\n" not in message
+    )
 
 
 def test_exact_mode_sees_a_user_rpc_push_as_the_optimized_model_does(group) -> None:
@@ -133,8 +142,15 @@ def test_staleness_ahead_of_a_user_rpc_push_is_refused_before_any_step(group) ->
     rows = rpc.rpc_sync("ps0", tables.table_rows, args=("t0",))
     feed = Feed(_batches())
     with pytest.raises(ConfigError) as caught:
-        TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.05), feed,
-                      staleness=1, inputs=lambda b: b[:2], loss_fn=_loss, push=_decay_t0)
+        TrainPipeline(
+            gm,
+            torch.optim.SGD(gm.parameters(), lr=0.05),
+            feed,
+            staleness=1,
+            inputs=lambda b: b[:2],
+            loss_fn=_loss,
+            push=_decay_t0,
+        )
     message = str(caught.value)
     assert message.startswith("pipeline: model Model: staleness=1 cannot count what the read ")
     assert 'e0 = rpc.rpc_sync(self.servers[0], lookup_rows, args=("t0", ids[:, 0]))' in message
@@ -146,11 +162,14 @@ def test_staleness_ahead_of_a_user_rpc_push_is_refused_before_any_step(group) ->
 def test_the_rpc_tutorials_dist_autograd_loop_is_refused_before_any_step(group) -> None:
     gm = _optimized("rref_helper")
     feed = Feed(_batches())
-    pipe = TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.05), feed,
-                         inputs=lambda b: b[:2], loss_fn=_loss)
+    pipe = TrainPipeline(
+        gm, torch.optim.SGD(gm.parameters(), lr=0.05), feed, inputs=lambda b: b[:2], loss_fn=_loss
+    )
     with dist_autograd.context(), pytest.raises(ConfigError) as caught:
         pipe.progress()
-    assert str(caught.value).startswith("pipeline: model Model: progress() ran inside a dist_autograd context")
+    assert str(caught.value).startswith(
+        "pipeline: model Model: progress() ran inside a dist_autograd context"
+    )
     assert feed.pulled == 0 and pipe.steps == 0
     pipe.close()
 
@@ -161,5 +180,7 @@ def test_a_model_that_needs_dynamo_is_refused_naming_its_branch(group) -> None:
     with pytest.raises(ConfigError) as caught:
         TrainPipeline(compiled, torch.optim.SGD(compiled.parameters(), lr=0.05), loss_fn=_loss)
     message = str(caught.value)
-    assert message.startswith("pipeline: model Model was compiled with Dynamo by distopt.optimize (")
+    assert message.startswith(
+        "pipeline: model Model was compiled with Dynamo by distopt.optimize ("
+    )
     assert "if tokens.abs().mean() > 10.0" in message and "\n" not in message

@@ -112,7 +112,10 @@ class ListGetModel(ActorModel):
     """Both reads issued first (one with options) and waited for by one ``ray.get`` of the list."""
 
     def forward(self, dense, ids):
-        refs = [self.emb0.lookup.options(name="e0").remote(ids[:, 0]), self.emb1.lookup.remote(ids[:, 1])]
+        refs = [
+            self.emb0.lookup.options(name="e0").remote(ids[:, 0]),
+            self.emb1.lookup.remote(ids[:, 1]),
+        ]
         h = self.tower(dense)
         e0, e1 = ray.get(refs)
         return self.head(torch.cat([h, e0, e1], dim=1))
@@ -142,7 +145,7 @@ class SameActorModel(ActorModel):
 
 @pytest.fixture(scope="module")
 def servers():
-    from distopt.ps.ray_server import ensure_ray
+    from distopt.ps.cluster.ray import ensure_ray
     from distopt.ps.spec import ServerOptions
 
     ensure_ray("local", ServerOptions(backend="ray"))  # as a job's private instance: on 127.0.0.1
@@ -154,7 +157,9 @@ def servers():
 
 def _inputs(batch: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
-    return torch.randn(batch, DENSE, generator=gen), torch.randint(0, ROWS, (batch, 2, 4), generator=gen)
+    return torch.randn(batch, DENSE, generator=gen), torch.randint(
+        0, ROWS, (batch, 2, 4), generator=gen
+    )
 
 
 def _optimize(model: nn.Module, inputs, **config) -> torch.fx.GraphModule:
@@ -166,7 +171,9 @@ def _optimize(model: nn.Module, inputs, **config) -> torch.fx.GraphModule:
     return gm
 
 
-@pytest.mark.parametrize("build", [ActorModel, TaskModel, ListGetModel], ids=["actor", "task", "list"])
+@pytest.mark.parametrize(
+    "build", [ActorModel, TaskModel, ListGetModel], ids=["actor", "task", "list"]
+)
 def test_reads_are_issued_before_the_tower_and_waited_after_it(servers, build) -> None:
     torch.manual_seed(0)
     args = servers if build is not TaskModel else [torch.randn(ROWS, DIM) for _ in range(2)]
@@ -193,7 +200,10 @@ def test_a_write_keeps_its_place_among_reads_of_its_actor(servers) -> None:
     position = nodes.index
     starts = [n for n, op in ops.items() if n is op.start]
     (write,) = [n for n in starts if ops[n].is_write]
-    same = sorted((n for n in starts if not ops[n].is_write and ops[n].resources == ops[write].resources), key=position)
+    same = sorted(
+        (n for n in starts if not ops[n].is_write and ops[n].resources == ops[write].resources),
+        key=position,
+    )
     (other,) = [n for n in starts if ops[n].resources != ops[write].resources]
     first, second = same
     assert position(ops[first].ends[0]) < position(write), gm.code  # read done, then the write
@@ -205,7 +215,9 @@ def test_a_write_keeps_its_place_among_reads_of_its_actor(servers) -> None:
     lookup = lambda server, ids: ray.get(server.lookup.remote(ids))  # noqa: E731
     e0, e2 = lookup(servers[0], ids[:, 0]) - 1, lookup(servers[0], ids[:, 1])
     with torch.no_grad():
-        expected = model.head(torch.cat([model.tower(dense), e0 + e2, lookup(servers[1], ids[:, 1])], 1))
+        expected = model.head(
+            torch.cat([model.tower(dense), e0 + e2, lookup(servers[1], ids[:, 1])], 1)
+        )
     torch.testing.assert_close(out.detach(), expected)
 
 
@@ -238,12 +250,16 @@ def misdeclared_many(tables: list, ids: list) -> list:
 
 
 def test_a_batched_variant_that_cannot_take_the_calls_is_a_one_line_error() -> None:
-    expected = (r"^register_batched: lookup_many\(self, calls, scale\) must take one "
-                r"argument after self, the list of the calls' argument tuples$")
+    expected = (
+        r"^register_batched: lookup_many\(self, calls, scale\) must take one "
+        r"argument after self, the list of the calls' argument tuples$"
+    )
     with pytest.raises(distopt.ConfigError, match=expected):
         distopt.register_batched(MisdeclaredServer.lookup, MisdeclaredServer.lookup_many)
-    expected = (r"^register_batched: misdeclared_many\(tables, ids\) must take one "
-                r"argument, the list of the calls' argument tuples$")
+    expected = (
+        r"^register_batched: misdeclared_many\(tables, ids\) must take one "
+        r"argument, the list of the calls' argument tuples$"
+    )
     with pytest.raises(distopt.ConfigError, match=expected):
         distopt.register_batched(gather, misdeclared_many)
 
@@ -274,8 +290,13 @@ def test_a_pipeline_prefetches_the_actor_reads_a_step_ahead(servers, staleness) 
         optimizer.step()
         expected.append(loss.item())
     gm = build()
-    pipe = TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.1), iter(batches), staleness=staleness,
-                         inputs=lambda b: b[:2],
-                         loss_fn=lambda out, b: nn.functional.binary_cross_entropy_with_logits(out, b[2]))
+    pipe = TrainPipeline(
+        gm,
+        torch.optim.SGD(gm.parameters(), lr=0.1),
+        iter(batches),
+        staleness=staleness,
+        inputs=lambda b: b[:2],
+        loss_fn=lambda out, b: nn.functional.binary_cross_entropy_with_logits(out, b[2]),
+    )
     assert [out.loss.item() for out in pipe.run()] == expected  # the actors are only read
     pipe.close()

@@ -71,7 +71,8 @@ def test_the_user_is_told_once_which_function_to_declare(group) -> None:
     record = report_of(optimized).verification
     assert record is not None and record.compared == 0
     assert record.skipped == expected.split(" is returned unverified: it sends ", 1)[1].replace(
-        "rpc_sync of", "the model writes to remote state (rpc_sync of", 1).replace("; count_lookups", "); count_lookups", 1)
+        "rpc_sync of", "the model writes to remote state (rpc_sync of", 1
+    ).replace("; count_lookups", "); count_lookups", 1)
     text = distopt.explain(optimized, show_code=False)
     assert f"verification skipped: {record.skipped}" in text
     with warnings.catch_warnings():

@@ -34,7 +34,11 @@ def _quiet(work: Path) -> None:
     """No traceback and no warning of distopt's own in any replica of either run."""
     for run_id in ("baseline", "optimized"):
         for name, text in replica_logs(work, run_id).items():
-            assert "Traceback" not in text and "DistoptUnverifiedWarning" not in text, (run_id, name, text)
+            assert "Traceback" not in text and "DistoptUnverifiedWarning" not in text, (
+                run_id,
+                name,
+                text,
+            )
 
 
 def test_own_rpc_tables_and_a_dataset_with_item_columns(tmp_path: Path) -> None:
@@ -47,8 +51,10 @@ def test_own_rpc_tables_and_a_dataset_with_item_columns(tmp_path: Path) -> None:
     header = runs["optimized"].header
     # The prediction timed the user's own store (it answers after 5 ms), not a table of distopt's.
     assert header["predicted_rpc_latency_s"] >= 0.005 and header["predicted_saving_s"] > 0.005
-    assert ("optimize: ShopRanker optimized (symbolic_trace; changed by split_remote, hoist_issue, "
-            "sink_wait); verification passed (outputs only)") in trainer_log(work, "optimized")
+    assert (
+        "optimize: ShopRanker optimized (symbolic_trace; changed by split_remote, hoist_issue, "
+        "sink_wait); verification passed (outputs only)"
+    ) in trainer_log(work, "optimized")
     _quiet(work)
 
 
@@ -62,11 +68,16 @@ def test_distopt_tables_and_an_iterable_dataset(tmp_path: Path) -> None:
     _quiet(work)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "a model that builds a RemoteModule (or an RRef) in its constructor needs the job's RPC group "
-    "to be built, but distopt launch's pre-scheduling check builds it in the launching process "
-    "('RemoteModule only works in RPC.', part A: distopt/job/launch.py check_job), and the ps role "
-    "builds it to ask ps_tables() before joining the group (distopt/job/ps_roles.py job_tables)"))
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason=(
+        "a model that builds a RemoteModule (or an RRef) in its constructor needs the job's RPC group "
+        "to be built, but distopt launch's pre-scheduling check builds it in the launching process "
+        "('RemoteModule only works in RPC.', part A: distopt/job/launch.py check_job), and the ps role "
+        "builds it to ask ps_tables() before joining the group (distopt/job/ps_roles.py job_tables)"
+    ),
+)
 def test_remote_module_tables(tmp_path: Path) -> None:
     """rref_tables: the RPC tutorials' ``RemoteModule`` on ps0, no tables of distopt's."""
     work = copy_out("rref_tables", tmp_path)
@@ -79,14 +90,19 @@ def test_ray_actor_tables(tmp_path: Path, ray_cluster) -> None:  # noqa: F811
     """ray_tables: embedding shards as the user's own Ray actors on a running cluster, pushed to
     from backward with ``ray.get(shard.apply.remote(...))``; a trainers-only job."""
     work = copy_out("ray_tables", tmp_path)
-    env = {"RAY_ADDRESS": ray_cluster.gcs_address,
-           # This host's Ray would swap the loopback head's address for an external one.
-           "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    env = {
+        "RAY_ADDRESS": ray_cluster.gcs_address,
+        # This host's Ray would swap the loopback head's address for an external one.
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    }
     runs = launch_both(work, ps=False, num_trainers=1, env=env)
     _same_training(runs, steps=30, trainers=1)
     assert runs["optimized"].ranks[0].evals[-1].metrics["eval_auc"] > 0.7
     log = trainer_log(work, "optimized")
-    assert "optimize: TwoTower optimized (symbolic_trace; changed by pair_user_waits, hoist_issue" in log
+    assert (
+        "optimize: TwoTower optimized (symbolic_trace; changed by pair_user_waits, hoist_issue"
+        in log
+    )
     assert runs["optimized"].header["predicted_rpc_latency_s"] > 0  # the actors' lookups, timed
     _quiet(work)
 
@@ -97,7 +113,10 @@ def test_a_factory_returning_the_model_and_its_inputs(tmp_path: Path) -> None:
     work = copy_out("pair_factory", tmp_path)
     runs = launch_both(work, ps=False, num_trainers=2)
     _same_training(runs, steps=20, trainers=2)
-    assert "optimize: Sequential optimized (symbolic_trace; changed by remove_identity)" in trainer_log(work, "optimized")
+    assert (
+        "optimize: Sequential optimized (symbolic_trace; changed by remove_identity)"
+        in trainer_log(work, "optimized")
+    )
     _quiet(work)
 
 

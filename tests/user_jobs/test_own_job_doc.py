@@ -39,7 +39,9 @@ def test_the_files_on_the_page_are_the_tested_package() -> None:
     for title, text in shown.items():
         assert (PACKAGE / title).read_text() == text, title
     tree = next(text for lang, title, text in _blocks() if not lang)
-    listed = {line.split("─ ")[1].split()[0].rstrip("/") for line in tree.splitlines() if "─ " in line}
+    listed = {
+        line.split("─ ")[1].split()[0].rstrip("/") for line in tree.splitlines() if "─ " in line
+    }
     assert listed == {p.name for p in PACKAGE.rglob("*") if "__pycache__" not in p.parts}
     assert (PACKAGE / "kvrec" / "__init__.py").read_text() == ""  # "empty", as the tree says
 
@@ -55,7 +57,9 @@ def test_every_command_on_the_page_runs_outside_the_repository(tmp_path: Path) -
     outputs = []
     for lang, title, text in _blocks():
         if lang == "python" and not title:  # a snippet, run where the package is
-            proc = subprocess.run([sys.executable, "-c", text], cwd=work, capture_output=True, text=True)
+            proc = subprocess.run(
+                [sys.executable, "-c", text], cwd=work, capture_output=True, text=True
+            )
             assert proc.returncode == 0, proc.stderr
             outputs.append(proc.stdout)
         elif lang == "bash":
@@ -64,8 +68,12 @@ def test_every_command_on_the_page_runs_outside_the_repository(tmp_path: Path) -
                 assert args[0] == "distopt", line
                 if args[1] == "launch":
                     run_id = args[args.index("--run-id") + 1]
-                    args += ["--arg", f"master_port={free_port(consecutive=2)}",
-                             "--cfg", f"log_dir=runs/torchx/{run_id}"]
+                    args += [
+                        "--arg",
+                        f"master_port={free_port(consecutive=2)}",
+                        "--cfg",
+                        f"log_dir=runs/torchx/{run_id}",
+                    ]
                 proc = distopt_cli(*args[1:], cwd=work)
                 assert proc.returncode == 0, (line, proc.stdout[-3000:], proc.stderr[-3000:])
                 assert "Traceback" not in proc.stderr, proc.stderr
@@ -79,14 +87,19 @@ def test_every_command_on_the_page_runs_outside_the_repository(tmp_path: Path) -
         assert run.world_size == 2 and run.ranks[0].evals[-1].metrics["eval_auc"] > 0.65
     # The same model and data: the first step (before any update reaches the store) is bitwise equal.
     assert [r.steps[0].loss for r in runs["baseline"].ranks.values()] == [
-        r.steps[0].loss for r in runs["optimized"].ranks.values()]
+        r.steps[0].loss for r in runs["optimized"].ranks.values()
+    ]
     header = runs["optimized"].header
     assert header["predicted_rpc_latency_s"] >= 0.005  # the store's own lookups, timed
     log = trainer_log(work, "optimized")
-    assert ("optimize: ShopRanker optimized (symbolic_trace; changed by split_remote, hoist_issue, "
-            "sink_wait); verification passed (outputs only)") in log
+    assert (
+        "optimize: ShopRanker optimized (symbolic_trace; changed by split_remote, hoist_issue, "
+        "sink_wait); verification passed (outputs only)"
+    ) in log
 
-    compared = distopt_cli("compare", "runs/baseline", "runs/optimized", "--json", "compare.json", cwd=work)
+    compared = distopt_cli(
+        "compare", "runs/baseline", "runs/optimized", "--json", "compare.json", cwd=work
+    )
     assert compared.returncode == 0, compared.stderr
     optimized = json.loads((work / "compare.json").read_text())["runs"][1]
     assert optimized["variant"] == "optimized" and optimized["gain_ci_low"] > 1.0, optimized

@@ -1,10 +1,14 @@
 """Pass interface and the registry that orders passes by declared constraints.
 
-A pass is a small function ``fn(gm, ctx) -> PassResult``. It is registered once with the passes it
-must run after/before; the registry, not list order, decides the order, so "split before hoist" is
-stated where the hoist pass is defined. Passes that enable each other (sinking a wait lets an issue
-move up) share a ``fixed_point`` group: the runner repeats the group until a round changes nothing,
-so no pass ever runs another.
+A pass is a small function ``fn(gm, ctx) -> PassResult`` described by a :class:`PassSpec` that
+names the passes it must run after/before; the registry, not list order, decides the order, so
+"split before hoist" is stated where the hoist pass is declared. Passes that enable each other
+(sinking a wait lets an issue move up) share a ``fixed_point`` group: the runner repeats the group
+until a round changes nothing, so no pass ever runs another.
+
+Each built-in pass module declares its ``PASS``; :mod:`distopt.passes` lists them and adds them
+here when it is imported. Users add theirs with :func:`register_pass`. The registry imports
+nothing: what it holds is what was added.
 """
 
 from __future__ import annotations
@@ -45,6 +49,8 @@ PassFn = Callable[[torch.fx.GraphModule, PassContext], PassResult]
 
 @dataclass(frozen=True)
 class PassSpec:
+    """One pass: its function and where it runs among the others."""
+
     name: str
     fn: PassFn
     after: tuple[str, ...] = ()
@@ -81,14 +87,34 @@ def register_pass(
     """
 
     def decorate(fn: PassFn) -> PassFn:
-        if name in _REGISTRY and _REGISTRY[name].fn is not fn:
-            raise ConfigError(f"pass {name!r} is already registered by {_REGISTRY[name].fn!r}")
-        _REGISTRY[name] = PassSpec(
-            name, fn, tuple(after), tuple(before), default, tuple(options), fixed_point
+        spec = PassSpec(
+            name=name,
+            fn=fn,
+            after=tuple(after),
+            before=tuple(before),
+            default=default,
+            options=tuple(options),
+            fixed_point=fixed_point,
         )
+        add_pass(spec)
         return fn
 
     return decorate
+
+
+def add_pass(spec: PassSpec) -> None:
+    """Add a declared pass; a name another function holds already is a :class:`ConfigError`."""
+    held = _REGISTRY.get(spec.name)
+    if held is not None and held.fn is not spec.fn:
+        raise ConfigError(f"pass {spec.name!r} is already registered by {held.fn!r}")
+    _REGISTRY[spec.name] = spec
+
+
+def add_passes(specs: Iterable[PassSpec]) -> None:
+    """Add several declared passes in name order, so the order they are listed in never matters:
+    it only breaks ties their constraints leave (:func:`resolve_pipeline`)."""
+    for spec in sorted(specs, key=lambda spec: spec.name):
+        add_pass(spec)
 
 
 def unregister_pass(name: str) -> None:
@@ -96,14 +122,15 @@ def unregister_pass(name: str) -> None:
 
 
 def registered_passes() -> dict[str, PassSpec]:
-    _load_builtin_passes()
+    """Every pass added so far, by name, in the order they were added."""
     return dict(_REGISTRY)
 
 
 def resolve_pipeline(names: Iterable[str | PassSpec] | None) -> list[PassSpec]:
     """The passes to run, in an order satisfying every constraint among them.
 
-    ``None`` selects the default passes. Ties keep registration (or the caller's) order.
+    ``None`` selects the default passes. Ties keep the caller's order, or for ``None`` the order
+    passes were added (the built-ins by name, then the user's in registration order).
     """
     passes = registered_passes()
     if names is None:
@@ -145,8 +172,3 @@ def resolve_pipeline(names: Iterable[str | PassSpec] | None) -> list[PassSpec]:
         del remaining[first]
     by_name = {spec.name: spec for spec in chosen}
     return [by_name[n] for n in ordered]
-
-
-def _load_builtin_passes() -> None:
-    # Importing the package registers the built-in passes (each module decorates its pass).
-    import distopt.passes.builtin  # noqa: F401

@@ -109,7 +109,11 @@ def _groups(pipeline: Sequence[PassSpec]) -> list[list[PassSpec]]:
     """The pipeline cut into runs of adjacent passes sharing a fixed-point group (others alone)."""
     groups: list[list[PassSpec]] = []
     for spec in pipeline:
-        if groups and spec.fixed_point is not None and groups[-1][0].fixed_point == spec.fixed_point:
+        if (
+            groups
+            and spec.fixed_point is not None
+            and groups[-1][0].fixed_point == spec.fixed_point
+        ):
             groups[-1].append(spec)
         else:
             groups.append([spec])

@@ -15,7 +15,7 @@ import torch.fx
 
 from distopt.config import from_dict
 from distopt.errors import ConfigError
-from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.passes.fsdp.partition import PLAN_META, PartitionPlan, Unit, apply_plan
 from distopt.text import plural
 
@@ -33,7 +33,9 @@ class FuseOptions:
                 "from the measured α–β model of the process group)"
             )
         if self.min_unit_bytes < 0:
-            raise ConfigError(f"fuse_units.min_unit_bytes: expected an integer >= 0, got {self.min_unit_bytes!r}")
+            raise ConfigError(
+                f"fuse_units.min_unit_bytes: expected an integer >= 0, got {self.min_unit_bytes!r}"
+            )
 
 
 def merge_small_units(plan: PartitionPlan, min_bytes: int) -> PartitionPlan:
@@ -52,7 +54,7 @@ def merge_small_units(plan: PartitionPlan, min_bytes: int) -> PartitionPlan:
         else:
             j = i - 1 if sizes[i - 1] <= sizes[i + 1] else i + 1
         lo, hi = min(i, j), max(i, j)
-        groups[lo:hi + 1] = [groups[lo] + groups[hi]]
+        groups[lo : hi + 1] = [groups[lo] + groups[hi]]
     units = [
         Unit(
             index=index,
@@ -66,12 +68,6 @@ def merge_small_units(plan: PartitionPlan, min_bytes: int) -> PartitionPlan:
     return PartitionPlan(units=units, cost_source=plan.cost_source)
 
 
-@register_pass(
-    "fuse_units",
-    after=("partition",),
-    default=False,
-    options=tuple(f.name for f in dataclasses.fields(FuseOptions)),
-)
 def fuse_units(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Merge adjacent units smaller than the collective-efficient minimum size.
 
@@ -90,3 +86,13 @@ def fuse_units(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         modified=False,
         detail=f"merged {plural(merged, 'unit')} below {options.min_unit_bytes / 2**20:.2f} MiB: {fused.summary()}",
     )
+
+
+PASS = PassSpec(
+    name="fuse_units",
+    fn=fuse_units,
+    after=("partition",),
+    default=False,
+    options=tuple(f.name for f in dataclasses.fields(FuseOptions)),
+)
+"""This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

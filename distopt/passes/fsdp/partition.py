@@ -24,9 +24,10 @@ import torch
 import torch.fx
 from torch import nn
 
+from distopt.config import from_dict
 from distopt.errors import ConfigError
 from distopt.estimate.profile import profile_nodes
-from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.passes.remote.nodes import remote_ops
 
 UNIT_META = "distopt_unit"
@@ -206,13 +207,21 @@ class PartitionOptions:
 
     def __post_init__(self) -> None:
         if self.num_units is not None and self.num_units < 1:
-            raise ConfigError(f"partition.num_units: expected an integer >= 1, got {self.num_units!r}")
+            raise ConfigError(
+                f"partition.num_units: expected an integer >= 1, got {self.num_units!r}"
+            )
         if self.max_unit_bytes is not None and self.max_unit_bytes < 1:
-            raise ConfigError(f"partition.max_unit_bytes: expected an integer >= 1, got {self.max_unit_bytes!r}")
+            raise ConfigError(
+                f"partition.max_unit_bytes: expected an integer >= 1, got {self.max_unit_bytes!r}"
+            )
         if self.cost not in ("auto", "profile", "estimate"):
-            raise ConfigError(f"partition.cost: expected 'auto', 'profile' or 'estimate', got {self.cost!r}")
+            raise ConfigError(
+                f"partition.cost: expected 'auto', 'profile' or 'estimate', got {self.cost!r}"
+            )
         if not 0.0 <= self.compute_weight <= 1.0:
-            raise ConfigError(f"partition.compute_weight: expected a number in [0, 1], got {self.compute_weight!r}")
+            raise ConfigError(
+                f"partition.compute_weight: expected a number in [0, 1], got {self.compute_weight!r}"
+            )
 
 
 def _default_unit_count(keys: list[str | None], node_bytes: list[int], num_candidates: int) -> int:
@@ -224,11 +233,13 @@ def _default_unit_count(keys: list[str | None], node_bytes: list[int], num_candi
     first = in_block.index(True)
     last = len(in_block) - 1 - in_block[::-1].index(True)
     blocks = {k for k, b in zip(keys, in_block, strict=True) if b}
-    return len(blocks) + (sum(node_bytes[:first]) > 0) + (sum(node_bytes[last + 1:]) > 0)
+    return len(blocks) + (sum(node_bytes[:first]) > 0) + (sum(node_bytes[last + 1 :]) > 0)
 
 
 def plan_partition(
-    gm: torch.fx.GraphModule, options: PartitionOptions, example_inputs: tuple[Any, ...] | None = None
+    gm: torch.fx.GraphModule,
+    options: PartitionOptions,
+    example_inputs: tuple[Any, ...] | None = None,
 ) -> PartitionPlan:
     """Compute unit assignments for ``gm``'s nodes (see the module docstring for the rules)."""
     nodes = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
@@ -243,7 +254,9 @@ def plan_partition(
         claimed.update(id(v) for v in fresh.values())
         touched.append({id(v) for v in state.values()})
         states.append(fresh)
-    node_bytes = [sum(tensor_bytes(v) for v in s.values() if isinstance(v, nn.Parameter)) for s in states]
+    node_bytes = [
+        sum(tensor_bytes(v) for v in s.values() if isinstance(v, nn.Parameter)) for s in states
+    ]
 
     costs: list[float] | None = None
     if options.cost in ("auto", "profile") and example_inputs is not None:
@@ -258,7 +271,9 @@ def plan_partition(
 
     total_b, total_c = float(sum(node_bytes)) or 1.0, float(sum(costs)) or 1.0
     cw = options.compute_weight if sum(costs) else 0.0
-    weights = [(1 - cw) * b / total_b + cw * c / total_c for b, c in zip(node_bytes, costs, strict=True)]
+    weights = [
+        (1 - cw) * b / total_b + cw * c / total_c for b, c in zip(node_bytes, costs, strict=True)
+    ]
     prefix = [0.0]
     for w in weights:
         prefix.append(prefix[-1] + w)
@@ -322,16 +337,9 @@ def unit_of(node: torch.fx.Node, previous: int = 0) -> int:
 
 
 def partition_options(raw: dict[str, Any]) -> PartitionOptions:
-    from distopt.config import from_dict
-
     return from_dict(PartitionOptions, raw, prefix="pass_options.partition")
 
 
-@register_pass(
-    "partition",
-    default=False,
-    options=tuple(f.name for f in dataclasses.fields(PartitionOptions)),
-)
 def partition(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Assign every node to a contiguous unit balanced by parameter bytes and compute cost.
 
@@ -347,3 +355,12 @@ def partition(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     plan = plan_partition(gm, options, ctx.example_inputs)
     apply_plan(gm, plan)
     return PassResult(modified=False, detail=plan.summary())
+
+
+PASS = PassSpec(
+    name="partition",
+    fn=partition,
+    default=False,
+    options=tuple(f.name for f in dataclasses.fields(PartitionOptions)),
+)
+"""This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

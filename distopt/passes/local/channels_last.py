@@ -15,10 +15,11 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.passes.local.fold_conv_bn import FoldedConv2d
 from distopt.remote.registry import register_leaf_function
 from distopt.text import plural
+from distopt.verify import preserved_state
 
 _FORMATS = {
     "channels_last": torch.channels_last,
@@ -43,7 +44,11 @@ def restore_memory_format(value: Any, fmt: str) -> Any:
 
 
 def format_name(t: torch.Tensor) -> str:
-    if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
+    if (
+        t.dim() == 4
+        and not t.is_contiguous()
+        and t.is_contiguous(memory_format=torch.channels_last)
+    ):
         return "channels_last"
     return "contiguous_format"
 
@@ -51,19 +56,21 @@ def format_name(t: torch.Tensor) -> str:
 def has_convolutions(gm: torch.fx.GraphModule) -> bool:
     modules = dict(gm.named_modules())
     for node in gm.graph.nodes:
-        if node.op == "call_module" and isinstance(modules.get(str(node.target)), (nn.Conv2d, FoldedConv2d)):
+        if node.op == "call_module" and isinstance(
+            modules.get(str(node.target)), (nn.Conv2d, FoldedConv2d)
+        ):
             return True
         if node.op == "call_function" and node.target in (torch.conv2d, torch.nn.functional.conv2d):
             return True
     return False
 
 
-def _output_formats(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> list[str] | None:
+def _output_formats(
+    gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...] | None
+) -> list[str] | None:
     """Memory format of every output leaf of the unmodified graph (None without inputs)."""
     if example_inputs is None:
         return None
-    from distopt.verify import preserved_state
-
     try:
         with preserved_state(gm), torch.no_grad(), torch.random.fork_rng(devices=[]):
             out = gm(*example_inputs)
@@ -73,7 +80,6 @@ def _output_formats(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...] | 
     return [format_name(v) if isinstance(v, torch.Tensor) else "contiguous_format" for v in leaves]
 
 
-@register_pass("channels_last", default=False, after=("fold_conv_bn",))
 def channels_last(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Convert 4-D inputs to channels-last at entry; restore outputs' original layout at exit.
 
@@ -116,4 +122,11 @@ def channels_last(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             node = graph.call_function(restore_memory_format, (leaf, fmt))
         output.replace_input_with(leaf, node)
         restored += 1
-    return PassResult(modified=True, detail=f"channels-last: {plural(converted, 'input')} converted, {plural(restored, 'output')} restored")
+    return PassResult(
+        modified=True,
+        detail=f"channels-last: {plural(converted, 'input')} converted, {plural(restored, 'output')} restored",
+    )
+
+
+PASS = PassSpec(name="channels_last", fn=channels_last, default=False, after=("fold_conv_bn",))
+"""This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from distopt.errors import ConfigError
-from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.text import plural
 
 FOLDED = "distopt_folded"
@@ -35,9 +35,16 @@ class FoldedConv2d(nn.Module):
         super().__init__()
         self.conv_path, self.bn_path = conv_path, bn_path
         self.train(False)  # created for an eval graph; forward refuses training mode
-        self.stride, self.padding, self.dilation, self.groups = conv.stride, conv.padding, conv.dilation, conv.groups
+        self.stride, self.padding, self.dilation, self.groups = (
+            conv.stride,
+            conv.padding,
+            conv.dilation,
+            conv.groups,
+        )
         if conv.padding_mode != "zeros":
-            raise ConfigError(f"fold_conv_bn: {conv_path} uses padding_mode={conv.padding_mode!r}; only 'zeros' folds")
+            raise ConfigError(
+                f"fold_conv_bn: {conv_path} uses padding_mode={conv.padding_mode!r}; only 'zeros' folds"
+            )
         self.register_buffer("weight", torch.empty(0), persistent=False)
         self.register_buffer("bias", torch.empty(0), persistent=False)
         self.refold(conv, bn)
@@ -62,7 +69,9 @@ class FoldedConv2d(nn.Module):
                 f"{self.conv_path}+{self.bn_path} were folded for eval by distopt; call .eval(), or "
                 "optimize the training model without the fold_conv_bn pass"
             )
-        return F.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups)
+        return F.conv2d(
+            x, self.weight, self.bias, self.stride, self.padding, self.dilation, self.groups
+        )
 
 
 def _refold_all(module: nn.Module, incompatible_keys: object) -> None:
@@ -78,7 +87,6 @@ def _refold_all(module: nn.Module, incompatible_keys: object) -> None:
         sub.refold(conv, bn)
 
 
-@register_pass("fold_conv_bn", default=False)
 def fold_conv_bn(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replace ``bn(conv(x))`` by one folded convolution (eval mode only).
 
@@ -98,7 +106,9 @@ def fold_conv_bn(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     modules = dict(gm.named_modules())
     folded = 0
     for node in list(gm.graph.nodes):
-        if node.op != "call_module" or not isinstance(modules.get(str(node.target)), nn.BatchNorm2d):
+        if node.op != "call_module" or not isinstance(
+            modules.get(str(node.target)), nn.BatchNorm2d
+        ):
             continue
         src = node.args[0] if node.args else None
         if not isinstance(src, torch.fx.Node) or src.op != "call_module" or len(src.users) != 1:
@@ -107,12 +117,16 @@ def fold_conv_bn(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if type(conv) is not nn.Conv2d or not bn.track_running_stats or bn.running_mean is None:
             continue
         if bn.training:
-            raise ConfigError(f"fold_conv_bn: {node.target} is in training mode (the model says eval)")
+            raise ConfigError(
+                f"fold_conv_bn: {node.target} is in training mode (the model says eval)"
+            )
         if not hasattr(gm, FOLDED):
             gm.add_module(FOLDED, nn.Module())
             gm.register_load_state_dict_post_hook(_refold_all)
         name = str(src.target).replace(".", "_")
-        getattr(gm, FOLDED).add_module(name, FoldedConv2d(conv, bn, str(src.target), str(node.target)))
+        getattr(gm, FOLDED).add_module(
+            name, FoldedConv2d(conv, bn, str(src.target), str(node.target))
+        )
         with gm.graph.inserting_before(src):
             new = gm.graph.call_module(f"{FOLDED}.{name}", src.args, src.kwargs)
         new.meta = dict(src.meta)
@@ -121,3 +135,7 @@ def fold_conv_bn(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         gm.graph.erase_node(src)
         folded += 1
     return PassResult(modified=folded > 0, detail=f"folded {plural(folded, 'conv+batchnorm pair')}")
+
+
+PASS = PassSpec(name="fold_conv_bn", fn=fold_conv_bn, default=False)
+"""This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

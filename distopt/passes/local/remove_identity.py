@@ -8,11 +8,10 @@ from __future__ import annotations
 import torch.fx
 from torch import nn
 
-from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.text import plural
 
 
-@register_pass("remove_identity")
 def remove_identity(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replace no-op module calls by their input.
 
@@ -38,3 +37,12 @@ def remove_identity(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         gm.graph.erase_node(node)
         removed += 1
     return PassResult(modified=removed > 0, detail=f"removed {plural(removed, 'no-op call')}")
+
+
+PASS = PassSpec(
+    name="remove_identity",
+    fn=remove_identity,
+    # Local cleanup first: the remote passes then see the model's calls without no-op modules.
+    before=("pair_user_waits", "split_remote"),
+)
+"""This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

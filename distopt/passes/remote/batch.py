@@ -11,7 +11,7 @@ import torch.fx
 from torch.fx import Node
 
 from distopt.errors import ConfigError
-from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.passes.remote.nodes import (
     RemoteOp,
     batch_key_of_call,
@@ -112,12 +112,6 @@ def _request_bytes(node: Node, values: Mapping[Node, Any]) -> int | None:
     return total
 
 
-@register_pass(
-    "batch_fetch",
-    after=("split_remote", "hoist_issue"),
-    options=_OPTIONS,
-    fixed_point="remote_schedule",
-)
 def batch_fetch(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Merge concurrent reads with a registered batched variant and equal batch key into one issue.
 
@@ -284,3 +278,13 @@ def _merge(graph: torch.fx.Graph, members: list[Node], op: RemoteOp) -> None:
             wait.update_arg(0, batched)
             wait.update_kwarg("item", item)
         graph.erase_node(member)
+
+
+PASS = PassSpec(
+    name="batch_fetch",
+    fn=batch_fetch,
+    after=("split_remote", "hoist_issue"),
+    options=_OPTIONS,
+    fixed_point="remote_schedule",
+)
+"""This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.fx
 from torch.fx import Node
 
-from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.passes.remote.nodes import (
     RemoteOp,
     issue_cone,
@@ -54,7 +54,6 @@ class _Tracker:
         return freed
 
 
-@register_pass("hoist_issue", after=("split_remote",), fixed_point="remote_schedule")
 def hoist_issue(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Move each remote issue (and the pure computation of its arguments) as early as allowed.
 
@@ -98,4 +97,12 @@ def hoist_issue(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     after = {n: i for i, n in enumerate(order)}
     moved = sum(1 for n in issues if after[n] < before[n])
     changed = reorder(graph, order)
-    return PassResult(modified=changed, detail=f"hoisted {moved} of {plural(len(issues), 'remote issue')}")
+    return PassResult(
+        modified=changed, detail=f"hoisted {moved} of {plural(len(issues), 'remote issue')}"
+    )
+
+
+PASS = PassSpec(
+    name="hoist_issue", fn=hoist_issue, after=("split_remote",), fixed_point="remote_schedule"
+)
+"""This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

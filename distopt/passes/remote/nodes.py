@@ -198,7 +198,9 @@ def remote_write_of(op: RemoteOp) -> RemoteWrite:
     """What a graph's remote write sends, named for messages (the user's line, the server
     function when nothing declares it)."""
     node = op.start
-    return remote_write(op.spec, _hide_nodes(tuple(node.args)), _hide_nodes(dict(node.kwargs)), source_line(node))
+    return remote_write(
+        op.spec, _hide_nodes(tuple(node.args)), _hide_nodes(dict(node.kwargs)), source_line(node)
+    )
 
 
 def is_local_barrier(node: Node, ops: Mapping[Node, RemoteOp]) -> bool:

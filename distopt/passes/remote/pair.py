@@ -6,14 +6,14 @@ import torch.futures
 import torch.fx
 from torch.fx import Node
 
-from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.passes.remote.nodes import remote_ops
 from distopt.remote import registry, rpc
 from distopt.remote.registry import RemoteCallSpec
 from distopt.remote.wait import source_line
 from distopt.text import plural
 
-_WAIT_METHODS = {id(registry.wait_future): "wait", id(rpc._to_here): "to_here"}
+_WAIT_METHODS = {id(registry.wait_future): "wait", id(rpc.wait_rref): "to_here"}
 """The method a user calls on an issue's result to wait for it, by the spec's ``wait``."""
 
 
@@ -21,7 +21,6 @@ def _wait_method(spec: RemoteCallSpec) -> str | None:
     return _WAIT_METHODS.get(id(spec.wait))
 
 
-@register_pass("pair_user_waits", before=("hoist_issue", "sink_wait"))
 def pair_user_waits(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Turn the waits users write on their own async remote calls into the spec's wait op.
 
@@ -59,7 +58,9 @@ def pair_user_waits(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     graph = gm.graph
     paired = 0
     # Wait functions users call themselves, which also take a list (Ray's ``ray.get``).
-    list_waits = {id(spec.wait) for spec in registry.registered_specs() if _wait_method(spec) is None}
+    list_waits = {
+        id(spec.wait) for spec in registry.registered_specs() if _wait_method(spec) is None
+    }
     for node, op in list(remote_ops(graph).items()):
         if node is not op.start or op.kind != "issue":
             continue
@@ -81,7 +82,10 @@ def pair_user_waits(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
             paired += _pair_wait_all(graph, node)
         elif id(node.target) in list_waits:  # ray.get([ref0, ref1])
             paired += _pair_wait_all(graph, node, by=node.target)
-    return PassResult(modified=paired > 0, detail=f"paired {plural(paired, 'user-written wait')} with their issues")
+    return PassResult(
+        modified=paired > 0,
+        detail=f"paired {plural(paired, 'user-written wait')} with their issues",
+    )
 
 
 def _replace(graph: torch.fx.Graph, old: Node, target: object, args: tuple[object, ...]) -> Node:
@@ -119,3 +123,7 @@ def _pair_wait_all(graph: torch.fx.Graph, node: Node, by: object = None) -> int:
     node.replace_all_uses_with(gathered)
     graph.erase_node(node)
     return len(waits)
+
+
+PASS = PassSpec(name="pair_user_waits", fn=pair_user_waits, before=("hoist_issue", "sink_wait"))
+"""This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

@@ -5,17 +5,12 @@ from __future__ import annotations
 import torch.fx
 from torch.fx import Node
 
-from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.passes.remote.nodes import issue_cone, must_keep_order, remote_ops
 from distopt.remote.wait import is_wait
 from distopt.text import plural
 
 
-@register_pass(
-    "sink_wait",
-    after=("split_remote", "hoist_issue", "batch_fetch"),
-    fixed_point="remote_schedule",
-)
 def sink_wait(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Move each remote wait to just before its first user.
 
@@ -79,3 +74,12 @@ def _sink_waits(graph: torch.fx.Graph) -> tuple[int, int]:
         target.prepend(wait)
         moved += 1
     return moved, len(waits)
+
+
+PASS = PassSpec(
+    name="sink_wait",
+    fn=sink_wait,
+    after=("split_remote", "hoist_issue", "batch_fetch"),
+    fixed_point="remote_schedule",
+)
+"""This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import torch.fx
 
-from distopt.passes.core.base import PassContext, PassResult, register_pass
+from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.passes.remote.nodes import remote_ops
 from distopt.remote.wait import source_line
 from distopt.text import plural
 
 
-@register_pass("split_remote")
 def split_remote(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Replace each blocking remote call by its registered issue plus the spec's wait op.
 
@@ -49,4 +48,10 @@ def split_remote(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         node.replace_all_uses_with(wait)
         graph.erase_node(node)
         split += 1
-    return PassResult(modified=split > 0, detail=f"split {plural(split, 'remote call')} into issue + wait")
+    return PassResult(
+        modified=split > 0, detail=f"split {plural(split, 'remote call')} into issue + wait"
+    )
+
+
+PASS = PassSpec(name="split_remote", fn=split_remote)
+"""This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

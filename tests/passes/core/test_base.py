@@ -1,8 +1,19 @@
+import random
+
 import pytest
 import torch.fx
 
 from distopt.errors import ConfigError
-from distopt.passes import PassResult, register_pass, resolve_pipeline, unregister_pass
+from distopt.passes import (
+    BUILTIN_PASSES,
+    PassResult,
+    add_passes,
+    register_pass,
+    registered_passes,
+    resolve_pipeline,
+    unregister_pass,
+)
+from distopt.passes.core import base
 
 
 def _noop(gm: torch.fx.GraphModule, ctx) -> PassResult:
@@ -48,3 +59,44 @@ def test_duplicate_and_cycle_are_rejected(three_passes) -> None:
 
 def test_default_pipeline_contains_only_default_passes() -> None:
     assert all(spec.default for spec in resolve_pipeline(None))
+
+
+DEFAULT_PIPELINE = [
+    "remove_identity",
+    "pair_user_waits",
+    "split_remote",
+    "hoist_issue",
+    "batch_fetch",
+    "sink_wait",
+]
+
+
+def test_the_default_pipeline_does_not_depend_on_the_order_the_builtins_are_listed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    listed = sorted(BUILTIN_PASSES, key=lambda spec: spec.name)
+    for order in (listed, listed[::-1], random.Random(0).sample(listed, len(listed))):
+        monkeypatch.setattr(base, "_REGISTRY", {})
+        add_passes(order)
+        assert [spec.name for spec in resolve_pipeline(None)] == DEFAULT_PIPELINE
+
+
+def test_every_builtin_pass_module_declares_the_pass_the_package_lists() -> None:
+    names = {spec.name for spec in BUILTIN_PASSES}
+    assert names == {"channels_last", "fold_conv_bn", "fuse_units", "partition", *DEFAULT_PIPELINE}
+    assert {name: registered_passes()[name] for name in names} == {
+        s.name: s for s in BUILTIN_PASSES
+    }
+
+
+def test_user_passes_follow_the_builtins_they_do_not_constrain() -> None:
+    register_pass("t_default")(_noop)
+    try:
+        assert [spec.name for spec in resolve_pipeline(None)] == [*DEFAULT_PIPELINE, "t_default"]
+    finally:
+        unregister_pass("t_default")
+
+
+def test_a_name_taken_by_another_function_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^pass 'split_remote' is already registered by"):
+        register_pass("split_remote")(_noop)

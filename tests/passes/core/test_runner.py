@@ -46,7 +46,10 @@ def test_dce_drops_dead_pure_nodes_but_keeps_side_effects() -> None:
 def test_failing_pass_is_named_with_passes_before_it() -> None:
     gm = torch.fx.symbolic_trace(M())
     pipeline = [PassSpec("first", _insert_effect), PassSpec("broken", _boom)]
-    with pytest.raises(PassError, match=r"pass 'broken' failed: RuntimeError: kaboom \(passes run before it: first\)") as err:
+    with pytest.raises(
+        PassError,
+        match=r"pass 'broken' failed: RuntimeError: kaboom \(passes run before it: first\)",
+    ) as err:
         run_passes(gm, pipeline)
     assert err.value.pass_name == "broken" and err.value.passes_before == ("first",)
 
@@ -103,6 +106,9 @@ def test_a_group_that_never_settles_stops_after_the_round_limit() -> None:
     def always(gm: torch.fx.GraphModule, ctx) -> PassResult:
         return PassResult(modified=True, detail="claims a change")
 
-    pipeline = [PassSpec("always", always, fixed_point="g"), PassSpec("follow", _follow, fixed_point="g")]
+    pipeline = [
+        PassSpec("always", always, fixed_point="g"),
+        PassSpec("follow", _follow, fixed_point="g"),
+    ]
     record = run_passes(gm, pipeline)
     assert [p.name for p in record.passes][-1] == "always (round 8)"

@@ -8,7 +8,6 @@ import torch.fx
 from torch import nn
 
 import distopt
-from distopt.collectives import AlphaBeta, fit, min_unit_bytes
 from distopt.errors import ConfigError, PassError
 from distopt.models import build, make_inputs
 from distopt.parallel import materialize_units, plan_of, unit_modules
@@ -30,7 +29,11 @@ def _gpt(layers: int = 4) -> nn.Module:
 def _partitioned(model: nn.Module, **options) -> torch.fx.GraphModule:
     inputs = make_inputs("gpt", model, 2)
     gm = distopt.optimize(
-        model, inputs, passes=["partition"], config={"pass_options": {"partition": options}}, strict=True
+        model,
+        inputs,
+        passes=["partition"],
+        config={"pass_options": {"partition": options}},
+        strict=True,
     )
     assert isinstance(gm, torch.fx.GraphModule)
     return gm
@@ -107,8 +110,12 @@ def test_untouched_parameters_keep_their_names() -> None:
             return self.b(self.a(x))
 
     model = WithSpare()
-    gm = distopt.optimize(model, torch.randn(2, 4), passes=["partition"],
-                          config={"pass_options": {"partition": {"num_units": 2}}})
+    gm = distopt.optimize(
+        model,
+        torch.randn(2, 4),
+        passes=["partition"],
+        config={"pass_options": {"partition": {"num_units": 2}}},
+    )
     split = materialize_units(gm)
     assert list(split.state_dict().keys()) == list(model.state_dict().keys())
 
@@ -126,8 +133,12 @@ def test_tied_weights_stay_in_one_unit() -> None:
                 x = layer(x)
             return self.emb(x)  # the same module again at the end
 
-    gm = distopt.optimize(Tied(), torch.randn(2, 8), passes=["partition"],
-                          config={"pass_options": {"partition": {"num_units": 4}}})
+    gm = distopt.optimize(
+        Tied(),
+        torch.randn(2, 8),
+        passes=["partition"],
+        config={"pass_options": {"partition": {"num_units": 4}}},
+    )
     assert len(plan_of(gm).units) == 1
     materialize_units(gm)  # no parameter shared between units
 
@@ -201,9 +212,12 @@ def test_fuse_merges_units_below_minimum() -> None:
 def test_fuse_units_pass_with_given_minimum() -> None:
     model = _gpt(layers=4)
     gm = distopt.optimize(
-        model, make_inputs("gpt", model, 2), passes=["partition", "fuse_units"],
-        config={"pass_options": {"partition": {"num_units": 5},
-                                 "fuse_units": {"min_unit_bytes": 10**9}}},
+        model,
+        make_inputs("gpt", model, 2),
+        passes=["partition", "fuse_units"],
+        config={
+            "pass_options": {"partition": {"num_units": 5}, "fuse_units": {"min_unit_bytes": 10**9}}
+        },
     )
     assert len(plan_of(gm).units) == 1
     assert {n.meta[UNIT_META] for n in gm.graph.nodes} == {0}
@@ -215,25 +229,6 @@ def test_fuse_units_requires_partition() -> None:
     gm = torch.fx.symbolic_trace(nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="partition"):
         fuse_units(gm, PassContext(options={"min_unit_bytes": 1}))
-
-
-def test_alpha_beta_fit_and_minimum() -> None:
-    alpha, beta = fit([(1000, 1e-3 + 1000 * 1e-9), (10**6, 1e-3 + 10**6 * 1e-9)])
-    assert alpha == pytest.approx(1e-3) and beta == pytest.approx(1e-9)
-    model = AlphaBeta(backend="gloo", world_size=2, all_gather_alpha=1e-3, all_gather_beta=1e-9,
-                      reduce_scatter_alpha=2e-3, reduce_scatter_beta=1e-9)
-    assert min_unit_bytes(model) == pytest.approx(2e-3 / 1e-9, rel=1e-6)  # n½ of the slower one
-    assert min_unit_bytes(model, latency_fraction=0.2) == pytest.approx(4 * 2e-3 / 1e-9, rel=1e-6)
-
-
-@pytest.mark.slow
-def test_alpha_beta_is_measured_once_and_cached(tmp_path) -> None:
-    from distopt.collectives import alpha_beta, cache_path
-
-    first = alpha_beta(cache_dir=tmp_path)
-    assert cache_path("gloo", 2, tmp_path).is_file()
-    assert first.all_gather_beta > 0 and first.reduce_scatter_beta > 0
-    assert alpha_beta(cache_dir=tmp_path) == first  # served from the cache, not re-measured
 
 
 def test_profiling_never_talks_to_servers() -> None:
@@ -256,6 +251,8 @@ def test_profiling_never_talks_to_servers() -> None:
         model = Remote()
         model.read = read  # with a fetch the final add needs server rows: estimates instead
         STORE.reset()
-        gm = distopt.optimize(model, inputs, passes=["partition"], config=options, verify=False, strict=True)
+        gm = distopt.optimize(
+            model, inputs, passes=["partition"], config=options, verify=False, strict=True
+        )
         assert plan_of(gm).cost_source == source
         assert STORE.requests == 0

@@ -47,9 +47,13 @@ def test_outputs_keep_contiguous_format_and_values() -> None:
 
 def test_convolutions_run_channels_last_inside() -> None:
     model = FeatureMap()
-    gm = distopt.optimize(model, torch.randn(2, 3, 8, 8), passes=["channels_last"], config=LOOSE, strict=True)
+    gm = distopt.optimize(
+        model, torch.randn(2, 3, 8, 8), passes=["channels_last"], config=LOOSE, strict=True
+    )
     seen = []
-    model.conv.register_forward_hook(lambda m, args, out: seen.append(out.is_contiguous(memory_format=torch.channels_last)))
+    model.conv.register_forward_hook(
+        lambda m, args, out: seen.append(out.is_contiguous(memory_format=torch.channels_last))
+    )
     gm(torch.randn(2, 3, 8, 8))
     assert seen == [True]
 
@@ -81,8 +85,13 @@ def test_no_convolutions_no_change() -> None:
 def test_fold_then_channels_last_on_resnet_matches_eager() -> None:
     model = build("resnet50", width=4, image_size=32, num_classes=10, blocks=(1, 1, 1, 1)).eval()
     x = make_inputs("resnet50", model, 2)
-    gm = distopt.optimize(model, x, passes=["channels_last", "fold_conv_bn"],
-                          config={"verify": {"check_grads": False}}, strict=True)
+    gm = distopt.optimize(
+        model,
+        x,
+        passes=["channels_last", "fold_conv_bn"],
+        config={"verify": {"check_grads": False}},
+        strict=True,
+    )
     with torch.no_grad():
         torch.testing.assert_close(gm(*x), model(*x), rtol=1e-4, atol=1e-5)
 

@@ -58,7 +58,9 @@ def test_state_dict_keys_kept_and_loading_refolds() -> None:
 def test_refuses_training_mode_naming_the_mode() -> None:
     model = _resnet().train()
     with pytest.raises(PassError, match="fold_conv_bn.*training mode"):
-        distopt.optimize(model, make_inputs("resnet50", model, 2), passes=["fold_conv_bn"], strict=True)
+        distopt.optimize(
+            model, make_inputs("resnet50", model, 2), passes=["fold_conv_bn"], strict=True
+        )
     gm = torch.fx.symbolic_trace(model)
     with pytest.raises(ConfigError, match="training mode"):
         fold_conv_bn(gm, PassContext(training=True))
@@ -96,8 +98,12 @@ def test_folded_model_refuses_to_train() -> None:
     from distopt.errors import ConfigError
 
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
-    folded = distopt.optimize(model, (torch.randn(1, 3, 8, 8),), passes=["fold_conv_bn"],
-                              config={"verify": {"check_grads": False}})
+    folded = distopt.optimize(
+        model,
+        (torch.randn(1, 3, 8, 8),),
+        passes=["fold_conv_bn"],
+        config={"verify": {"check_grads": False}},
+    )
     folded.train()
     with pytest.raises(ConfigError, match="folded for eval"):
         folded(torch.randn(1, 3, 8, 8))

@@ -14,7 +14,7 @@ import distopt.ps as ps
 from distopt.capture import symbolic_capture
 from distopt.config import CaptureConfig
 from distopt.estimate import predict
-from distopt.ps import context as ps_context
+from distopt.ps.client import context as ps_context
 from distopt.ps.spec import ServerOptions, TableSpec
 
 pytestmark = pytest.mark.slow

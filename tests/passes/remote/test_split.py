@@ -196,7 +196,12 @@ def rpc_agent():
     plan = rendezvous.StorePlan(host="127.0.0.1", hosted_by="worker0", rpc_port=0)
     with rendezvous.host_stores(plan, me="worker0", timeout_s=30.0) as hosted:
         rendezvous.init_rpc(
-            hosted.plan, name="worker0", rank=0, world_size=1, transport=ServerOptions(), timeout_s=30.0
+            hosted.plan,
+            name="worker0",
+            rank=0,
+            world_size=1,
+            transport=ServerOptions(),
+            timeout_s=30.0,
         )
         try:
             yield

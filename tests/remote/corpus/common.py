@@ -22,7 +22,13 @@ SERVERS = ("ps0", "ps1")
 
 
 def tower(hidden: int = 1536) -> nn.Sequential:
-    return nn.Sequential(nn.Linear(DENSE, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, DIM))
+    return nn.Sequential(
+        nn.Linear(DENSE, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, DIM),
+    )
 
 
 def head() -> nn.Linear:
@@ -32,7 +38,9 @@ def head() -> nn.Linear:
 def inputs(batch: int = 32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dense [B, DENSE], ids [B, 2, BAG])``: one bag of ids per table."""
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(batch, DENSE, generator=gen), torch.randint(0, NUM_ROWS, (batch, 2, BAG), generator=gen)
+    return torch.randn(batch, DENSE, generator=gen), torch.randint(
+        0, NUM_ROWS, (batch, 2, BAG), generator=gen
+    )
 
 
 def targets(batch: int = 32, seed: int = 0) -> torch.Tensor:

@@ -51,8 +51,16 @@ def rpc_group(num_servers: int = 2, *, latency_ms: float = 0.0) -> Iterator[list
         plan_json = json.dumps(dataclasses.asdict(hosted.plan))
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "tests.remote.corpus.server", plan_json, name, str(rank),
-                 str(world), str(latency_ms)],
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.remote.corpus.server",
+                    plan_json,
+                    name,
+                    str(rank),
+                    str(world),
+                    str(latency_ms),
+                ],
                 cwd=REPO,
             )  # fmt: skip
             for rank, name in enumerate(names, start=1)

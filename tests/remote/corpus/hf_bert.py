@@ -21,8 +21,13 @@ class Model(nn.Module):
         self.emb1_rref = rpc.remote(servers[1], EmbeddingTable, args=(NUM_ROWS, DIM, seed + 1))
         self.tower = common.tower()
         config = BertConfig(
-            vocab_size=8, hidden_size=DIM, num_hidden_layers=1, num_attention_heads=2,
-            intermediate_size=2 * DIM, max_position_embeddings=8, hidden_dropout_prob=0.0,
+            vocab_size=8,
+            hidden_size=DIM,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=2 * DIM,
+            max_position_embeddings=8,
+            hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0,
         )
         self.bert = BertModel(config, add_pooling_layer=False)
@@ -54,4 +59,6 @@ def build(seed: int = 0, hand: bool = False) -> Model:
 
 
 def remote_parameters(model: Model) -> list:
-    return [p for r in (model.emb0_rref, model.emb1_rref) for p in _remote_method(_parameter_rrefs, r)]
+    return [
+        p for r in (model.emb0_rref, model.emb1_rref) for p in _remote_method(_parameter_rrefs, r)
+    ]

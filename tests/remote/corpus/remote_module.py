@@ -14,7 +14,9 @@ class Model(nn.Module):
     def __init__(self, seed: int = 0, servers=common.SERVERS):
         super().__init__()
         self.emb0 = RemoteModule(f"{servers[0]}/cpu", EmbeddingTable, args=(NUM_ROWS, DIM, seed))
-        self.emb1 = RemoteModule(f"{servers[1]}/cpu", EmbeddingTable, args=(NUM_ROWS, DIM, seed + 1))
+        self.emb1 = RemoteModule(
+            f"{servers[1]}/cpu", EmbeddingTable, args=(NUM_ROWS, DIM, seed + 1)
+        )
         self.tower = common.tower()
         self.head = common.head()
 

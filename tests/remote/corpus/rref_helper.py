@@ -45,4 +45,6 @@ def build(seed: int = 0, hand: bool = False) -> Model:
 
 
 def remote_parameters(model: Model) -> list:
-    return [p for r in (model.emb0_rref, model.emb1_rref) for p in _remote_method(_parameter_rrefs, r)]
+    return [
+        p for r in (model.emb0_rref, model.emb1_rref) for p in _remote_method(_parameter_rrefs, r)
+    ]

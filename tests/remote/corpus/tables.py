@@ -34,7 +34,9 @@ class EmbeddingTable(nn.Module):
         super().__init__()
         self.emb = nn.EmbeddingBag(num_rows, dim, mode="sum")
         with torch.no_grad():
-            self.emb.weight.copy_(torch.randn(num_rows, dim, generator=torch.Generator().manual_seed(seed)))
+            self.emb.weight.copy_(
+                torch.randn(num_rows, dim, generator=torch.Generator().manual_seed(seed))
+            )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         _network()
@@ -47,7 +49,9 @@ class EmbeddingTable(nn.Module):
 class DropoutTable(EmbeddingTable):
     """An embedding table with dropout on the server: randomness verification must not trip on."""
 
-    def __init__(self, num_rows: int = NUM_ROWS, dim: int = DIM, seed: int = 0, p: float = 0.5) -> None:
+    def __init__(
+        self, num_rows: int = NUM_ROWS, dim: int = DIM, seed: int = 0, p: float = 0.5
+    ) -> None:
         super().__init__(num_rows, dim, seed)
         self.drop = nn.Dropout(p)
 

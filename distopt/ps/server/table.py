@@ -50,7 +50,9 @@ class ShardTable:
         if spec.optimizer == "adagrad":
             self.accum = torch.full_like(self.weight, spec.adagrad_initial)
         elif spec.optimizer == "rowwise_adagrad":
-            self.accum = torch.full((self.weight.shape[0],), spec.adagrad_initial, dtype=self.weight.dtype)
+            self.accum = torch.full(
+                (self.weight.shape[0],), spec.adagrad_initial, dtype=self.weight.dtype
+            )
 
     @property
     def num_local_rows(self) -> int:
@@ -59,7 +61,9 @@ class ShardTable:
     def local_ids(self, ids: torch.Tensor) -> torch.Tensor:
         """Global ids → local row indices, rejecting ids out of range or of another shard."""
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise ConfigError(f"table {self.spec.name!r}: ids must be an integer tensor, got {ids!r}")
+            raise ConfigError(
+                f"table {self.spec.name!r}: ids must be an integer tensor, got {ids!r}"
+            )
         ids = ids.reshape(-1).to(torch.int64)
         if ids.numel() == 0:
             return ids
@@ -88,10 +92,14 @@ class ShardTable:
         """Local rows of ``ids`` and ``grads`` as ``[len(ids), dim]``, or an error naming the table."""
         local = self.local_ids(ids)
         if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
-            raise ConfigError(f"table {self.spec.name!r}: grads must be a float tensor, got {grads!r}")
+            raise ConfigError(
+                f"table {self.spec.name!r}: grads must be a float tensor, got {grads!r}"
+            )
         if grads.numel() % self.spec.dim or grads.numel() // self.spec.dim != local.numel():
-            raise ConfigError(f"table {self.spec.name!r}: grads of shape {tuple(grads.shape)} for "
-                              f"{local.numel()} ids of dim {self.spec.dim}")
+            raise ConfigError(
+                f"table {self.spec.name!r}: grads of shape {tuple(grads.shape)} for "
+                f"{local.numel()} ids of dim {self.spec.dim}"
+            )
         return local, grads.reshape(local.numel(), self.spec.dim)
 
     def push(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
@@ -107,7 +115,9 @@ class ShardTable:
             if self.accum is None:
                 self.weight.index_add_(0, rows, summed, alpha=-lr)
                 return
-            if self.accum.dim() == 1:  # row-wise: the row's mean squared gradient, one scalar per row
+            if (
+                self.accum.dim() == 1
+            ):  # row-wise: the row's mean squared gradient, one scalar per row
                 accum = self.accum.index_select(0, rows).add_(summed.square().mean(dim=1))
                 denom = accum.sqrt().add_(self.spec.adagrad_eps).unsqueeze(1)
             else:
@@ -133,15 +143,21 @@ class ShardTable:
         where = f"table {self.spec.name!r} shard {self.shard}"
         if (state.get("shard"), state.get("num_shards")) != (self.shard, self.num_shards):
             got = f"shard {state.get('shard')} of {state.get('num_shards')}"
-            raise ConfigError(f"{where}: checkpoint holds {got}, not shard {self.shard} of {self.num_shards}")
+            raise ConfigError(
+                f"{where}: checkpoint holds {got}, not shard {self.shard} of {self.num_shards}"
+            )
         weight = state.get("weight")
         if not isinstance(weight, torch.Tensor) or weight.shape != self.weight.shape:
             shape = getattr(weight, "shape", None)
-            raise ConfigError(f"{where}: checkpoint weight shape {shape}, expected {tuple(self.weight.shape)}")
+            raise ConfigError(
+                f"{where}: checkpoint weight shape {shape}, expected {tuple(self.weight.shape)}"
+            )
         accum = state.get("accum")
         held = tuple(accum.shape) if isinstance(accum, torch.Tensor) else None
         expected = None if self.accum is None else tuple(self.accum.shape)
-        if held != expected:  # e.g. an adagrad checkpoint ([rows, dim]) into a row-wise table ([rows])
+        if (
+            held != expected
+        ):  # e.g. an adagrad checkpoint ([rows, dim]) into a row-wise table ([rows])
             raise ConfigError(
                 f"{where}: checkpoint optimizer state {_describe(held)} does not match optimizer "
                 f"{self.spec.optimizer!r}, which keeps {_describe(expected)}"

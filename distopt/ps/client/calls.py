@@ -1,41 +1,19 @@
 """Trainer-side calls to the parameter servers, as users write them in model code.
 
-Blocking calls (what distopt's passes rewrite)::
+Blocking calls (what distopt's passes rewrite) and their asynchronous counterparts (what the
+passes emit, or a hand-optimized model calls)::
 
     rows = distopt.ps.fetch(self.table, ids)        # [*ids.shape, dim]; a leaf with requires_grad
-    distopt.ps.push(self.table, ids, grads, lr=0.1)
+    fut = distopt.ps.fetch_many_async([(t1, ids1), (t2, ids2)])   # ONE request per server
+    rows1, rows2 = distopt.ps.wait(fut)              # inside record_function("distopt.wait:...")
 
-Asynchronous counterparts (what the passes emit, or a hand-optimized model calls)::
-
-    fut = distopt.ps.fetch_async(table, ids)         # a torch.futures.Future, issued now
-    rows = distopt.ps.wait(fut)                      # inside record_function("distopt.wait:ps.fetch:T")
-    futs = distopt.ps.fetch_many_async([(t1, ids1), (t2, ids2)])   # ONE request per server
-    rows1, rows2 = distopt.ps.wait(futs)
-
-Registration for the graph passes (``fetch`` a read, ``push`` a write, per table): see
-:mod:`distopt.ps.registration`.
-
-Ordering: per table, operations take effect in the order this process issued them, so hoisting
-reads and deferring pushes never changes results; the pipeline's stale mode relaxes it (see
-:mod:`distopt.ps.ordering`).
-
-Errors: anything raised on a server surfaces at the wait as :class:`RemoteCallError` with the
-server's name and its one-line message; a dead server fails the wait within ``rpc_timeout_s``.
-
-Devices: rows come back on the trainer's device (:func:`set_device`). On CUDA the answer is
-copied into a pinned host buffer and sent to the GPU with a non-blocking copy on a side stream as
-soon as it arrives (on the RPC thread), so the copy overlaps whatever the trainer computes until
-its wait; the wait makes the current stream wait for the copy. Ids and gradients travel to the
-servers from host memory: keep ids on the host (``host_inputs`` of a model, see
-:mod:`distopt.models`) to spare a device-to-host copy per fetch.
-
-Wait time: :func:`take_wait_time` returns the seconds this process spent blocked in :func:`wait`
-since the last call (the trainer logs it per step).
+Every call goes through the :class:`Client` of the job this process joined (:func:`current`),
+over the job's transport. Ordering, errors, devices and wait time: ``docs/ps_runtime.md``
+("The client").
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,21 +21,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
 from torch.autograd.profiler import record_function
 from torch.futures import Future
 
 from distopt.errors import ConfigError, RemoteCallError
-from distopt.ps import context
-from distopt.ps.futures import FetchFuture, after, gather, rpc_call, when_all
-from distopt.ps.ordering import TableOrder, in_stale_reads
-from distopt.ps.server import (
-    ps_server_fetch,
-    ps_server_fetch_many,
-    ps_server_push,
-    ps_server_push_many,
-)
+from distopt.ps.client import context
+from distopt.ps.client.futures import FetchFuture, after, gather, when_all
+from distopt.ps.client.ordering import TableOrder, in_stale_reads
 from distopt.ps.spec import TableSpec
+from distopt.ps.transport.base import Transport
 
 Ids = torch.Tensor | Sequence[int] | None
 
@@ -70,19 +42,30 @@ class Route:
     servers: tuple[str, ...]
 
 
-Call = Callable[..., Future]
-"""``call(server, handler, args, *, what, timeout_s) -> Future``: :func:`~distopt.ps.futures.rpc_call`
-or :meth:`distopt.ps.ray_transport.RayTransport.call` (the job's ``ps.backend``)."""
+class Client:
+    """One trainer's view of its job's servers: where each table lives, how requests travel,
+    what each new request must wait for, and where fetched rows land."""
 
-
-class _Client:
-    def __init__(self, routes: dict[str, Route], timeout_s: float, call: Call = rpc_call,
-                 servers: tuple[str, ...] = ()) -> None:  # fmt: skip
-        self.routes = routes
-        self.timeout_s = timeout_s
-        self.call = call
+    def __init__(
+        self,
+        routes: Mapping[str, Route],
+        *,
+        transport: Transport,
+        rpc_timeout_s: float,
+        servers: Sequence[str] = (),
+    ) -> None:
+        self.routes = dict(routes)
+        self.transport = transport
+        self.call = transport.call
         """How every request reaches a server; the ordering below is the same for any transport."""
-        self.known_servers = servers
+        self.timeout_s = rpc_timeout_s
+        self.servers = tuple(
+            sorted(
+                {*servers, *(s for r in self.routes.values() for s in r.servers)}, key=_server_order
+            )
+        )
+        """Every server of the job: those holding tables, and those that hold none (a model may
+        keep its remote state in its own functions)."""
         self.lock = threading.Lock()
         self.order = TableOrder()
         """What each new fetch or push waits for; guarded by ``lock``."""
@@ -90,6 +73,8 @@ class _Client:
         self.copy_stream: Any = None
         """CUDA stream of host-to-device row copies (made on the first fetch to a GPU)."""
         self.push_listeners: list[Callable[[str, torch.Tensor], None]] = []
+        self.waited_s = 0.0
+        """Seconds spent in :func:`wait` since :func:`take_wait_time` last asked."""
 
     def route(self, table: str) -> Route:
         route = self.routes.get(table)
@@ -98,15 +83,26 @@ class _Client:
             raise ConfigError(f"parameter server: unknown table {table!r} (known: {known})")
         return route
 
-    @property
-    def servers(self) -> tuple[str, ...]:
-        """Every server of the job: those holding tables, and the RPC group's other ``ps<i>``
-        (a model may keep its remote state in its own functions and hold no table)."""
-        names = {s for r in self.routes.values() for s in r.servers} | set(self.known_servers)
-        with contextlib.suppress(RuntimeError, AttributeError):  # no RPC agent (tests)
-            agent = rpc.api._get_current_rpc_agent()
-            names |= {w.name for w in agent.get_worker_infos() if _server_order(w.name)[0] < 1 << 30}
-        return tuple(sorted(names, key=_server_order))
+    def flush(self) -> None:
+        """Wait for every fetch and push issued so far (before a checkpoint or shutdown)."""
+        with self.lock:
+            pending = self.order.pending()
+        done = threading.Event()
+        when_all(pending, done.set)
+        done.wait()
+        for fut in pending:
+            try:
+                fut.wait()
+            except RemoteCallError:
+                pass  # reported to whoever waits on it; flush only orders
+
+    def forget_order(self) -> None:
+        """Start every table's order afresh: a failed push no longer fails its table's later
+        calls (after every server was reloaded from one checkpoint: :func:`distopt.ps.recover`)."""
+        with self.lock:
+            stale = self.order.stale_pushes
+            self.order = TableOrder()
+            self.order.stale_pushes = stale
 
 
 def _server_order(name: str) -> tuple[int, str]:
@@ -114,68 +110,73 @@ def _server_order(name: str) -> tuple[int, str]:
     return (int(digits), name) if digits.isdigit() else (1 << 30, name)
 
 
-_CLIENT: _Client | None = None
+_CURRENT: Client | None = None
 
 
-def connect(routes: Mapping[str, Route], *, rpc_timeout_s: float, call: Call = rpc_call,
-            servers: tuple[str, ...] = ()) -> None:  # fmt: skip
-    """Point this process's client at the given tables (``launch.init_trainer`` does this),
-    sending requests with ``call``; ``servers`` names the job's servers that hold no table too."""
-    global _CLIENT
-    _CLIENT = _Client(dict(routes), rpc_timeout_s, call, servers)
+def connect(client: Client | None) -> None:
+    """Make ``client`` the one this process's calls use (``None``: leave; the session does both)."""
+    global _CURRENT
+    _CURRENT = client
 
 
-def disconnect() -> None:
-    global _CLIENT
-    _CLIENT = None
+def current() -> Client:
+    """The client of the job this process joined as a trainer.
+
+    Process-wide because model code calls ``distopt.ps.fetch(table, ids)`` as users write it, with
+    no handle to pass, and the graph passes rewrite those calls in place (as ``torch.distributed``
+    keeps its default group). :class:`distopt.ps.cluster.session.Session` sets it on joining a job
+    and clears it on leaving.
+    """
+    if _CURRENT is None:
+        raise RemoteCallError(
+            "parameter server client not initialized: call distopt.ps.init_trainer(...) first"
+        )
+    return _CURRENT
 
 
 def is_connected() -> bool:
-    """Whether this process is a parameter-server trainer (:func:`connect` was called)."""
-    return _CLIENT is not None
-
-
-def _client() -> _Client:
-    if _CLIENT is None:
-        raise RemoteCallError("parameter server client not initialized: call distopt.ps.init_trainer(...) first")
-    return _CLIENT
+    """Whether this process is a parameter-server trainer (it joined a job)."""
+    return _CURRENT is not None
 
 
 def set_device(device: torch.device | str) -> None:
     """Fetched rows land on ``device`` from now on (the trainer's device; default CPU)."""
-    client = _client()
+    client = current()
     client.device = torch.device(device)
     if client.device.type == "cuda" and client.copy_stream is None:
         client.copy_stream = torch.cuda.Stream(client.device)
 
 
-_WAITED = [0.0]
 def set_stale_pushes(on: bool) -> bool:
     """Let pushes overtake the table's earlier pushes (``on``) or keep issue order; returns the
     previous setting. The pipeline turns it on for ``staleness >= 1`` (see the module)."""
-    client = _client()
+    client = current()
     with client.lock:
         previous, client.order.stale_pushes = client.order.stale_pushes, bool(on)
     return previous
 
 
 def take_wait_time() -> float:
-    """Seconds spent blocked in :func:`wait` since the previous call (then reset to 0)."""
-    waited, _WAITED[0] = _WAITED[0], 0.0
+    """Seconds spent blocked in :func:`wait` since the previous call (then reset to 0); 0 when
+    this process is no trainer."""
+    client = _CURRENT
+    if client is None:
+        return 0.0
+    waited, client.waited_s = client.waited_s, 0.0
     return waited
 
 
 def on_push(listener: Callable[[str, torch.Tensor], None]) -> Callable[[], None]:
     """Call ``listener(table, flat_ids)`` for every push this process issues from now on (the
     pipeline counts how stale its prefetched rows are); returns the function that stops it."""
-    listeners = _client().push_listeners
+    listeners = current().push_listeners
     listeners.append(listener)
     return lambda: listeners.remove(listener) if listener in listeners else None
 
 
 def routes() -> dict[str, Route]:
     """The tables this trainer can reach, by name."""
-    return dict(_client().routes)
+    return dict(current().routes)
 
 
 def wait(fut: Future) -> Any:
@@ -191,10 +192,17 @@ def wait(fut: Future) -> Any:
         try:
             value = fut.wait()
         finally:
-            _WAITED[0] += time.perf_counter() - begin
+            client = _CURRENT
+            if client is not None:
+                client.waited_s += time.perf_counter() - begin
     if isinstance(fut, FetchFuture):
         return fut.leaves(value)
     return value
+
+
+def flush() -> None:
+    """Wait for every fetch and push this process issued (before a checkpoint or shutdown)."""
+    current().flush()
 
 
 # --- fetch -------------------------------------------------------------------------------------
@@ -210,15 +218,26 @@ def _as_ids(route: Route, ids: Ids) -> torch.Tensor:
     return ids.to("cpu", torch.int64)  # requests are sent from host memory
 
 
-def _per_server(client: _Client, plan: Sequence[tuple[str, Sequence[tuple[Any, ...]]]], one: Callable[..., Any],
-                many: Callable[..., Any], extra: tuple[Any, ...], verb: str) -> Future:
-    """One request per server of ``plan`` (``[(server, [(table, ...), ...])]``): ``one(*item, *extra)``
-    for a single item, else ``many(items, *extra)``; the future of all their answers, in plan order."""
-    return gather([
-        client.call(server, *((one, (*items[0], *extra)) if len(items) == 1 else (many, (list(items), *extra))),
-                    what=f"{verb} {', '.join(repr(it[0]) for it in items)}", timeout_s=client.timeout_s)
-        for server, items in plan
-    ])
+def _per_server(
+    client: Client,
+    plan: Sequence[tuple[str, Sequence[tuple[Any, ...]]]],
+    one: str,
+    many: str,
+    extra: tuple[Any, ...],
+    verb: str,
+) -> Future:
+    """One request per server of ``plan`` (``[(server, [(table, ...), ...])]``): operation
+    ``one(*item, *extra)`` for a single item, else ``many(items, *extra)``; the future of all their
+    answers, in plan order."""
+    calls = []
+    for server, items in plan:
+        what = f"{verb} {', '.join(repr(it[0]) for it in items)}"
+        if len(items) == 1:
+            op, args = one, (*items[0], *extra)
+        else:
+            op, args = many, (list(items), *extra)
+        calls.append(client.call(server, op, args, what=what, timeout_s=client.timeout_s))
+    return gather(calls)
 
 
 def _split(ids: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor | None, torch.Tensor]]:
@@ -251,7 +270,7 @@ def fetch(table: str, ids: Ids = None) -> torch.Tensor:
 
 
 def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
-    client = _client()
+    client = current()
     resolved = []
     for table, ids in requests:
         route = client.route(table)
@@ -263,13 +282,17 @@ def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
             per_server.setdefault(route.servers[shard], []).append((index, pos, table, shard_ids))
     tables = [t for t, _, _ in resolved]
     label = f"ps.fetch:{tables[0]}" if single else f"ps.fetch_many:{'+'.join(tables)}"
-    out = FetchFuture(tuple((t, ids) for t, ids, _ in resolved), single=single, label=label,
-                      stale=in_stale_reads())
+    out = FetchFuture(
+        tuple((t, ids) for t, ids, _ in resolved),
+        single=single,
+        label=label,
+        stale=in_stale_reads(),
+    )
     plan = list(per_server.items())
 
     def start() -> Future:
         requests = [(server, [(it[2], it[3]) for it in items]) for server, items in plan]
-        return _per_server(client, requests, ps_server_fetch, ps_server_fetch_many, (), "fetch of")
+        return _per_server(client, requests, "fetch", "fetch_many", (), "fetch of")
 
     def finish(answers: list[Any]) -> Any:
         results = [torch.empty(ids.numel(), route.spec.dim) for _, ids, route in resolved]
@@ -280,7 +303,10 @@ def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
                     results[index] = rows
                 else:
                     results[index].index_copy_(0, pos, rows)
-        shaped = [r.reshape(*ids.shape, route.spec.dim) for r, (_, ids, route) in zip(results, resolved, strict=True)]
+        shaped = [
+            r.reshape(*ids.shape, route.spec.dim)
+            for r, (_, ids, route) in zip(results, resolved, strict=True)
+        ]
         if client.device.type == "cuda":
             shaped = _to_device(shaped, client, out)
         return shaped[0] if single else shaped
@@ -291,7 +317,7 @@ def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
     return out
 
 
-def _to_device(rows: list[torch.Tensor], client: _Client, out: FetchFuture) -> list[torch.Tensor]:
+def _to_device(rows: list[torch.Tensor], client: Client, out: FetchFuture) -> list[torch.Tensor]:
     """``rows`` copied to the client's GPU through pinned buffers on the copy stream (not waited:
     :meth:`FetchFuture.leaves` orders the consumer's stream after ``out.copied``)."""
     with torch.cuda.stream(client.copy_stream):
@@ -320,14 +346,16 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
     serialization instead of one per table), each table ordered as by :func:`push_async`. A server
     checks every table and row before applying any; if the request still fails, later operations
     of each of its tables fail (their state is unknown). Resolve with :func:`wait`."""
-    client = _client()
+    client = current()
     named: list[tuple[str, torch.Tensor]] = []  # (table, flat ids), for the push listeners
     per_server: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
     for table, ids, grads in pushes:
         route = client.route(table)
         flat = _as_ids(route, ids).reshape(-1)
         if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
-            raise ConfigError(f"push to {table!r}: grads must be a float tensor, got {type(grads).__name__}")
+            raise ConfigError(
+                f"push to {table!r}: grads must be a float tensor, got {type(grads).__name__}"
+            )
         if grads.numel() != flat.numel() * route.spec.dim:
             raise ConfigError(
                 f"push to {table!r}: grads of shape {tuple(grads.shape)} do not match {flat.numel()} ids "
@@ -344,7 +372,7 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
     plan = list(per_server.items())
 
     def start() -> Future:
-        return _per_server(client, plan, ps_server_push, ps_server_push_many, (float(lr),), "push to")
+        return _per_server(client, plan, "push", "push_many", (float(lr),), "push to")
 
     for listener in list(client.push_listeners):
         for table, flat in named:
@@ -377,23 +405,12 @@ def push_gradients(*, lr: float, blocking: bool = False) -> list[Future]:
         grads.append(rec.rows.grad.reshape(rec.ids.numel(), -1))
     if not by_table:
         return []
-    futures = [push_many_async([(t, torch.cat(ids), torch.cat(grads)) for t, (ids, grads) in by_table.items()], lr)]
+    futures = [
+        push_many_async(
+            [(t, torch.cat(ids), torch.cat(grads)) for t, (ids, grads) in by_table.items()], lr
+        )
+    ]
     if blocking:
         for fut in futures:
             wait(fut)
     return futures
-
-
-def flush() -> None:
-    """Wait for every fetch and push this process issued (before a checkpoint or shutdown)."""
-    client = _client()
-    with client.lock:
-        pending = client.order.pending()
-    done = threading.Event()
-    when_all(pending, done.set)
-    done.wait()
-    for fut in pending:
-        try:
-            fut.wait()
-        except RemoteCallError:
-            pass  # reported to whoever waits on it; flush only orders

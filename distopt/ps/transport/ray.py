@@ -1,17 +1,9 @@
-"""The client's calls to Ray server actors (``ps.backend: ray``): a twin of
-:func:`distopt.ps.futures.rpc_call` with the same signature and error semantics.
+"""The Ray transport's trainer end (``ps.backend: ray``): calls to the job's server actors.
 
-``call(server, ps_server_fetch, args, ...)`` sends ``handle.fetch.remote(*args)`` to the actor
-named ``server``: the RPC handler function names the operation, so the client code is one for both
-backends. The answer completes a ``torch.futures.Future``; a failure completes it with a
-:class:`RemoteCallError` naming the actor and the server's one-line message, and a call with no
-answer within ``timeout_s`` (a stuck actor, or one Ray has not yet declared dead) fails with the
-same message as an RPC timeout.
-
-Threads: Ray runs an ``ObjectRef``'s done-callbacks on its own core-worker thread, where submitting
-more actor calls (which the client's ordering callbacks do) must not happen. So the callback only
-queues the answer; one reactor thread per transport completes the futures, runs their callbacks,
-and fails the calls whose deadline passed.
+:class:`RayTransport` sends ``call(server, "fetch", args, ...)`` as ``handle.fetch.remote(*args)``
+with the error semantics of the RPC transport. Ray runs an answer's callbacks on its own thread,
+where the client's ordering must not start more calls: the callback only queues the answer, and
+one reactor thread per transport completes the futures and fails the calls past their deadline.
 """
 
 from __future__ import annotations
@@ -22,29 +14,19 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torch.futures import Future
 
 from distopt.errors import RemoteCallError
-from distopt.ps import server as handlers
-from distopt.ps.ray_wire import from_wire, to_wire
+from distopt.ps.server.parameter_server import OPERATIONS
+from distopt.ps.transport.ray_wire import from_wire, to_wire
 
-METHODS: dict[Callable[..., Any], str] = {
-    handlers.ps_server_fetch: "fetch",
-    handlers.ps_server_fetch_many: "fetch_many",
-    handlers.ps_server_push: "push",
-    handlers.ps_server_push_many: "push_many",
-    handlers.ps_server_state_dict: "state_dict",
-    handlers.ps_server_load_state_dict: "load_state_dict",
-    handlers.ps_server_save: "save",
-    handlers.ps_server_load: "load",
-    handlers.ps_server_stats: "stats",
-    handlers.ps_server_set_latency: "set_latency",
-    handlers.ps_server_tables: "tables",
-}
-"""RPC handler → the :class:`distopt.ps.ray_server.PSServerActor` method doing the same."""
+METHODS: frozenset[str] = frozenset(
+    name for name, op in OPERATIONS.items() if "ray" in op.transports
+)
+"""The operations a server actor answers (its methods of the same names)."""
 
 ACTOR_EXITED = "the actor process exited or was killed"
 ACTOR_UNAVAILABLE = "the actor is unreachable or restarting"
@@ -62,7 +44,9 @@ def ray_message(err: BaseException) -> str:
 
     cause = getattr(err, "cause", None)
     if isinstance(err, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
-        text = cause.args[0] if len(cause.args) == 1 and isinstance(cause.args[0], str) else str(cause)
+        text = (
+            cause.args[0] if len(cause.args) == 1 and isinstance(cause.args[0], str) else str(cause)
+        )
         first = text.strip().splitlines()[0] if text.strip() else ""
         return f"{type(cause).__name__}: {first}" if first else type(cause).__name__
     if isinstance(err, ray.exceptions.ActorUnavailableError):
@@ -87,26 +71,32 @@ class RayTransport:
         """Calls Ray has not answered yet, including those already failed by their deadline."""
         self._ids = itertools.count()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="distopt-ps-ray-reactor", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="distopt-ps-ray-reactor", daemon=True
+        )
         self._thread.start()
 
-    def call(self, server: str, fn: Callable[..., Any], args: tuple[Any, ...], *, what: str,
-             timeout_s: float) -> Future:  # fmt: skip
-        """``handle.<method>.remote(*args)`` as a future failing with a :class:`RemoteCallError`
-        that names ``server``; same signature as :func:`distopt.ps.futures.rpc_call`."""
+    def call(
+        self, server: str, op: str, args: tuple[Any, ...], *, what: str, timeout_s: float
+    ) -> Future:
+        """``handle.<op>.remote(*args)`` as a future failing with a :class:`RemoteCallError`
+        that names ``server`` (:class:`~distopt.ps.transport.base.Transport`)."""
         out: Future = Future()
         prefix = f"{what} on {server} failed"
         try:
-            method = METHODS.get(fn)
-            if method is None:
-                raise RemoteCallError(f"{prefix}: {getattr(fn, '__name__', fn)!r} has no Ray actor method")
+            if op not in METHODS:
+                raise RemoteCallError(f"{prefix}: {op!r} has no Ray actor method")
             handle = self.handles.get(server)
             if handle is None:
                 raise RemoteCallError(f"{prefix}: no server actor named {server!r}")
-            ref = getattr(handle, method).remote(*to_wire(args))  # arrays: see distopt.ps.ray_wire
+            ref = getattr(handle, op).remote(*to_wire(args))
             answer = ref.future()
         except Exception as err:  # reported at the wait, like every other failure
-            out.set_exception(err if isinstance(err, RemoteCallError) else RemoteCallError(f"{prefix}: {ray_message(err)}"))
+            out.set_exception(
+                err
+                if isinstance(err, RemoteCallError)
+                else RemoteCallError(f"{prefix}: {ray_message(err)}")
+            )
             return out
         with self._cond:
             key = next(self._ids)
@@ -115,6 +105,28 @@ class RayTransport:
             heapq.heappush(self._deadlines, (time.monotonic() + timeout_s, key))
             self._cond.notify()
         answer.add_done_callback(lambda fut: self._queue(key, fut))
+        return out
+
+    def ask_all(self, op: str, args: tuple[Any, ...], timeout_s: float) -> dict[str, Any]:
+        """``op(*args)`` on every actor at once, outside the reactor (recovery asks actors that
+        may be dead or restarting): each answer, or its exception, by server; ``None`` for no
+        answer within ``timeout_s``."""
+        import ray
+
+        refs = {
+            name: getattr(handle, op).remote(*to_wire(args))
+            for name, handle in self.handles.items()
+        }
+        ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+        out: dict[str, Any] = {}
+        for name, ref in refs.items():
+            if ref not in ready:
+                out[name] = None
+                continue
+            try:
+                out[name] = from_wire(ray.get(ref))
+            except Exception as err:
+                out[name] = err
         return out
 
     def close(self) -> None:
@@ -151,7 +163,9 @@ class RayTransport:
                     break
                 answers = list(self._answers)
                 self._answers.clear()
-                done: list[tuple[tuple[Future, str, float] | None, concurrent.futures.Future[Any] | None]]
+                done: list[
+                    tuple[tuple[Future, str, float] | None, concurrent.futures.Future[Any] | None]
+                ]
                 done = [(self._pending.pop(key, None), answer) for key, answer in answers]
                 done += [(self._pending.pop(key, None), None) for key in self._pop_expired()]
             for entry, answer in done:
@@ -172,12 +186,17 @@ class RayTransport:
         return keys
 
 
-def _complete(out: Future, prefix: str, timeout_s: float, answer: concurrent.futures.Future[Any] | None) -> None:
+def _complete(
+    out: Future, prefix: str, timeout_s: float, answer: concurrent.futures.Future[Any] | None
+) -> None:
     """Complete ``out`` with the actor's answer, its error, or (``answer is None``) the timeout."""
     if answer is None:
-        out.set_exception(RemoteCallError(
-            f"{prefix}: no answer within {timeout_s:g} s (ps.rpc_timeout_s): the server is slow, "
-            "stuck or gone"))  # fmt: skip
+        out.set_exception(
+            RemoteCallError(
+                f"{prefix}: no answer within {timeout_s:g} s (ps.rpc_timeout_s): the server is "
+                "slow, stuck or gone"
+            )
+        )
         return
     try:
         value = answer.result()

@@ -1,5 +1,5 @@
-"""Future plumbing for the client: RPCs whose errors name the server, ordering, joins, and the
-futures fetches return (:class:`FetchFuture`).
+"""Future plumbing for the client: starting a request once those it is ordered after are done,
+joining the answers of several servers, and the futures fetches return (:class:`FetchFuture`).
 
 All callbacks here run on whichever thread completes a future (often an RPC thread), so they never
 block: they only start non-blocking RPCs and complete other futures.
@@ -7,73 +7,15 @@ block: they only start non-blocking RPCs and complete other futures.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.distributed.rpc as rpc
 from torch.futures import Future
 
 from distopt.errors import RemoteCallError
-from distopt.ps import context
-
-_WORKER_LINE = re.compile(r"On WorkerInfo\(id=\d+, name=[^)]*\):(?:\\n|\n)(.*?)(?:\\n|\n)")
-_EXC_REPR = re.compile(r"^([\w.]+)\((['\"])(.*)\2\)$")
-
-
-def remote_message(err: BaseException) -> str:
-    """The server-side exception as one line (``KeyError: ...``), without RPC framing/traceback.
-
-    torch re-raises a handler's exception as ``<Type>: On WorkerInfo(id=.., name=..):`` followed by
-    a line with the exception's ``repr`` and the remote traceback (all escaped once more for
-    ``KeyError``); the ``repr`` line is the message.
-    """
-    text = str(err)
-    match = _WORKER_LINE.search(text)
-    if match:
-        line = match.group(1).replace("\\'", "'").replace('\\"', '"')
-        exc = _EXC_REPR.match(line)
-        return f"{exc.group(1)}: {exc.group(3)}" if exc else line
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
-
-
-_TIMED_OUT = "ran for more than set timeout"
-_CONNECTION_LOST = ("eof", "pipe closed", "connection reset", "connection refused", "broken pipe")
-
-
-def failure_message(err: BaseException, *, timeout_s: float) -> str:
-    """:func:`remote_message`, with what a timeout or a lost connection means for the job."""
-    message = remote_message(err)
-    if _TIMED_OUT in message:
-        return (f"no answer within {timeout_s:g} s (ps.rpc_timeout_s): the server is slow, "
-                "stuck or gone")
-    if any(marker in message.lower() for marker in _CONNECTION_LOST):
-        return f"connection lost, the server process exited or was killed ({message})"
-    return message
-
-
-def rpc_call(server: str, fn: Callable[..., Any], args: tuple[Any, ...], *, what: str, timeout_s: float) -> Future:
-    """``rpc_async(server, fn, args)`` whose failure is a :class:`RemoteCallError` naming ``server``."""
-    out: Future = Future()
-    try:
-        inner = rpc.rpc_async(server, fn, args=args, timeout=timeout_s)
-    except Exception as err:  # agent gone, unknown worker name: report at the wait like the rest
-        message = failure_message(err, timeout_s=timeout_s)
-        out.set_exception(RemoteCallError(f"{what} on {server} failed: {message}"))
-        return out
-
-    def done(fut: Future) -> None:
-        try:
-            out.set_result(fut.value())
-        except Exception as err:
-            message = failure_message(err, timeout_s=timeout_s)
-            out.set_exception(RemoteCallError(f"{what} on {server} failed: {message}"))
-
-    inner.add_done_callback(done)
-    return out
+from distopt.ps.client import context
 
 
 def when_all(futures: Sequence[Future], callback: Callable[[], None]) -> None:
@@ -124,19 +66,25 @@ def after(
     def go() -> None:
         failed = first_error(writes)
         if failed is not None:
-            out.set_exception(RemoteCallError(f"{what}: an earlier push to the table failed: {failed}"))
+            out.set_exception(
+                RemoteCallError(f"{what}: an earlier push to the table failed: {failed}")
+            )
             return
         try:
             inner = start()
         except Exception as err:
-            out.set_exception(err if isinstance(err, RemoteCallError) else RemoteCallError(f"{what}: {err}"))
+            out.set_exception(
+                err if isinstance(err, RemoteCallError) else RemoteCallError(f"{what}: {err}")
+            )
             return
 
         def done(fut: Future) -> None:
             try:
                 out.set_result(finish(fut.value()))
             except Exception as err:
-                out.set_exception(err if isinstance(err, RemoteCallError) else RemoteCallError(f"{what}: {err}"))
+                out.set_exception(
+                    err if isinstance(err, RemoteCallError) else RemoteCallError(f"{what}: {err}")
+                )
 
         inner.add_done_callback(done)
 
@@ -165,14 +113,20 @@ class FetchFuture(Future):
     :func:`distopt.ps.push_gradients`; ``fut.wait()`` returns the raw rows (no recording).
     """
 
-    def __init__(self, requests: tuple[tuple[str, torch.Tensor], ...], *, single: bool, label: str,
-                 stale: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        requests: tuple[tuple[str, torch.Tensor], ...],
+        *,
+        single: bool,
+        label: str,
+        stale: bool = False,
+    ) -> None:
         super().__init__()
         self.requests = requests
         self.single = single
         self.label = label
         self.stale = stale
-        """Issued under :func:`distopt.ps.client.stale_reads`: later pushes do not wait for it."""
+        """Issued under :func:`distopt.ps.client.ordering.stale_reads`: later pushes do not wait for it."""
         self._leaves: Any = None
         self._leaves_lock = threading.Lock()
         self.copied: Any = None

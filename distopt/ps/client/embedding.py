@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from distopt.config import check
-from distopt.ps.client import fetch
+from distopt.ps.client.calls import fetch
 
 
 class RemoteEmbedding(nn.Module):
@@ -19,11 +19,20 @@ class RemoteEmbedding(nn.Module):
     the fetched rows are leaves whose gradients ``distopt.ps.push_gradients`` sends back.
     """
 
-    def __init__(self, table: str, dim: int, *, pooling: Literal["sum", "mean"] | None = None) -> None:
+    def __init__(
+        self, table: str, dim: int, *, pooling: Literal["sum", "mean"] | None = None
+    ) -> None:
         super().__init__()
-        check(isinstance(table, str) and bool(table), "RemoteEmbedding.table", "a table name", table)
+        check(
+            isinstance(table, str) and bool(table), "RemoteEmbedding.table", "a table name", table
+        )
         check(dim >= 1, "RemoteEmbedding.dim", "an integer >= 1", dim)
-        check(pooling in (None, "sum", "mean"), "RemoteEmbedding.pooling", "None, 'sum' or 'mean'", pooling)
+        check(
+            pooling in (None, "sum", "mean"),
+            "RemoteEmbedding.pooling",
+            "None, 'sum' or 'mean'",
+            pooling,
+        )
         self.table = table
         self.dim = dim
         self.pooling = pooling

@@ -1,20 +1,9 @@
 """Which earlier operations of a table each new fetch or push waits for (one trainer's view).
 
-Exact (the default, so hoisting reads and deferring pushes never changes results): per table,
-each operation takes effect on the servers in the order this process issued it. A fetch is sent
-once every push issued before it has completed; a push once the earlier pushes and every fetch
-issued before it have completed. Fetches of a table run concurrently with each other.
-
-Stale (the pipeline with ``staleness >= 1``) drops the rules that make results exact but keep the
-network in the step: fetches issued inside :func:`stale_reads` do not hold back later pushes, and
-with ``stale_pushes`` on a push does not wait for the table's earlier pushes (they may apply in
-either order: summed updates, with Adagrad rounded differently). A fetch still waits for every
-push issued before it, so it misses none of them; it may see pushes issued after it, which only
-makes it less stale. Without this a table's prefetch, push and next prefetch form a serial chain
-of round trips per step that no staleness can hide::
-
-    exact:  fetch(t+s) ─▶ push(t) ─▶ fetch(t+s+1) ─▶ push(t+1)      two round trips per step
-    stale:  push(t-1) ─▶ fetch(t+s);  push(t) beside fetch(t+s) and push(t-1)
+Exact by default: per table, operations take effect on the servers in the order this process
+issued them. Stale (the pipeline with ``staleness >= 1``: :func:`stale_reads`,
+``TableOrder.stale_pushes``) drops the rules that keep the network in the step. The rules, and
+why: ``docs/ps_runtime.md`` ("Per-table order").
 """
 
 from __future__ import annotations

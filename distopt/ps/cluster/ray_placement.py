@@ -1,15 +1,10 @@
 """Where the server actors of a ``ps.backend: ray`` job run: the Ray cluster and their placement.
 
-:func:`connect` joins the cluster named by ``ps.ray_address`` with ``ray.init(address=...)``
-semantics, but first probes its address under ``ps.start_timeout_s``: ``ray.init`` itself keeps
-retrying an address where nothing listens for a minute or more, and a job must fail in one line
-naming the key and the address instead.
-
-:func:`reserve` takes one placement group for all of a job's server actors, one bundle per actor
-(``ps.ray_num_cpus`` CPUs, ``ps.ray_memory_mb`` MB, strategy ``ps.ray_placement``), so the servers
-start whole or not at all; :func:`placed` puts actor ``i`` in bundle ``i``. The group is not
-detached: Ray removes it, and kills the actors in it, when the process that created it exits, so a
-job that fails never leaves servers behind; :func:`release` removes it at the end of a job.
+:func:`connect` joins the cluster at ``ps.ray_address``, failing in one line within
+``ps.start_timeout_s`` where ``ray.init`` would retry for a minute; :func:`reserve` takes one
+placement group for all of a job's actors (they start whole or not at all, and die with the
+process that created them); :func:`placed` puts actor ``i`` in bundle ``i``; :func:`release`
+removes the group at the end of a job.
 """
 
 from __future__ import annotations
@@ -40,14 +35,18 @@ def connect(address: str, *, timeout_s: float) -> None:
         refused = rendezvous.probe(*endpoint, timeout_s=timeout_s)
         if refused is not None:
             where = f"{endpoint[0]}:{endpoint[1]}"
-            raise ConfigError(f"ps.ray_address: no Ray cluster reachable at {where} within "
-                              f"{timeout_s:g} s (ps.start_timeout_s): {rendezvous.first_line(refused)}")  # fmt: skip
+            raise ConfigError(
+                f"ps.ray_address: no Ray cluster reachable at {where} within {timeout_s:g} s "
+                f"(ps.start_timeout_s): {rendezvous.first_line(refused)}"
+            )
         if rendezvous.is_loopback(endpoint[0]):
             single_host()
     try:
         ray.init(address=address, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as err:  # e.g. auto with no cluster
-        raise ConfigError(f"ps.ray_address: cannot connect to Ray at {address!r}: {rendezvous.first_line(err)}") from None
+        raise ConfigError(
+            f"ps.ray_address: cannot connect to Ray at {address!r}: {rendezvous.first_line(err)}"
+        ) from None
 
 
 def single_host() -> None:
@@ -74,7 +73,9 @@ def reserve(options: ServerOptions) -> Any:
     bundle: dict[str, float] = {"CPU": options.ray_num_cpus}
     if options.ray_memory_mb:
         bundle["memory"] = options.ray_memory_mb * 2**20
-    group = placement_group([dict(bundle) for _ in range(options.num_servers)], strategy=options.ray_placement)
+    group = placement_group(
+        [dict(bundle) for _ in range(options.num_servers)], strategy=options.ray_placement
+    )
     ready, _ = ray.wait([group.ready()], timeout=options.start_timeout_s)
     if not ready:
         remove_placement_group(group)
@@ -94,7 +95,9 @@ def placed(options: ServerOptions, group: Any, index: int) -> dict[str, Any]:
     resources: dict[str, Any] = {"num_cpus": options.ray_num_cpus}
     if options.ray_memory_mb:
         resources["memory"] = options.ray_memory_mb * 2**20
-    strategy = PlacementGroupSchedulingStrategy(placement_group=group, placement_group_bundle_index=index)
+    strategy = PlacementGroupSchedulingStrategy(
+        placement_group=group, placement_group_bundle_index=index
+    )
     return {**resources, "scheduling_strategy": strategy}
 
 

@@ -1,20 +1,9 @@
 """Declare the client's blocking calls to ``distopt.remote`` so the graph passes can schedule them.
 
-What the passes get for ``distopt.ps.fetch(table, ids)``:
-
-- ``issue``: :func:`~distopt.ps.client.fetch_async` (same arguments) → a ``FetchFuture``;
-- ``wait``: :func:`~distopt.ps.client.wait` → exactly what ``fetch`` returns (rows as a leaf,
-  recorded for ``push_gradients``); the wait runs in ``record_function("distopt.wait:ps.fetch:T")``;
-- ``effect="read"``, ``resource=("distopt.ps", table)``: reads of any tables reorder freely; a read
-  of ``T`` never moves above a write (push) of ``T``;
-- ``batched``: :func:`fetch_batched` ``(list_of_args, list_of_kwargs)`` → one
-  future; ``wait`` of it returns the list of rows in call order. Calls may be batched together when
-  their ``batch_key`` (``("distopt.ps", servers holding the table)``) is equal; the batched call
-  sends ONE request per server.
-
-``distopt.ps.push(table, ids, grads, lr)`` is a write on the same resource, issued by
-``push_async``. The server-side read handlers are declared with ``register_read`` in
-``distopt.ps.server``, so raw ``rpc_sync("ps0", ps_server_fetch, args=(table, ids))`` is a read too.
+``distopt.ps.fetch(table, ids)`` is a read of resource ``("distopt.ps", table)``, issued by
+``fetch_async`` and waited by ``wait``, batchable (:func:`fetch_batched`: ONE request per server)
+with the calls whose tables live on the same servers; ``distopt.ps.push`` is a write of the same
+resource, issued by ``push_async``. Details: ``docs/ps_runtime.md`` ("What the passes see").
 """
 
 from __future__ import annotations
@@ -23,7 +12,8 @@ import sys
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from distopt.ps import client, context
+from distopt.ps.client import calls, context
+from distopt.ps.client.futures import FetchFuture
 from distopt.remote import register_remote
 from distopt.verify import register_isolation_hook
 
@@ -39,28 +29,28 @@ def table_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
 
 def server_group(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
     """Batch key of a fetch: the servers holding its table (unknown before ``init_trainer``)."""
-    route = client.routes().get(_arg(args, kwargs, 0, "table")) if client.is_connected() else None
+    route = calls.routes().get(_arg(args, kwargs, 0, "table")) if calls.is_connected() else None
     return ("distopt.ps", route.servers if route is not None else None)
 
 
 def fetch_batched(
     args_list: Sequence[Sequence[Any]], kwargs_list: Sequence[Mapping[str, Any]]
-) -> client.FetchFuture:
+) -> FetchFuture:
     """Batched form of ``fetch`` for the batch pass: ``wait`` of the result is a list of rows."""
     requests = [
         (_arg(a, k, 0, "table"), _arg(a, k, 1, "ids"))
         for a, k in zip(args_list, kwargs_list, strict=True)
     ]
-    return client.fetch_many_async(requests)
+    return calls.fetch_many_async(requests)
 
 
 def register(package_namespace: dict[str, Any] | None = None) -> None:
     """Register ``fetch`` and ``push``; ``package_namespace`` re-exports them (``distopt.ps``)."""
-    namespaces = [vars(client)] + ([package_namespace] if package_namespace is not None else [])
+    namespaces = [vars(calls)] + ([package_namespace] if package_namespace is not None else [])
     register_remote(
-        client.fetch,
-        issue=client.fetch_async,
-        wait=client.wait,
+        calls.fetch,
+        issue=calls.fetch_async,
+        wait=calls.wait,
         effect="read",
         resource=table_resource,
         batched=fetch_batched,
@@ -68,9 +58,9 @@ def register(package_namespace: dict[str, Any] | None = None) -> None:
         aliases=[(ns, "fetch") for ns in namespaces],
     )
     register_remote(
-        client.push,
-        issue=client.push_async,
-        wait=client.wait,
+        calls.push,
+        issue=calls.push_async,
+        wait=calls.wait,
         effect="write",
         resource=table_resource,
         aliases=[(ns, "push") for ns in namespaces],
