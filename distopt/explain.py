@@ -82,6 +82,8 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
                 console.print("  generated code unchanged by the passes")
     for warning in report.warnings:
         console.print(f"  [yellow]warning:[/yellow] {escape(warning)}")
+    if report.speed:
+        console.print(f"  speed: {escape(report.speed)}")
     if report.parallel is not None:
         _render_parallel(report.parallel, console)
     if report.pipeline is not None:
@@ -98,7 +100,8 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
         status = "[green]passed[/green]" if v.passed else "[red]FAILED[/red]"
         console.print(
             f"  verification {status}: {v.compared} tensors (outputs + grads), max abs diff "
-            f"{v.max_abs_diff:.3g}, rtol={v.rtol:g} atol={v.atol:g}, {v.seconds * 1e3:.0f} ms"
+            f"{v.max_abs_diff:.3g}, rtol={v.rtol:g} atol={v.atol:g}{'×scale (reordered arithmetic)' * v.reordered}, "
+            f"{v.seconds * 1e3:.0f} ms"
             + (f"; {escape(v.message)}" if v.message else "")
             + (f"; culprit pass: {v.culprit}" if v.culprit else "")
         )

@@ -29,6 +29,9 @@ class GraphRecord:
     code_after: str = ""
     passes: list[PassRecord] = field(default_factory=list)
     dce_removed: int = 0
+    reorders_float: bool = False
+    """A kept pass computes some of the math in another floating-point order (see
+    :data:`distopt.passes.core.runner.REORDERS_FLOAT`)."""
 
 
 @dataclass
@@ -44,6 +47,8 @@ class VerifyRecord:
     seconds: float = 0.0
     skipped: str | None = None
     """Why verification did not run (e.g. it would have applied remote writes)."""
+    reordered: bool = False
+    """Compared with the reordered-arithmetic tolerances (``atol`` times each tensor's scale)."""
 
 
 @dataclass
@@ -89,6 +94,12 @@ class OptimizeReport:
     """Set on the result of :func:`distopt.parallelize`."""
     pipeline: PipelineRecord | None = None
     """Set on the main stage of a pipeline."""
+    speed: str | None = None
+    """The optimized eval model timed against the original, and what was returned."""
+
+    @property
+    def reorders_float(self) -> bool:
+        return any(graph.reorders_float for graph in self.graphs)
 
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, OptimizeReport] = weakref.WeakKeyDictionary()

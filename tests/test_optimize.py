@@ -133,7 +133,7 @@ _LINEAR = nn.Linear(2, 2)
         (lambda: distopt.optimize(_LINEAR, config={"verify": {"rtol": -1}}),
          "config.verify.rtol: expected a number >= 0, got -1.0"),
         (lambda: distopt.optimize(_LINEAR, config={"verfy": {}}),
-         "config.verfy: unknown key (known keys: capture, dump_graph, pass_options, passes, verify)"),
+         "config.verfy: unknown key (known keys: capture, dump_graph, measure, pass_options, passes, verify)"),
         (lambda: distopt.optimize(_LINEAR, config={"capture": {"dynamo": "yes"}}),
          "config.capture.dynamo: expected true or false, got 'yes'"),
         (lambda: distopt.optimize(_LINEAR, verify=True), "verify=True needs example_inputs to run both models"),

@@ -138,8 +138,11 @@ def parallelize(
     needs_units = cfg.strategy in ("fsdp", "fsdp1") or (cfg.compile and cfg.strategy != "ddp")
     passes = list(cfg.passes) if cfg.passes is not None else [s.name for s in resolve_pipeline(None)]
     options: dict[str, dict[str, Any]] = {}
-    if cfg.channels_last and "channels_last" not in passes:
-        passes.append("channels_last")
+    if cfg.channels_last:
+        if "channels_last" not in passes:
+            passes.append("channels_last")
+        # Asked for, so applied unmeasured: every rank must choose the same layout.
+        options["channels_last"] = {"measure": False}
     if needs_units:
         passes.append("partition")
         options["partition"] = {"num_units": cfg.num_units, "max_unit_bytes": cfg.max_unit_bytes}

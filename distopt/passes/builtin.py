@@ -7,4 +7,4 @@ The order is registration order, which breaks ties between unconstrained passes.
 from distopt.passes.local import remove_identity
 from distopt.passes.remote import pair, split, hoist, batch, sink
 from distopt.passes.fsdp import partition, fuse_units
-from distopt.passes.local import fold_conv_bn, channels_last
+from distopt.passes.local import fold_conv_bn, mkldnn_fusion, channels_last
