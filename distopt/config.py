@@ -287,7 +287,7 @@ class MeasureConfig:
     """A rewrite is kept when its median time is at least this fraction below the baseline's."""
     budget_s: float = 2.0
     """Seconds one comparison may spend timing, after its first round (slow graphs stop early)."""
-    max_rounds: int = 15
+    max_rounds: int = 30
     """Interleaved rounds (one call of each variant) at most per comparison."""
 
     def __post_init__(self) -> None:

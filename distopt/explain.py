@@ -120,6 +120,8 @@ def _render_parallel(record: ParallelRecord, console: Console) -> None:
             f"{schedule.gathered_bytes / 2**20:.1f} MiB gathered per step, "
             f"{schedule.memory_bytes / 2**20:.1f} MiB parameter peak per rank"
         )
+    if record.regions:
+        console.print(f"  regional compile: {record.regions} repeated blocks, compiled once per distinct structure")
     console.print(
         f"  parallelize time: optimize {record.optimize_seconds * 1e3:.0f} ms, units "
         f"{record.materialize_seconds * 1e3:.0f} ms, wrap {record.wrap_seconds * 1e3:.0f} ms"

@@ -62,6 +62,8 @@ class ParallelRecord:
     schedule: Any = None
     """FSDP2: the :class:`~distopt.parallel.fsdp_schedule.FsdpSchedule` (units left to the root
     and kept from forward into backward)."""
+    regions: int = 0
+    """Repeated blocks compiled as regions (one compile per distinct structure and shape)."""
     optimize_seconds: float = 0.0
     materialize_seconds: float = 0.0
     wrap_seconds: float = 0.0

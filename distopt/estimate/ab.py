@@ -10,8 +10,8 @@ time, so a comparison spends as little as the evidence allows:
   use) and is not counted;
 * it stops as soon as the medians differ by more than the noise allows (a wide band after one
   round, narrowing with more), or when ``budget_s`` is spent, or after ``max_rounds``; calls
-  longer than :data:`LONG_CALL_S` may stop after one counted round, shorter ones after
-  ``min_rounds``.
+  longer than :data:`LONG_CALL_S` may stop after one counted round, shorter ones only after
+  ``min_rounds`` and ``min_time_s`` of timing (short calls are cheap to repeat and noisy).
 
 The clock is injectable (``Measurer(clock=...)``), so the decision logic is tested without timing.
 """
@@ -71,9 +71,11 @@ class Measurer:
     margin: float = 0.02
     """A candidate wins when its median is at least this fraction below the baseline's."""
     budget_s: float = 2.0
-    max_rounds: int = 15
-    min_rounds: int = 3
+    max_rounds: int = 30
+    min_rounds: int = 5
     """Counted rounds at least when calls are short (long calls: one)."""
+    min_time_s: float = 0.25
+    """Seconds of timing at least when calls are short."""
     clock: Clock = wall_clock
 
     def compare(
@@ -92,14 +94,16 @@ class Measurer:
                 samples[label].append(seconds)
         else:
             first = [self.clock(label, fn) for label, fn in variants.items()]
-        min_rounds = 1 if max(first) >= LONG_CALL_S else self.min_rounds
+        long_calls = max(first) >= LONG_CALL_S
+        min_rounds = 1 if long_calls else self.min_rounds
+        min_time = 0.0 if long_calls else self.min_time_s
         spent = sum(first) if warm else 0.0
         round_index = 1 if warm else 0
         while True:
             rounds = len(samples["baseline"])
-            if rounds >= min_rounds and (
-                rounds >= self.max_rounds or spent >= self.budget_s or self._clear(samples, rounds)
-            ):
+            if rounds >= self.max_rounds:
+                break
+            if rounds >= min_rounds and spent >= min_time and (spent >= self.budget_s or self._clear(samples, rounds)):
                 break
             order = ("baseline", "candidate") if round_index % 2 == 0 else ("candidate", "baseline")
             for label in order:

@@ -15,6 +15,7 @@ from distopt.config import from_dict
 from distopt.errors import ConfigError
 from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
 from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
+from distopt.parallel.regions import compilable_regions
 from distopt.parallel.units import agree_across_ranks, materialize_units, plan_of, unit_modules
 from distopt.passes import resolve_pipeline
 from distopt.report import OptimizeReport, ParallelRecord, attach, report_of
@@ -43,6 +44,10 @@ class ParallelizeConfig:
     """``torch.compile`` each unit (or the whole module for DDP) before wrapping it."""
     compile_backend: str = "inductor"
     """Backend for ``compile``."""
+    compile_regions: bool = True
+    """With ``compile``: compile each repeated block once and reuse it for every block of the same
+    structure (torch.compile's regional compilation, :mod:`distopt.parallel.regions`); compile
+    time grows with distinct blocks, not depth. Off: each unit, or the whole module for DDP."""
     reshard_after_forward: bool = True
     """FSDP2: free unsharded unit parameters after forward (re-gathered in backward), except the
     last units, which the schedule keeps because backward needs them at once."""
@@ -151,9 +156,12 @@ def parallelize(
             options["fuse_units"] = {"min_unit_bytes": _min_unit_bytes(cfg)}
     # NHWC kernels sum in another order: compare with float32 round-off tolerances, not 1e-6.
     verify = {"rtol": 1e-4, "atol": 1e-4} if cfg.channels_last else {}
+    # Regional compile: repeated blocks stay single calls in the graph, so units call them.
+    regions = compilable_regions(model) if cfg.compile and cfg.compile_regions else []
+    capture = {"leaf_modules": [path for path, _ in regions]}
     optimized = optimize(
-        model, example_inputs, passes=passes, config={"pass_options": options, "verify": verify},
-        verify=cfg.verify,
+        model, example_inputs, passes=passes,
+        config={"pass_options": options, "verify": verify, "capture": capture}, verify=cfg.verify,
     )
     timing.optimize_seconds = time.perf_counter() - start
 
@@ -182,7 +190,12 @@ def parallelize(
     # 3. DDP wraps the whole module last: it only registers gradient hooks and buckets.
     start = time.perf_counter()
     if cfg.compile:
-        apply_compile(units or [root], backend=cfg.compile_backend)
+        if regions and not isinstance(root, torch.fx.GraphModule):
+            # A Dynamo capture would trace through the compiled blocks: the model's own forward
+            # calls them instead.
+            root = model
+        apply_compile(units or [root], backend=cfg.compile_backend, regions=[block for _, block in regions])
+        timing.regions = len(regions)
     if cfg.strategy == "fsdp":
         schedule = plan_fsdp_schedule(
             timing.unit_bytes, world_size=_world_size(mesh), memory_slack=cfg.memory_slack

@@ -100,13 +100,6 @@ def test_conv_with_other_users_is_left_alone() -> None:
 
 def test_folded_model_refuses_to_train() -> None:
     """Switching a folded model back to train() must fail loudly, never train on frozen stats."""
-    import pytest
-    import torch
-    from torch import nn
-
-    import distopt
-    from distopt.errors import ConfigError
-
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)).eval()
     folded = distopt.optimize(model, (torch.randn(1, 3, 8, 8),), passes=["fold_conv_bn"],
                               config=NO_GRADS)
