@@ -103,7 +103,9 @@ class Derived:
 
 def _fast_path_allowed(*tensors: torch.Tensor | None) -> bool:
     """Fused kernels have no backward and are opaque to Dynamo: only for plain inference calls."""
-    if torch.compiler.is_compiling():
+    # Dynamo tracing the module sees the plain ops (is_compiling() would also be true while a
+    # backend runs, e.g. when a pass times the graph it is compiling).
+    if torch.compiler.is_dynamo_compiling():
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors):
         return False

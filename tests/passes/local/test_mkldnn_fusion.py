@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._dynamo
 import torch.fx
 from torch import nn
 
@@ -150,3 +151,42 @@ def test_cuda_graphs_are_left_alone() -> None:
                       options={"measure": False})
     result = mkldnn_fusion(gm, ctx)
     assert not result.modified and "CPU ops" in result.detail
+
+
+def test_dynamo_tracing_a_fused_model_sees_the_original_ops() -> None:
+    """A user compiling the optimized model gets plain ops Inductor can fuse itself."""
+    gm = distopt.optimize(_eval(Block()), torch.randn(2, 8, 10, 10), passes=["fold_conv_bn", "mkldnn_fusion"],
+                          config=FORCED, strict=True)
+    targets: list[object] = []
+
+    def recording(graph: torch.fx.GraphModule, example_inputs: list[object]) -> object:
+        targets.extend(n.target for n in graph.graph.nodes if n.op == "call_function")
+        return graph.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(gm, backend=recording)(torch.randn(2, 8, 10, 10))
+    assert torch.conv2d in targets and not any("mkldnn" in str(t) for t in targets)
+
+
+def test_the_fused_kernel_runs_inside_a_backend_timing_its_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Passes time graphs while Dynamo compiles (is_compiling() is true there): the fast path runs."""
+    gm = distopt.optimize(_eval(Block()), torch.randn(2, 8, 10, 10), passes=["fold_conv_bn", "mkldnn_fusion"],
+                          config=FORCED, strict=True)
+    calls: list[int] = []
+    fast = FusedConv2d._mkldnn
+
+    def counted(self: FusedConv2d, *args: object) -> torch.Tensor:
+        calls.append(1)
+        return fast(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FusedConv2d, "_mkldnn", counted)
+
+    def timing(graph: torch.fx.GraphModule, example_inputs: list[object]) -> object:
+        with torch.no_grad():
+            gm(torch.randn(2, 8, 10, 10))
+        return graph.forward
+
+    torch._dynamo.reset()
+    torch.compile(lambda x: x + 1, backend=timing)(torch.zeros(1))
+    assert len(calls) == 3
