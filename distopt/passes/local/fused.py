@@ -100,6 +100,11 @@ class Derived:
     def clear(self) -> None:
         self._key = self._value = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        # Derived values are recomputed from the sources; never copied or pickled (a packed oneDNN
+        # weight has no storage to copy, and a copy's sources are other tensors anyway).
+        return {"_key": None, "_value": None}
+
 
 def _fast_path_allowed(*tensors: torch.Tensor | None) -> bool:
     """Fused kernels have no backward and are opaque to Dynamo: only for plain inference calls."""
@@ -217,25 +222,29 @@ class FusedConv2d(nn.Module):
         ]
         return list(other.shape) == [x.shape[0], weight.shape[0], *spatial]
 
+    def _fold(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, bn: tuple[torch.Tensor | None, ...], fmt: torch.memory_format
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Weights with BatchNorm folded in (if any), detached, in memory format ``fmt``."""
+        with torch.no_grad():
+            w, b = weight, bias
+            if self.epilogue.batch_norm_eps is not None:
+                mean, var, gamma, beta = bn
+                assert mean is not None and var is not None  # fold_conv_bn passes running stats
+                w, b = torch.nn.utils.fusion.fuse_conv_bn_weights(
+                    weight, bias, mean, var, self.epilogue.batch_norm_eps, gamma, beta
+                )
+            return w.detach().contiguous(memory_format=fmt), None if b is None else b.detach()
+
     def _folded(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bn: tuple[torch.Tensor | None, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Weights with BatchNorm folded in, in the input's memory format (no per-call reorder)."""
+        """:meth:`_fold` in the input's memory format (no per-call reorder), cached."""
         nhwc = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
         fmt = torch.channels_last if nhwc else torch.contiguous_format
-
-        def compute() -> tuple[torch.Tensor, torch.Tensor | None]:
-            with torch.no_grad():
-                w, b = weight, bias
-                if self.epilogue.batch_norm_eps is not None:
-                    mean, var, gamma, beta = bn
-                    assert mean is not None and var is not None  # fold_conv_bn passes running stats
-                    w, b = torch.nn.utils.fusion.fuse_conv_bn_weights(
-                        weight, bias, mean, var, self.epilogue.batch_norm_eps, gamma, beta
-                    )
-                return w.detach().contiguous(memory_format=fmt), None if b is None else b.detach()
-
-        result: tuple[torch.Tensor, torch.Tensor | None] = self.folded.get((weight, bias, *bn), (fmt,), compute)
+        result: tuple[torch.Tensor, torch.Tensor | None] = self.folded.get(
+            (weight, bias, *bn), (fmt,), lambda: self._fold(weight, bias, bn, fmt)
+        )
         return result
 
     def _mkldnn(
@@ -250,11 +259,11 @@ class FusedConv2d(nn.Module):
         stride, padding, dilation = list(self.stride), list(self.padding), list(self.dilation)
 
         def compute() -> tuple[torch.Tensor, torch.Tensor | None]:
-            w, b = self._folded(x, weight, bias, bn)
+            w, b = self._fold(weight, bias, bn, torch.channels_last)
             with torch.no_grad():
                 # oneDNN's blocked weight layout, chosen for this input shape: reordered once.
                 packed = torch.ops.mkldnn._reorder_convolution_weight(
-                    w.contiguous(memory_format=torch.channels_last), padding, stride, dilation, self.groups,
+                    w, padding, stride, dilation, self.groups,
                     list(x.shape),
                 )
             return packed, b

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,7 +47,7 @@ def container(gm: torch.fx.GraphModule) -> torch.nn.Module:
 def add_fused(gm: torch.fx.GraphModule, name: str, module: torch.nn.Module) -> str:
     """Register ``module`` under a fresh name in :func:`container`; returns its target path."""
     holder = container(gm)
-    base = name.replace(".", "_")
+    base = re.sub(r"\W", "_", name)
     unique, i = base, 1
     while hasattr(holder, unique):
         unique, i = f"{base}_{i}", i + 1

@@ -157,7 +157,7 @@ def _fuse_convolutions(gm: torch.fx.GraphModule) -> dict[str, int]:
             gelu_approximate=chain.gelu_approximate if chain.unary else ep.gelu_approximate,
         )
         module = conv.with_kernel("mkldnn", epilogue)
-        target = add_fused(gm, module.origin or node.name, module)
+        target = add_fused(gm, module.origin.split("+")[0] or node.name, module)
         args = [materialize(gm, last, t) for t in operands] + [chain.other]
         with gm.graph.inserting_before(last):
             new = gm.graph.call_module(target, (x, *args))

@@ -190,3 +190,19 @@ def test_the_fused_kernel_runs_inside_a_backend_timing_its_graph(monkeypatch: py
     torch._dynamo.reset()
     torch.compile(lambda x: x + 1, backend=timing)(torch.zeros(1))
     assert len(calls) == 3
+
+
+def test_a_copied_model_recomputes_its_packed_weights() -> None:
+    """Packed oneDNN weights have no storage to copy: copies drop derived values and rebuild them."""
+    import copy
+    import pickle
+
+    model = _eval(Block())
+    x = torch.randn(2, 8, 10, 10)
+    gm = distopt.optimize(model, x, passes=["fold_conv_bn", "mkldnn_fusion"], config=FORCED, strict=True)
+    with torch.no_grad():
+        gm(x)
+        copied = copy.deepcopy(gm)
+        torch.testing.assert_close(copied(x), model(x), rtol=1e-5, atol=1e-5)
+    for module in _fused(gm):
+        assert pickle.loads(pickle.dumps(module)).packed.get([], (), lambda: "rebuilt") == "rebuilt"
