@@ -141,7 +141,7 @@ def optimize(
         assert inputs is not None
         optimized = _verify_or_fall_back(model, optimized, inputs, pipeline, cfg, strict, report)
     if optimized is not model and inputs is not None and not model.training and cfg.measure.enabled:
-        optimized = _keep_if_not_slower(model, optimized, inputs, cfg, report)
+        optimized = _keep_if_not_slower(model, optimized, inputs, cfg, report, warm=verify)
     if optimized is not model and cfg.dump_graph and isinstance(optimized, torch.fx.GraphModule):
         from distopt.explain import draw_graph
 
@@ -249,6 +249,8 @@ def _verify_or_fall_back(
         reference = run_reference(model, inputs, cfg.verify, allow_writes=cfg.verify.remote_writes)
     except RemoteWriteRefused as err:
         return _skip_verification(optimized, cfg, report, f"{err}")
+    if not reference.check_grads:  # an inference run: the final timing check's first sample
+        report.original_seconds = reference.seconds
     try:
         record = compare_modules(
             model, optimized, inputs, cfg.verify, reference=reference, reordered=lambda: report.reorders_float
@@ -273,13 +275,20 @@ def _verify_or_fall_back(
 
 
 def _keep_if_not_slower(
-    model: nn.Module, optimized: nn.Module, inputs: tuple[Any, ...], cfg: OptimizeConfig, report: OptimizeReport
+    model: nn.Module,
+    optimized: nn.Module,
+    inputs: tuple[Any, ...],
+    cfg: OptimizeConfig,
+    report: OptimizeReport,
+    *,
+    warm: bool,
 ) -> nn.Module:
     """An eval model is returned optimized only if it is not slower than the original.
 
     Passes measure their own rewrites; this catches what no pass owns (Dynamo's guards and graph
-    breaks on a small model, a GraphModule's call overhead). Both models have just run for
-    verification, so no warm-up; a model that makes remote calls is not timed (they would repeat).
+    breaks on a small model, a GraphModule's call overhead). After verification (``warm``) both
+    models have just run, so no warm-up; a model that makes remote calls is not timed (they would
+    repeat).
     """
     if isinstance(optimized, torch.fx.GraphModule) and remote_ops(optimized.graph):
         return optimized
@@ -295,7 +304,12 @@ def _keep_if_not_slower(
 
         return call
 
-    result = measurer.compare(timed(model), timed(optimized), warm=True)
+    # The original has run for verification (its time is the first round's baseline sample when
+    # that run was an inference run); the optimized model too, but under Dynamo that first call
+    # also compiled it.
+    result = measurer.compare(
+        timed(model), timed(optimized), warm=warm, baseline_s=report.original_seconds if warm else None
+    )
     timing = result.describe("optimized", "original")
     if measurer.not_slower(result):
         report.speed = f"{timing}: optimized model kept"

@@ -98,6 +98,8 @@ class OptimizeReport:
     """Set on the main stage of a pipeline."""
     speed: str | None = None
     """The optimized eval model timed against the original, and what was returned."""
+    original_seconds: float | None = None
+    """How long the original's inference run for verification took (a timing sample)."""
 
     @property
     def reorders_float(self) -> bool:

@@ -88,6 +88,8 @@ class Reference:
     """The remote calls the original made, with their results (replayed into candidates)."""
     seed_state: torch.Tensor
     check_grads: bool
+    seconds: float = 0.0
+    """How long the original's run took (by ``distopt.estimate.ab.default_clock``)."""
 
 
 def _run(
@@ -135,9 +137,14 @@ def run_reference(
     # gradients of parameters folded away are meaningless.
     check_grads = config.check_grads and original.training
     view = with_remote_calls(original)
+    from distopt.estimate.ab import default_clock
+
+    results: list[RunResult] = []
     with preserved_state(view), isolated(), recording(view, allow_writes=allow_writes) as record:
-        result = _run(view, view, example_inputs, seed_state, check_grads)
-    return Reference(result, record, seed_state, check_grads)
+        seconds = default_clock(
+            "baseline", lambda: results.append(_run(view, view, example_inputs, seed_state, check_grads))
+        )
+    return Reference(results[0], record, seed_state, check_grads, seconds)
 
 
 def compare_modules(

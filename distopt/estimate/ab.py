@@ -41,6 +41,22 @@ def wall_clock(label: str, fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
+def default_clock(label: str, fn: Callable[[], object]) -> float:
+    """Wall time; with one intra-op thread, the calling thread's CPU time.
+
+    A single-threaded call runs on the calling thread, so its CPU time is its cost without the
+    time the OS gave the core to other processes: on a shared host that noise dwarfs the
+    differences being measured. With more threads only wall time sees parallel efficiency.
+    """
+    import torch
+
+    if torch.get_num_threads() != 1:
+        return wall_clock(label, fn)
+    start = time.thread_time()
+    fn()
+    return time.thread_time() - start
+
+
 @dataclasses.dataclass(frozen=True)
 class ABResult:
     baseline_s: float
@@ -76,24 +92,31 @@ class Measurer:
     """Counted rounds at least when calls are short (long calls: one)."""
     min_time_s: float = 0.25
     """Seconds of timing at least when calls are short."""
-    clock: Clock = wall_clock
+    clock: Clock = default_clock
 
     def compare(
-        self, baseline: Callable[[], object], candidate: Callable[[], object], *, warm: bool = False
+        self,
+        baseline: Callable[[], object],
+        candidate: Callable[[], object],
+        *,
+        warm: bool = False,
+        baseline_s: float | None = None,
     ) -> ABResult:
         """Median seconds of ``baseline`` and ``candidate`` over interleaved rounds.
 
-        ``warm``: both have just run on these inputs (no warm-up call; the first round decides
-        whether calls are long).
+        ``warm``: both have just run on these inputs (no warm-up call; the first round counts).
+        ``baseline_s``: the baseline's time in that first round, already measured (it is not
+        called then).
         """
         samples: dict[str, list[float]] = {"baseline": [], "candidate": []}
         variants = {"baseline": baseline, "candidate": candidate}
+        first = [
+            baseline_s if label == "baseline" and baseline_s is not None else self.clock(label, fn)
+            for label, fn in variants.items()
+        ]
         if warm:
-            first = [self.clock(label, fn) for label, fn in variants.items()]
             for label, seconds in zip(variants, first, strict=True):
                 samples[label].append(seconds)
-        else:
-            first = [self.clock(label, fn) for label, fn in variants.items()]
         long_calls = max(first) >= LONG_CALL_S
         min_rounds = 1 if long_calls else self.min_rounds
         min_time = 0.0 if long_calls else self.min_time_s

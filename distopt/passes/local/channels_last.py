@@ -70,7 +70,14 @@ def _is_model_state(node: torch.fx.Node) -> bool:
 
 
 def _output_formats(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...] | None) -> list[str] | None:
-    """Memory format of every output leaf of the unmodified graph (None without inputs)."""
+    """Memory format of every output leaf of the unmodified graph: from Dynamo's metadata when the
+    graph has it, else from a run on the example inputs (None without them)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves, _ = tree_flatten(output.args[0])
+    values = [leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else None for leaf in leaves]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if tensors and len(tensors) == len(values):
+        return [format_name(v) for v in tensors]
     if example_inputs is None:
         return None
     from distopt.verify import preserved_state
