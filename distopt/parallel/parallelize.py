@@ -18,6 +18,7 @@ from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
 from distopt.parallel.regions import compilable_regions
 from distopt.parallel.units import agree_across_ranks, materialize_units, plan_of, unit_modules
 from distopt.passes import resolve_pipeline
+from distopt.passes.local.channels_last import run_channels_last
 from distopt.report import OptimizeReport, ParallelRecord, attach, report_of
 
 Strategy = Literal["ddp", "fsdp", "fsdp1"]
@@ -190,10 +191,12 @@ def parallelize(
     # 3. DDP wraps the whole module last: it only registers gradient hooks and buckets.
     start = time.perf_counter()
     if cfg.compile:
-        if regions and not isinstance(root, torch.fx.GraphModule):
-            # A Dynamo capture would trace through the compiled blocks: the model's own forward
-            # calls them instead.
+        if not isinstance(root, torch.fx.GraphModule) and root is not model:
+            # Dynamo captured the model: compiling replaces that capture (and would trace through
+            # compiled blocks), so the model's own forward runs, with the layout done by hooks.
             root = model
+            if cfg.channels_last:
+                run_channels_last(root)
         apply_compile(units or [root], backend=cfg.compile_backend, regions=[block for _, block in regions])
         timing.regions = len(regions)
     if cfg.strategy == "fsdp":

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
 
 from distopt.passes.core.base import PassContext, PassResult, register_pass
 from distopt.passes.core.runner import REORDERS_FLOAT
@@ -51,6 +52,17 @@ def format_name(t: torch.Tensor) -> str:
     if t.dim() == 4 and not t.is_contiguous() and t.is_contiguous(memory_format=torch.channels_last):
         return "channels_last"
     return "contiguous_format"
+
+
+def run_channels_last(module: nn.Module) -> None:
+    """The same conversions for a module without a graph, as forward hooks: 4-D inputs to
+    channels-last before its forward, 4-D outputs back to contiguous after it.
+
+    For a model :func:`distopt.parallelize` compiles without the graph distopt captured (Dynamo
+    captured it, and the compiled regions or the whole-model compile replace that capture).
+    """
+    module.register_forward_pre_hook(lambda _, args: tuple(to_channels_last(a) for a in args))
+    module.register_forward_hook(lambda _, args, out: tree_map(lambda v: restore_memory_format(v, "contiguous_format"), out))
 
 
 def has_convolutions(gm: torch.fx.GraphModule) -> bool:

@@ -109,3 +109,18 @@ def test_training_step_in_channels_last_matches_eager_channels_last() -> None:
     for key in eager_nchw:
         scale = eager_nchw[key].abs().max().item() + 1e-6
         assert (ours[key] - eager_nchw[key]).abs().max().item() <= 1e-2 * scale, key
+
+
+def test_hooks_run_a_module_channels_last_without_a_graph() -> None:
+    from distopt.passes.local.channels_last import run_channels_last
+
+    model = FeatureMap().eval()
+    x = torch.randn(2, 3, 8, 8)
+    ref_feat, ref_head = model(x)
+    seen: list[bool] = []
+    model.conv.register_forward_pre_hook(lambda _, args: seen.append(args[0].is_contiguous(memory_format=torch.channels_last)))
+    run_channels_last(model)
+    feat, head = model(x)
+    assert seen == [True] and feat.is_contiguous()
+    torch.testing.assert_close(feat, ref_feat, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(head, ref_head, rtol=1e-5, atol=1e-5)
