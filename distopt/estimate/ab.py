@@ -7,7 +7,9 @@ time, so a comparison spends as little as the evidence allows:
 * rounds are interleaved (one call of each, the order alternating), so drift in the host's load
   hits both variants alike; the verdict compares medians;
 * one call of each warms it up (allocator, oneDNN primitives, weights derived or packed on first
-  use) and is not counted;
+  use) and is not counted — except calls longer than :data:`LONG_CALL_S` whose times differ by
+  more than the one-round band: one-time costs are a few percent of such a call, so that first
+  round decides alone and two long calls are saved;
 * it stops as soon as the medians differ by more than the noise allows (a wide band after one
   round, narrowing with more), or when ``budget_s`` is spent, or after ``max_rounds``; calls
   longer than :data:`LONG_CALL_S` may stop after one counted round, shorter ones only after
@@ -114,14 +116,18 @@ class Measurer:
             baseline_s if label == "baseline" and baseline_s is not None else self.clock(label, fn)
             for label, fn in variants.items()
         ]
-        if warm:
+        long_calls = max(first) >= LONG_CALL_S
+        if warm or long_calls:
             for label, seconds in zip(variants, first, strict=True):
                 samples[label].append(seconds)
-        long_calls = max(first) >= LONG_CALL_S
+        if long_calls and not warm and not self._clear(samples, 1):
+            # A long first call's one-time costs are a few percent of it: it decides alone only
+            # when the gap is wide; otherwise it is a warm-up and the rounds below decide.
+            samples = {"baseline": [], "candidate": []}
         min_rounds = 1 if long_calls else self.min_rounds
         min_time = 0.0 if long_calls else self.min_time_s
-        spent = sum(first) if warm else 0.0
-        round_index = 1 if warm else 0
+        spent = sum(first) if samples["baseline"] else 0.0
+        round_index = 1 if samples["baseline"] else 0
         while True:
             rounds = len(samples["baseline"])
             if rounds >= self.max_rounds:

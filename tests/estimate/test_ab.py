@@ -35,17 +35,24 @@ def test_rounds_are_interleaved_in_alternating_order_after_one_warm_up_each() ->
     assert calls == ["baseline", "candidate", "baseline", "candidate", "candidate", "baseline"]
 
 
-def test_long_clear_calls_stop_after_one_counted_round() -> None:
+def test_long_calls_far_apart_are_decided_by_their_first_calls() -> None:
     calls: list[str] = []
     m = Measurer(clock=clock_of({"baseline": 1.0, "candidate": 0.7}, calls))
     result = m.compare(lambda: None, lambda: None)
-    assert result.rounds == 1 and len(calls) == 4  # warm-up of each, then one round
+    assert result.rounds == 1 and len(calls) == 2
+
+
+def test_long_calls_close_together_warm_up_then_decide_on_counted_rounds() -> None:
+    calls: list[str] = []
+    m = Measurer(budget_s=1.0, clock=clock_of({"baseline": 1.0, "candidate": 0.95}, calls))
+    result = m.compare(lambda: None, lambda: None)
+    assert result.rounds == 1 and len(calls) == 4  # the first calls were only a warm-up
 
 
 def test_close_calls_stop_at_the_budget() -> None:
     m = Measurer(budget_s=3.0, clock=clock_of({"baseline": 1.0, "candidate": 0.99}, []))
     result = m.compare(lambda: None, lambda: None)
-    assert result.rounds == 2  # 2 s after one round, 4 s after two: over the budget
+    assert result.rounds == 2  # after the warm-up: 2 s after one round, 4 s after two
 
 
 def test_short_calls_run_at_least_min_rounds_and_min_time() -> None:
