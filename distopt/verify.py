@@ -64,8 +64,12 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
+            # Only buffers whose values changed (BatchNorm's kernel writes its running statistics
+            # without bumping their version counters, so compare values): a needless copy would
+            # bump the counter and make values derived from the buffer (folded weights) stale.
             for buf, saved in tensors.values():
-                buf.copy_(saved)
+                if not torch.equal(buf, saved):
+                    buf.copy_(saved)
         for param, grad in grads.values():
             param.grad = grad
 

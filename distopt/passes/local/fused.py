@@ -77,33 +77,47 @@ class Derived:
     """A value computed from tensors, recomputed when any of them changes.
 
     A tensor counts as changed when it is another object, its storage moved, or its version
-    counter moved (every in-place write bumps it). Inference-mode tensors have no version
+    counter moved (every in-place write through autograd, ``copy_`` or an optimizer bumps it).
+    ``by_value`` tensors are also compared with a copy of their values: BatchNorm's kernel writes
+    its running statistics without bumping their counters (a training forward of the original
+    model, whose buffers the optimized one shares). Inference-mode tensors have no version
     counter: the value is then recomputed on every call.
     """
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._value: Any = None
+        self._values: list[torch.Tensor] = []
 
-    def get(self, sources: Sequence[torch.Tensor | None], extra: tuple[Any, ...], compute: Callable[[], Any]) -> Any:
+    def get(
+        self,
+        sources: Sequence[torch.Tensor | None],
+        extra: tuple[Any, ...],
+        compute: Callable[[], Any],
+        by_value: Sequence[torch.Tensor | None] = (),
+    ) -> Any:
         try:
             key = extra + tuple(
                 None if t is None else (id(t), t.data_ptr(), t._version) for t in sources
             )
         except RuntimeError:  # an inference tensor: no version counter to trust
             return compute()
-        if key != self._key:
+        watched = [t for t in by_value if t is not None]
+        same = key == self._key and all(torch.equal(t, v) for t, v in zip(watched, self._values, strict=True))
+        if not same:
             self._value = compute()
             self._key = key
+            self._values = [t.detach().clone() for t in watched]
         return self._value
 
     def clear(self) -> None:
         self._key = self._value = None
+        self._values = []
 
     def __getstate__(self) -> dict[str, Any]:
         # Derived values are recomputed from the sources; never copied or pickled (a packed oneDNN
         # weight has no storage to copy, and a copy's sources are other tensors anyway).
-        return {"_key": None, "_value": None}
+        return {"_key": None, "_value": None, "_values": []}
 
 
 def _fast_path_allowed(*tensors: torch.Tensor | None) -> bool:
@@ -243,7 +257,7 @@ class FusedConv2d(nn.Module):
         nhwc = not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
         fmt = torch.channels_last if nhwc else torch.contiguous_format
         result: tuple[torch.Tensor, torch.Tensor | None] = self.folded.get(
-            (weight, bias, *bn), (fmt,), lambda: self._fold(weight, bias, bn, fmt)
+            (weight, bias, *bn), (fmt,), lambda: self._fold(weight, bias, bn, fmt), by_value=bn[:2]
         )
         return result
 
@@ -268,7 +282,7 @@ class FusedConv2d(nn.Module):
                 )
             return packed, b
 
-        packed, b = self.packed.get((weight, bias, *bn), tuple(x.shape), compute)
+        packed, b = self.packed.get((weight, bias, *bn), tuple(x.shape), compute, by_value=bn[:2])
         algorithm = ep.gelu_approximate if ep.unary == "gelu" else ""
         if ep.add:
             return torch.ops.mkldnn._convolution_pointwise.binary(

@@ -118,14 +118,12 @@ def _workload(module: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
 def _restored(inputs: tuple[Any, ...]) -> Iterator[None]:
     """Put back the values of input tensors (not parameters) a call wrote in place."""
     saved = [
-        (t, t._version, t.detach().clone())
-        for t in inputs
-        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+        (t, t.detach().clone()) for t in inputs if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
     ]
     try:
         yield
     finally:
-        with torch.no_grad():
-            for tensor, version, value in saved:
-                if tensor._version != version:
+        with torch.no_grad():  # compared by value: see distopt.verify.preserved_state
+            for tensor, value in saved:
+                if not torch.equal(tensor, value):
                     tensor.copy_(value)

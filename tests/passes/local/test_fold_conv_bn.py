@@ -132,3 +132,17 @@ def test_conv_reused_on_a_path_without_batchnorm_stays_correct() -> None:
     assert sum(isinstance(m, FusedConv2d) for m in called) == 1 and model.conv in called
     with torch.no_grad():
         torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+def test_running_statistics_updated_by_a_training_forward_refold() -> None:
+    """BatchNorm's kernel updates running stats without bumping version counters: the optimized
+    model, sharing them with the original, must still see the update."""
+    model = _resnet()
+    x = make_inputs("resnet50", model, 2)
+    gm = distopt.optimize(model, x, passes=["fold_conv_bn"], config=NO_GRADS, strict=True)
+    with torch.no_grad():
+        gm(*x)
+        model.train()
+        model(*x)  # updates every BatchNorm's running statistics in place
+        model.eval()
+        torch.testing.assert_close(gm(*x), model(*x), rtol=1e-4, atol=1e-5)
