@@ -21,7 +21,13 @@ from distopt.passes.core.base import PassContext, PassResult, register_pass
 from distopt.passes.core.runner import REORDERS_FLOAT
 from distopt.passes.local.fused import Epilogue, FusedConv2d
 from distopt.passes.local.measured import add_fused
-from distopt.passes.local.patterns import as_conv, as_eval_batch_norm, materialize, sole_user
+from distopt.passes.local.patterns import (
+    as_conv,
+    as_eval_batch_norm,
+    materialize,
+    moves_safely,
+    sole_user,
+)
 
 
 @register_pass("fold_conv_bn")
@@ -49,7 +55,7 @@ def fold_conv_bn(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         if bn is None or not isinstance(source, torch.fx.Node) or sole_user(source) is not node:
             continue
         conv = as_conv(gm, source)
-        if conv is None:
+        if conv is None or not moves_safely(conv.node, bn.node):
             continue
         module = FusedConv2d(
             stride=conv.stride, padding=conv.padding, dilation=conv.dilation, groups=conv.groups,

@@ -37,6 +37,7 @@ from distopt.passes.local.patterns import (
     as_unary,
     materialize,
     module_of,
+    moves_safely,
     sole_user,
 )
 
@@ -99,10 +100,6 @@ class _Chain:
     unary: str | None = None
     gelu_approximate: str = "none"
 
-    @property
-    def last(self) -> Node | None:
-        return self.absorbed[-1] if self.absorbed else None
-
 
 def _grow(gm: torch.fx.GraphModule, start: Node, chain: _Chain, *, add: bool, unary: bool) -> Node:
     """Absorb an add (if ``add``) then an activation (if ``unary``) that solely use ``start``'s
@@ -152,6 +149,8 @@ def _fuse_convolutions(gm: torch.fx.GraphModule) -> dict[str, int]:
         ep = conv.epilogue
         chain = _Chain()
         last = _grow(gm, node, chain, add=not ep.add, unary=ep.unary is None)
+        if not moves_safely(node, last):
+            chain, last = _Chain(), node
         epilogue = dataclasses.replace(
             ep, add=ep.add or chain.other is not None, unary=ep.unary or chain.unary,
             gelu_approximate=chain.gelu_approximate if chain.unary else ep.gelu_approximate,
@@ -195,6 +194,8 @@ def _fuse_linears(gm: torch.fx.GraphModule) -> dict[str, int]:
         if permuted is not None:
             permute, add, residual, dims = permuted
             last = add
+        if not moves_safely(node, last):
+            continue
         epilogue = Epilogue(scale=scale is not None, add=chain.other is not None or permuted is not None,
                             unary=chain.unary, gelu_approximate=chain.gelu_approximate)
         target = add_fused(gm, linear.origin, FusedLinear(epilogue=epilogue, origin=linear.origin))

@@ -20,6 +20,7 @@ from torch import nn
 from torch.fx import Node
 from torch.nn import functional as F
 
+from distopt.passes.core.side_effects import is_impure
 from distopt.passes.local.fused import FusedConv2d
 
 Operand = Node | str | None
@@ -251,6 +252,17 @@ def as_add(node: Node, value: Node) -> Any:
 def sole_user(node: Node) -> Node | None:
     users = list(node.users)
     return users[0] if len(users) == 1 else None
+
+
+def moves_safely(first: Node, last: Node) -> bool:
+    """Computing ``first``'s op at ``last``'s place (or ``last``'s at ``first``'s) changes nothing:
+    no node in between writes in place or has other effects (it could write an operand)."""
+    node = first.next
+    while node is not last:
+        if node.op == "output" or is_impure(node):
+            return False
+        node = node.next
+    return True
 
 
 def is_convolution(gm: torch.fx.GraphModule, node: Node) -> bool:

@@ -206,3 +206,26 @@ def test_a_copied_model_recomputes_its_packed_weights() -> None:
         torch.testing.assert_close(copied(x), model(x), rtol=1e-5, atol=1e-5)
     for module in _fused(gm):
         assert pickle.loads(pickle.dumps(module)).packed.get([], (), lambda: "rebuilt") == "rebuilt"
+
+
+def test_an_epilogue_is_not_moved_past_an_in_place_write() -> None:
+    class WritesBetween(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(4, 4, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            r = x * 2
+            h = self.conv(r)
+            r.mul_(3)  # the conv must still see r before this write
+            return torch.relu(h + r)
+
+    model = WritesBetween().eval()
+    gm = torch.fx.symbolic_trace(model)
+    mkldnn_fusion(gm, PassContext(training=False, options={"measure": False}))
+    gm.recompile()
+    (fused,) = _fused(gm)
+    assert fused.epilogue.describe() == "none"
+    x = torch.randn(2, 4, 6, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(gm(x), model(x), rtol=1e-5, atol=1e-5)
