@@ -4,8 +4,9 @@ The coverage corpus (:mod:`distopt.coverage.corpus`: transformers and deepctr-to
 from configs) checks that distopt returns a correct model; this benchmark checks that, by
 default, it never returns a slower one. Per model: ``distopt.optimize(model.eval(), inputs)``,
 then the original and the result called in interleaved rounds (``no_grad``) until each has
-``min_seconds`` of calls (or ``max_rounds``); medians. A model distopt returned unoptimized counts
-as it is (the original).
+``min_seconds`` of calls (or ``max_rounds``); medians, timed as distopt's measurements time
+(:func:`distopt.estimate.ab.default_clock`). A model distopt returned unoptimized counts as it is
+(the original).
 
 Target (issue 26): optimized ≥ ``target``× eager for every model.
 """
@@ -14,10 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,6 +31,7 @@ from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.coverage import corpus
+from distopt.estimate.ab import default_clock
 from distopt.report import report_of
 
 
@@ -58,25 +62,27 @@ def _row(entry: Any, cfg: CoverageSpeedConfig) -> dict[str, Any]:
         optimized = distopt.optimize(model, inputs)
     optimize_s = time.perf_counter() - start
     report = report_of(optimized)
-    variants = {"eager": model, "distopt": optimized}
+    variants: dict[str, Callable[[], object]] = {
+        "eager": functools.partial(model, *inputs), "distopt": functools.partial(optimized, *inputs)
+    }
     samples: dict[str, list[float]] = {name: [] for name in variants}
     with torch.no_grad():
-        for module in variants.values():
+        for call in variants.values():
             for _ in range(cfg.warmup):
-                module(*inputs)
+                call()
         spent = dict.fromkeys(variants, 0.0)
         rounds = 0
         while rounds < cfg.max_rounds and min(spent.values()) < cfg.min_seconds:
             order = list(variants) if rounds % 2 == 0 else list(reversed(variants))
             for name in order:
-                begin = time.perf_counter()
-                variants[name](*inputs)
-                elapsed = time.perf_counter() - begin
+                elapsed = default_clock(name, variants[name])
                 samples[name].append(elapsed)
                 spent[name] += elapsed
             rounds += 1
     times = {name: median(values) for name, values in samples.items()}
-    kept = sorted({rec.name for graph in report.graphs for rec in graph.passes if rec.modified}) if report else []
+    kept: list[str] = []
+    if report is not None and optimized is not model:
+        kept = sorted({rec.name for graph in report.graphs for rec in graph.passes if rec.modified})
     return {
         "model": entry.name,
         "tier": report.tier if report else "",

@@ -10,6 +10,10 @@ call.
 
 Targets (issue 26): distopt ≥ ``target_vs_compile``× torch.compile's speed, with optimize time
 ≤ ``target_setup_ratio``× torch.compile's first call, for every model and thread count.
+
+Calls are timed as distopt's own measurements time them (:func:`distopt.estimate.ab.default_clock`):
+wall time, or with one thread the calling thread's CPU time, which a shared host does not
+inflate. Setup times are wall time; the load average is recorded with each row.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import distopt
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
+from distopt.estimate.ab import default_clock
 from distopt.report import report_of
 
 MODELS = ("resnet50", "convnext_tiny")
@@ -131,9 +136,7 @@ def _one(cfg: ThirdPartyFusionConfig, name: str, threads: int, console: Any) -> 
     samples: dict[str, list[float]] = {label: [] for label in variants}
     for _ in range(cfg.rounds):
         for label, fn in variants.items():
-            begin = time.perf_counter()
-            fn()
-            samples[label].append(time.perf_counter() - begin)
+            samples[label].append(default_clock(label, fn))
     times = {label: median(values) for label, values in samples.items()}
     row: dict[str, Any] = {
         "model": name, "threads": torch.get_num_threads(), "median_s": times, "setup_s": setup,
