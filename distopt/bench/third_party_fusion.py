@@ -89,9 +89,6 @@ def _logits(module: Callable[..., Any], x: torch.Tensor) -> Callable[[], torch.T
 
 def _compile_cold(model: nn.Module, x: torch.Tensor) -> tuple[Callable[..., Any], float]:
     """``torch.compile`` with a fresh Inductor cache directory; returns its first call's seconds."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
     previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="distopt-bench-inductor-")
     try:
@@ -116,6 +113,11 @@ def _kept_passes(module: nn.Module) -> list[str]:
 
 
 def _one(cfg: ThirdPartyFusionConfig, name: str, threads: int, console: Any) -> dict[str, Any]:
+    import torch._dynamo
+
+    # Nothing compiled for an earlier row may serve this one (Dynamo reuses code across model
+    # instances); within the row, distopt's capture and torch.compile keep separate entries.
+    torch._dynamo.reset()
     torch.set_num_threads(threads)
     model = build(name, cfg.image_size)
     x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, generator=torch.Generator().manual_seed(1))
