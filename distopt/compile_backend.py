@@ -18,6 +18,7 @@ import torch.fx
 from torch import nn
 
 from distopt.errors import ConfigError, PassError
+from distopt.estimate.ab import Measurer
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
 from distopt.report import GraphRecord, OptimizeReport
 
@@ -29,12 +30,16 @@ def make_backend(
     report: OptimizeReport | None = None,
     strict: bool = False,
     inner: Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]] | str | None = None,
+    training: bool = True,
+    measure: Measurer | None = None,
 ) -> Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]:
     """A Dynamo backend applying ``pipeline`` to every captured graph, then ``inner`` (or eager).
 
     ``inner`` is a backend function or the name ``"eager"``/``"inductor"`` (kernel fusion; needs
     a C++ compiler on CPU). A failing pass leaves that graph unoptimized (recorded in
-    ``report``) unless ``strict``.
+    ``report``) unless ``strict``. ``training`` is the mode passes assume when the graph does not
+    show it (:func:`graph_training`); ``measure`` lets machine-dependent passes time their
+    rewrites on the real tensors of the call being compiled.
     """
     inner = _inner_backend(inner)
 
@@ -43,8 +48,15 @@ def make_backend(
         if report is not None:
             report.graphs.append(record)
         try:
-            # Dynamo's example inputs are fake tensors: passes that profile must not run them.
-            run_passes(gm, pipeline, pass_options=pass_options, training=gm.training, record=record)
+            run_passes(
+                gm,
+                pipeline,
+                example_inputs=real_inputs(gm),
+                pass_options=pass_options,
+                training=graph_training(gm, default=training),
+                record=record,
+                measure=measure,
+            )
         except PassError as err:
             if strict:
                 raise
@@ -53,6 +65,43 @@ def make_backend(
         return inner(gm, example_inputs) if inner is not None else gm.forward
 
     return backend
+
+
+def real_inputs(gm: torch.fx.GraphModule) -> tuple[Any, ...] | None:
+    """The real values behind a Dynamo graph's placeholders, while Dynamo compiles the call that
+    produced it (its example inputs are fake tensors); ``None`` when one is unknown."""
+    values = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        arg = node.meta.get("grapharg")
+        try:
+            value = arg.example if arg is not None else None  # torch private: GraphArg
+        except Exception:  # a value Dynamo no longer holds
+            return None
+        if value is None or isinstance(value, torch._subclasses.FakeTensor):
+            return None
+        values.append(value)
+    return tuple(values)
+
+
+_MODE_OPS = {torch.nn.functional.batch_norm: (5, False), torch.nn.functional.dropout: (2, True)}
+"""Functions whose ``training`` argument shows the mode a graph was captured in: its position
+and default."""
+
+
+def graph_training(gm: torch.fx.GraphModule, *, default: bool) -> bool:
+    """The mode a Dynamo graph was captured in: what its BatchNorm/dropout calls were told
+    (Dynamo traces through ``self.training``), else ``default``."""
+    for node in gm.graph.nodes:
+        spec = _MODE_OPS.get(node.target) if node.op == "call_function" else None
+        if spec is None:
+            continue
+        position, missing = spec
+        flag = node.kwargs.get(
+            "training", node.args[position] if len(node.args) > position else missing
+        )
+        if isinstance(flag, bool):
+            return flag
+    return default
 
 
 def _inner_backend(
@@ -141,8 +190,13 @@ def distopt_backend(
         )
     pipeline = resolve_pipeline(opts.get("passes"))
     report = OptimizeReport(model="", tier="dynamo", pass_names=[s.name for s in pipeline])
+    # Machine-dependent passes time their rewrites on the real tensors of the call being compiled.
     backend = make_backend(
-        pipeline, pass_options=opts.get("pass_options"), report=report, inner=opts.get("inner")
+        pipeline,
+        pass_options=opts.get("pass_options"),
+        report=report,
+        inner=opts.get("inner"),
+        measure=Measurer(),
     )
     compiled = backend(gm, example_inputs)
     params = tuple(

@@ -251,6 +251,13 @@ class VerifyConfig:
     """Relative tolerance for outputs and gradients (``torch.allclose``)."""
     atol: float = 1e-6
     """Absolute tolerance for outputs and gradients."""
+    reordered_rtol: float = 1e-4
+    """Relative tolerance when a kept pass computes some of the math in another floating-point
+    order (BatchNorm folded into weights, channels-last kernels, fused oneDNN ops): float32
+    round-off then differs from the original's, by an amount that grows with depth."""
+    reordered_atol: float = 1e-4
+    """Absolute tolerance in that case, times each tensor's largest magnitude (at least 1): the
+    round-off of a reordered sum scales with the values summed, not with each output element."""
     check_grads: bool = True
     """Also compare parameter gradients (training-mode models; eval-mode models compare outputs)."""
     bisect: bool = True
@@ -263,12 +270,43 @@ class VerifyConfig:
     def __post_init__(self) -> None:
         check(self.rtol >= 0, "verify.rtol", "a number >= 0", self.rtol)
         check(self.atol >= 0, "verify.atol", "a number >= 0", self.atol)
+        check(
+            self.reordered_rtol >= 0, "verify.reordered_rtol", "a number >= 0", self.reordered_rtol
+        )
+        check(
+            self.reordered_atol >= 0, "verify.reordered_atol", "a number >= 0", self.reordered_atol
+        )
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class MeasureConfig:
+    """How speed choices are measured on the example inputs (:mod:`distopt.estimate.ab`).
+
+    Passes whose gain depends on the machine (layouts, fused kernels) time the graph with and
+    without their rewrite and keep it only when it is faster by ``margin``; an eval-mode model
+    is returned optimized only when it is not slower than the original.
+    """
+
+    enabled: bool = True
+    """Off: measured passes apply unmeasured and the optimized model is returned as it is."""
+    margin: float = 0.02
+    """A rewrite is kept when its median time is at least this fraction below the baseline's."""
+    budget_s: float = 2.0
+    """Seconds one comparison may spend timing, after its first round (slow graphs stop early)."""
+    max_rounds: int = 30
+    """Interleaved rounds (one call of each variant) at most per comparison."""
+
+    def __post_init__(self) -> None:
+        check(0 <= self.margin < 1, "measure.margin", "a number in [0, 1)", self.margin)
+        check(self.budget_s > 0, "measure.budget_s", "a number > 0", self.budget_s)
+        check(self.max_rounds >= 1, "measure.max_rounds", "an integer >= 1", self.max_rounds)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
 class OptimizeConfig:
     capture: CaptureConfig = dataclasses.field(default_factory=CaptureConfig)
     verify: VerifyConfig = dataclasses.field(default_factory=VerifyConfig)
+    measure: MeasureConfig = dataclasses.field(default_factory=MeasureConfig)
     passes: tuple[str, ...] | None = None
     """Pass names to run; ``None`` runs the registry's default passes."""
     pass_options: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)

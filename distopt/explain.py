@@ -86,7 +86,8 @@ def _verification(v: VerifyRecord) -> str:
     status = "passed" if v.passed else "FAILED"
     text = (
         f"verification {status} ({what}): {plural(v.compared, 'tensor')} compared, max abs diff "
-        f"{v.max_abs_diff:.3g}, rtol={v.rtol:g} atol={v.atol:g}, {v.seconds * 1e3:.0f} ms"
+        f"{v.max_abs_diff:.3g}, rtol={v.rtol:g} atol={v.atol:g}"
+        f"{'×scale (reordered arithmetic)' if v.reordered else ''}, {v.seconds * 1e3:.0f} ms"
     )
     text += f"; {v.message}" if v.message else ""
     text += f"; culprit pass: {v.culprit}" if v.culprit else ""
@@ -143,6 +144,8 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
                 console.print("  generated code unchanged by the passes")
     for warning in report.warnings:
         console.print(f"  [yellow]warning:[/yellow] {escape(warning)}")
+    if report.speed:
+        console.print(f"  speed: {escape(report.speed)}")
     if report.parallel is not None:
         _render_parallel(report.parallel, console)
     if report.pipeline is not None:
@@ -175,6 +178,10 @@ def _render_parallel(record: ParallelRecord, console: Console) -> None:
             f"kept from forward into backward {sorted(schedule.keep_after_forward) or 'none'}; "
             f"{schedule.gathered_bytes / 2**20:.1f} MiB gathered per step, "
             f"{schedule.memory_bytes / 2**20:.1f} MiB parameter peak per rank"
+        )
+    if record.regions:
+        console.print(
+            f"  regional compile: {record.regions} repeated blocks, compiled once per distinct structure"
         )
     console.print(
         f"  parallelize time: optimize {record.optimize_seconds * 1e3:.0f} ms, units "

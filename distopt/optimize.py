@@ -6,7 +6,7 @@ import dataclasses
 import inspect
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,11 +23,14 @@ from distopt.errors import (
     PassError,
     VerificationError,
 )
+from distopt.estimate.ab import Measurer
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
 from distopt.passes.remote.nodes import remote_ops, remote_write_of
+from distopt.remote.intercept import makes_remote_calls
+from distopt.remote.local import with_remote_calls
 from distopt.remote.record import RemoteWrite, RemoteWriteRefused
 from distopt.report import GraphRecord, OptimizeReport, VerifyRecord, attach
-from distopt.verify import Reference, compare_modules, run_reference
+from distopt.verify import Reference, compare_modules, preserved_state, run_reference
 
 
 class _SymbolicOff(Exception):
@@ -149,6 +152,8 @@ def optimize(
     if optimized is not model and verify:
         assert inputs is not None
         optimized = _verify_or_fall_back(model, optimized, inputs, pipeline, cfg, strict, report)
+    if optimized is not model and inputs is not None and not model.training and cfg.measure.enabled:
+        optimized = _keep_if_not_slower(model, optimized, inputs, cfg, report, warm=verify)
     if optimized is not model and cfg.dump_graph and isinstance(optimized, torch.fx.GraphModule):
         from distopt.explain import draw_graph
 
@@ -189,6 +194,7 @@ def _capture_and_transform(
                 pass_options=cfg.pass_options,
                 training=model.training,
                 record=report.graphs[0],
+                measure=_measurer(cfg),
             )
         except PassError as err:
             if strict:
@@ -202,7 +208,14 @@ def _capture_and_transform(
         return _fall_back(model, report, report.reason or "capture failed")
     from distopt.compile_backend import make_backend
 
-    backend = make_backend(pipeline, pass_options=cfg.pass_options, report=report, strict=strict)
+    backend = make_backend(
+        pipeline,
+        pass_options=cfg.pass_options,
+        report=report,
+        strict=strict,
+        training=model.training,
+        measure=_measurer(cfg),
+    )
     report.tier = Tier.DYNAMO.value
     report.capture_seconds = time.perf_counter() - start
     try:
@@ -219,6 +232,15 @@ def _capture_and_transform(
     if inputs is None:
         report.warnings.append("Dynamo graphs are captured on the first call (no example_inputs)")
     return compiled
+
+
+def _measurer(cfg: OptimizeConfig) -> Measurer | None:
+    m = cfg.measure
+    return (
+        Measurer(margin=m.margin, budget_s=m.budget_s, max_rounds=m.max_rounds)
+        if m.enabled
+        else None
+    )
 
 
 def _fall_back(model: nn.Module, report: OptimizeReport, reason: str) -> nn.Module:
@@ -266,8 +288,17 @@ def _verify_or_fall_back(
         unsent = err.write
         verify_cfg = dataclasses.replace(cfg.verify, check_grads=False)
         reference = run_reference(model, inputs, verify_cfg, allow_writes=False)
+    if not reference.check_grads:  # an inference run: the final timing check's first sample
+        report.original_seconds = reference.seconds
     try:
-        record = compare_modules(model, optimized, inputs, verify_cfg, reference=reference)
+        record = compare_modules(
+            model,
+            optimized,
+            inputs,
+            verify_cfg,
+            reference=reference,
+            reordered=lambda: report.reorders_float,
+        )
     except Exception as err:
         if strict:
             raise
@@ -293,6 +324,57 @@ def _verify_or_fall_back(
     if strict:
         raise VerificationError(message, culprit=culprit)
     return _fall_back(model, report, message)
+
+
+def _keep_if_not_slower(
+    model: nn.Module,
+    optimized: nn.Module,
+    inputs: tuple[Any, ...],
+    cfg: OptimizeConfig,
+    report: OptimizeReport,
+    *,
+    warm: bool,
+) -> nn.Module:
+    """An eval model is returned optimized only if it is not slower than the original.
+
+    Passes measure their own rewrites; this catches what no pass owns (Dynamo's guards and graph
+    breaks on a small model, a GraphModule's call overhead). After verification (``warm``) both
+    models have just run, so no warm-up; a model that makes remote calls is not timed (they would
+    repeat).
+    """
+    if isinstance(optimized, torch.fx.GraphModule) and remote_ops(optimized.graph):
+        return optimized
+    if not isinstance(optimized, torch.fx.GraphModule) and makes_remote_calls(
+        with_remote_calls(model)
+    ):
+        return optimized
+    measurer = _measurer(cfg)
+    assert measurer is not None  # cfg.measure.enabled
+
+    def timed(module: nn.Module) -> Callable[[], object]:
+        def call() -> object:
+            with preserved_state(module), torch.no_grad(), torch.random.fork_rng(devices=[]):
+                return module(*inputs)
+
+        return call
+
+    # The original has run for verification (its time is the first round's baseline sample when
+    # that run was an inference run); the optimized model too, but under Dynamo that first call
+    # also compiled it.
+    result = measurer.compare(
+        timed(model),
+        timed(optimized),
+        warm=warm,
+        baseline_s=report.original_seconds if warm else None,
+    )
+    timing = result.describe("optimized", "original")
+    if measurer.not_slower(result):
+        report.speed = f"{timing}: optimized model kept"
+        return optimized
+    report.speed = f"{timing}: the original returned"
+    report.tier = Tier.EAGER.value
+    report.fallback = f"the optimized model measured slower than the original: {timing}"
+    return model
 
 
 _WARNED: set[str] = set()
@@ -369,7 +451,14 @@ def _bisect_culprit(
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DistoptFallbackWarning)
             candidate = _capture_and_transform(model, inputs, pipeline[:k], quiet, True, scratch)
-        return compare_modules(model, candidate, inputs, cfg.verify, reference=reference).passed
+        return compare_modules(
+            model,
+            candidate,
+            inputs,
+            cfg.verify,
+            reference=reference,
+            reordered=lambda: scratch.reorders_float,
+        ).passed
 
     lo, hi = 0, len(pipeline)  # prefix lo is fine (assumed for lo=0), prefix hi is broken
     try:

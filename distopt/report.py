@@ -29,6 +29,9 @@ class GraphRecord:
     code_after: str = ""
     passes: list[PassRecord] = field(default_factory=list)
     dce_removed: int = 0
+    reorders_float: bool = False
+    """A kept pass computes some of the math in another floating-point order (see
+    :data:`distopt.passes.core.runner.REORDERS_FLOAT`)."""
 
 
 @dataclass
@@ -49,6 +52,8 @@ class VerifyRecord:
     off, or a backward that sends remote writes)."""
     partial: str | None = None
     """Why gradients were not compared when they could have been (backward sends a remote write)."""
+    reordered: bool = False
+    """Compared with the reordered-arithmetic tolerances (``atol`` times each tensor's scale)."""
 
 
 @dataclass
@@ -62,6 +67,8 @@ class ParallelRecord:
     schedule: Any = None
     """FSDP2: the :class:`~distopt.parallel.fsdp_schedule.FsdpSchedule` (units left to the root
     and kept from forward into backward)."""
+    regions: int = 0
+    """Repeated blocks compiled as regions (one compile per distinct structure and shape)."""
     optimize_seconds: float = 0.0
     materialize_seconds: float = 0.0
     wrap_seconds: float = 0.0
@@ -94,6 +101,14 @@ class OptimizeReport:
     """Set on the result of :func:`distopt.parallelize`."""
     pipeline: PipelineRecord | None = None
     """Set on the main stage of a pipeline."""
+    speed: str | None = None
+    """The optimized eval model timed against the original, and what was returned."""
+    original_seconds: float | None = None
+    """How long the original's inference run for verification took (a timing sample)."""
+
+    @property
+    def reorders_float(self) -> bool:
+        return any(graph.reorders_float for graph in self.graphs)
 
 
 _REPORTS: weakref.WeakKeyDictionary[nn.Module, OptimizeReport] = weakref.WeakKeyDictionary()

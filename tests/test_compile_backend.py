@@ -36,14 +36,17 @@ def test_backend_by_name_matches_eager(name: str, mode: str) -> None:
     compiled = torch.compile(model, backend="distopt")
     out = compiled(*inputs)
     ref = model(*inputs)
-    torch.testing.assert_close(out, ref)
+    # Conv nets may get BatchNorm folded and channels-last kernels where those measure faster:
+    # the same math summed in another order (verify.reordered_rtol/atol's defaults).
+    tol = {"rtol": 1e-4, "atol": 1e-4} if name in ("cnn", "resnet50") else {}
+    torch.testing.assert_close(out, ref, **tol)
     if mode == "train":
         out.sum().backward()
         grads = [p.grad.clone() for p in model.parameters()]
         model.zero_grad()
         ref.sum().backward()
         for got, want in zip(grads, (p.grad for p in model.parameters()), strict=True):
-            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(got, want, **tol)
 
 
 @pytest.mark.skipif(

@@ -153,7 +153,7 @@ _LINEAR = nn.Linear(2, 2)
         ),
         (
             lambda: distopt.optimize(_LINEAR, config={"verfy": {}}),
-            "config.verfy: unknown key (known keys: capture, dump_graph, pass_options, passes, verify)",
+            "config.verfy: unknown key (known keys: capture, dump_graph, measure, pass_options, passes, verify)",
         ),
         (
             lambda: distopt.optimize(_LINEAR, config={"capture": {"dynamo": "yes"}}),

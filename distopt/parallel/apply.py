@@ -22,10 +22,22 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
 
-def apply_compile(units: Sequence[nn.Module], *, backend: str = "inductor") -> None:
-    """``torch.compile`` each unit in place (kernel fusion inside a unit, FSDP hooks outside)."""
+def apply_compile(
+    units: Sequence[nn.Module], *, backend: Any = "inductor", regions: Sequence[nn.Module] = ()
+) -> None:
+    """``torch.compile`` each unit in place (kernel fusion inside a unit, FSDP hooks outside).
+
+    With ``regions`` (the model's repeated blocks, :mod:`distopt.parallel.regions`) those are
+    compiled instead, once per distinct structure, and only the units holding no region are
+    compiled as a whole.
+    """
+    from distopt.parallel.regions import compile_regions
+
+    compile_regions(regions, backend=backend)
+    held = {id(block) for block in regions}
     for unit in units:
-        unit.compile(backend=backend)
+        if not any(id(sub) in held for sub in unit.modules()):
+            unit.compile(backend=backend)
 
 
 def apply_fsdp(

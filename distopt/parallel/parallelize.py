@@ -15,8 +15,10 @@ from distopt.config import from_dict
 from distopt.errors import ConfigError
 from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
 from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
+from distopt.parallel.regions import compilable_regions
 from distopt.parallel.units import agree_across_ranks, materialize_units, plan_of, unit_modules
 from distopt.passes import resolve_pipeline
+from distopt.passes.local.channels_last import run_channels_last
 from distopt.rendezvous import collective
 from distopt.report import OptimizeReport, ParallelRecord, attach, report_of
 
@@ -44,6 +46,10 @@ class ParallelizeConfig:
     """``torch.compile`` each unit (or the whole module for DDP) before wrapping it."""
     compile_backend: str = "inductor"
     """Backend for ``compile``."""
+    compile_regions: bool = True
+    """With ``compile``: compile each repeated block once and reuse it for every block of the same
+    structure (torch.compile's regional compilation, :mod:`distopt.parallel.regions`); compile
+    time grows with distinct blocks, not depth. Off: each unit, or the whole module for DDP."""
     reshard_after_forward: bool = True
     """FSDP2: free unsharded unit parameters after forward (re-gathered in backward), except the
     last units, which the schedule keeps because backward needs them at once."""
@@ -153,8 +159,11 @@ def parallelize(
         list(cfg.passes) if cfg.passes is not None else [s.name for s in resolve_pipeline(None)]
     )
     options: dict[str, dict[str, Any]] = {}
-    if cfg.channels_last and "channels_last" not in passes:
-        passes.append("channels_last")
+    if cfg.channels_last:
+        if "channels_last" not in passes:
+            passes.append("channels_last")
+        # Asked for, so applied unmeasured: every rank must choose the same layout.
+        options["channels_last"] = {"measure": False}
     if needs_units:
         passes.append("partition")
         options["partition"] = {"num_units": cfg.num_units, "max_unit_bytes": cfg.max_unit_bytes}
@@ -163,11 +172,14 @@ def parallelize(
             options["fuse_units"] = {"min_unit_bytes": _min_unit_bytes(cfg)}
     # NHWC kernels sum in another order: compare with float32 round-off tolerances, not 1e-6.
     verify = {"rtol": 1e-4, "atol": 1e-4} if cfg.channels_last else {}
+    # Regional compile: repeated blocks stay single calls in the graph, so units call them.
+    regions = compilable_regions(model) if cfg.compile and cfg.compile_regions else []
+    capture = {"leaf_modules": [path for path, _ in regions]}
     optimized = optimize(
         model,
         example_inputs,
         passes=passes,
-        config={"pass_options": options, "verify": verify},
+        config={"pass_options": options, "verify": verify, "capture": capture},
         verify=cfg.verify,
     )
     timing.optimize_seconds = time.perf_counter() - start
@@ -198,7 +210,16 @@ def parallelize(
     # 3. DDP wraps the whole module last: it only registers gradient hooks and buckets.
     start = time.perf_counter()
     if cfg.compile:
-        apply_compile(units or [root], backend=cfg.compile_backend)
+        if not isinstance(root, torch.fx.GraphModule) and root is not model:
+            # Dynamo captured the model: compiling replaces that capture (and would trace through
+            # compiled blocks), so the model's own forward runs, with the layout done by hooks.
+            root = model
+            if cfg.channels_last:
+                run_channels_last(root)
+        apply_compile(
+            units or [root], backend=cfg.compile_backend, regions=[block for _, block in regions]
+        )
+        timing.regions = len(regions)
     if cfg.strategy == "fsdp":
         schedule = plan_fsdp_schedule(
             timing.unit_bytes, world_size=_world_size(mesh), memory_slack=cfg.memory_slack

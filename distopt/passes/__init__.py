@@ -19,7 +19,7 @@ from distopt.passes.core.base import (
 from distopt.passes.core.runner import run_passes
 from distopt.passes.core.side_effects import eliminate_dead_code, is_impure, mark_side_effectful
 from distopt.passes.fsdp import fuse_units, partition
-from distopt.passes.local import channels_last, fold_conv_bn, remove_identity
+from distopt.passes.local import channels_last, fold_conv_bn, mkldnn_fusion, remove_identity
 from distopt.passes.remote import batch, hoist, pair, sink, split
 
 BUILTIN_PASSES: frozenset[PassSpec] = frozenset(
@@ -29,6 +29,7 @@ BUILTIN_PASSES: frozenset[PassSpec] = frozenset(
         fold_conv_bn.PASS,
         fuse_units.PASS,
         hoist.PASS,
+        mkldnn_fusion.PASS,
         pair.PASS,
         partition.PASS,
         remove_identity.PASS,

@@ -15,11 +15,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
 from distopt.errors import ConfigError
+
+if TYPE_CHECKING:
+    from distopt.estimate.ab import Measurer
 
 
 @dataclass
@@ -35,6 +38,9 @@ class PassContext:
     options: dict[str, Any] = field(default_factory=dict)
     """Options of the pass being run (``OptimizeConfig.pass_options[name]``)."""
     training: bool = True
+    measure: Measurer | None = None
+    """How a pass whose gain depends on the machine times its rewrite (``None``: it applies
+    unmeasured); see :mod:`distopt.passes.local.measured`."""
 
 
 @dataclass

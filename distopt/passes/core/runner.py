@@ -5,7 +5,7 @@ from __future__ import annotations
 import difflib
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx
 
@@ -13,6 +13,9 @@ from distopt.errors import PassError
 from distopt.passes.core.base import PassContext, PassSpec
 from distopt.passes.core.side_effects import eliminate_dead_code
 from distopt.report import GraphRecord, PassRecord
+
+if TYPE_CHECKING:
+    from distopt.estimate.ab import Measurer
 
 
 def _node_signature(node: torch.fx.Node) -> str:
@@ -28,6 +31,11 @@ def _count_changes(before: list[str], after: list[str]) -> int:
     return changed
 
 
+REORDERS_FLOAT = "distopt_reorders_float"
+"""``node.meta`` key a pass sets on a node that computes the original math in another
+floating-point order (folded weights, another layout, a fused kernel): the graph's record says so
+and verification compares with ``verify.reordered_rtol``/``reordered_atol``."""
+
 _MAX_ROUNDS = 8
 """Rounds of a fixed-point group at most (a group that still changes the graph then stops)."""
 
@@ -40,6 +48,7 @@ def run_passes(
     pass_options: dict[str, dict[str, Any]] | None = None,
     training: bool = True,
     record: GraphRecord | None = None,
+    measure: Measurer | None = None,
 ) -> GraphRecord:
     """Apply ``pipeline`` to ``gm`` in place and return what each pass changed.
 
@@ -58,6 +67,7 @@ def run_passes(
             example_inputs=example_inputs,
             options=dict((pass_options or {}).get(spec.name, {})),
             training=training,
+            measure=measure,
         )
         start = time.perf_counter()
         try:
@@ -102,6 +112,7 @@ def run_passes(
                 break
             changed = [run_one(spec, round_index) for spec in group]
     record.code_after = gm.code
+    record.reorders_float = any(n.meta.get(REORDERS_FLOAT) for n in gm.graph.nodes)
     return record
 
 

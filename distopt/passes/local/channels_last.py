@@ -1,9 +1,14 @@
 """Run a conv net in channels-last (NHWC) layout: convert inputs at entry, restore outputs at exit.
 
-oneDNN (CPU) and cuDNN convolutions are fastest in NHWC; once the input is channels-last,
+oneDNN (CPU) and cuDNN convolutions are often fastest in NHWC; once the input is channels-last,
 convolutions, BatchNorm, ReLU, pooling and adds keep that layout, so one conversion at the graph's
 entry moves the whole network. Outputs are converted back to the memory format the original
 model returns (measured on the example inputs, else assumed contiguous), so callers see no change.
+
+Whether NHWC wins depends on the machine and the shapes (a small net can lose more to the
+conversions than it gains), so the pass keeps the layout only where it measured faster
+(:func:`~distopt.passes.local.measured.keep_if_faster`). Parameters stay as they are: in a
+Dynamo graph they are placeholders too, and only the model's inputs are converted.
 """
 
 from __future__ import annotations
@@ -13,13 +18,14 @@ from typing import Any
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from distopt.passes.core.base import PassContext, PassResult, PassSpec
-from distopt.passes.local.fold_conv_bn import FoldedConv2d
+from distopt.passes.core.runner import REORDERS_FLOAT
+from distopt.passes.local.measured import keep_if_faster
+from distopt.passes.local.patterns import is_convolution
 from distopt.remote.registry import register_leaf_function
 from distopt.text import plural
-from distopt.verify import preserved_state
 
 _FORMATS = {
     "channels_last": torch.channels_last,
@@ -53,24 +59,53 @@ def format_name(t: torch.Tensor) -> str:
     return "contiguous_format"
 
 
+def run_channels_last(module: nn.Module) -> None:
+    """The same conversions for a module without a graph, as forward hooks: 4-D inputs to
+    channels-last before its forward, 4-D outputs back to contiguous after it.
+
+    For a model :func:`distopt.parallelize` compiles without the graph distopt captured (Dynamo
+    captured it, and the compiled regions or the whole-model compile replace that capture).
+    """
+    module.register_forward_pre_hook(lambda _, args: tuple(to_channels_last(a) for a in args))
+    module.register_forward_hook(
+        lambda _, args, out: tree_map(lambda v: restore_memory_format(v, "contiguous_format"), out)
+    )
+
+
 def has_convolutions(gm: torch.fx.GraphModule) -> bool:
-    modules = dict(gm.named_modules())
-    for node in gm.graph.nodes:
-        if node.op == "call_module" and isinstance(
-            modules.get(str(node.target)), (nn.Conv2d, FoldedConv2d)
-        ):
-            return True
-        if node.op == "call_function" and node.target in (torch.conv2d, torch.nn.functional.conv2d):
-            return True
-    return False
+    return any(is_convolution(gm, node) for node in gm.graph.nodes)
+
+
+def is_converted(gm: torch.fx.GraphModule) -> bool:
+    """The graph already converts its inputs to channels-last (this pass or mkldnn_fusion ran)."""
+    return any(n.op == "call_function" and n.target is to_channels_last for n in gm.graph.nodes)
+
+
+def _is_model_state(node: torch.fx.Node) -> bool:
+    """A Dynamo placeholder that carries a parameter or buffer, not a model input."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = str(getattr(source, "name", ""))
+    return "._parameters[" in name or "._buffers[" in name
 
 
 def _output_formats(
     gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...] | None
 ) -> list[str] | None:
-    """Memory format of every output leaf of the unmodified graph (None without inputs)."""
+    """Memory format of every output leaf of the unmodified graph: from Dynamo's metadata when the
+    graph has it, else from a run on the example inputs (None without them)."""
+    output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    leaves, _ = tree_flatten(output.args[0])
+    values = [
+        leaf.meta.get("example_value") if isinstance(leaf, torch.fx.Node) else None
+        for leaf in leaves
+    ]
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if tensors and len(tensors) == len(values):
+        return [format_name(v) for v in tensors]
     if example_inputs is None:
         return None
+    from distopt.verify import preserved_state
+
     try:
         with preserved_state(gm), torch.no_grad(), torch.random.fork_rng(devices=[]):
             out = gm(*example_inputs)
@@ -80,8 +115,39 @@ def _output_formats(
     return [format_name(v) if isinstance(v, torch.Tensor) else "contiguous_format" for v in leaves]
 
 
+def convert_layout(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[int, int]:
+    """Insert the conversions: inputs to channels-last at entry, outputs to their original layout
+    at exit. Returns how many inputs were converted and outputs restored."""
+    formats = _output_formats(gm, ctx.example_inputs)
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    converted = 0
+    for ph in placeholders:
+        if not ph.users or _is_model_state(ph):
+            continue
+        with graph.inserting_after(placeholders[-1]):
+            node = graph.call_function(to_channels_last, (ph,))
+        node.meta[REORDERS_FLOAT] = True
+        ph.replace_all_uses_with(node, delete_user_cb=lambda user, n=node: user is not n)
+        converted += 1
+    output = next(n for n in reversed(graph.nodes) if n.op == "output")
+    leaves, _ = tree_flatten(output.args[0])
+    restored = 0
+    for i, leaf in enumerate(leaves):
+        if not isinstance(leaf, torch.fx.Node):
+            continue
+        fmt = formats[i] if formats is not None and i < len(formats) else "contiguous_format"
+        with graph.inserting_before(output):
+            node = graph.call_function(restore_memory_format, (leaf, fmt))
+        output.replace_input_with(leaf, node)
+        restored += 1
+    return converted, restored
+
+
 def channels_last(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """Convert 4-D inputs to channels-last at entry; restore outputs' original layout at exit.
+
+    Kept only where it measured faster (module docstring).
 
     Before::
 
@@ -96,37 +162,20 @@ def channels_last(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     """
     if not has_convolutions(gm):
         return PassResult(modified=False, detail="no convolutions: layout unchanged")
-    formats = _output_formats(gm, ctx.example_inputs)
-    graph = gm.graph
-    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    converted = 0
-    for ph in placeholders:
-        if not ph.users:
-            continue
-        with graph.inserting_after(placeholders[-1]):
-            node = graph.call_function(to_channels_last, (ph,))
-        ph.replace_all_uses_with(node, delete_user_cb=lambda user, n=node: user is not n)
-        converted += 1
-    # Folded convolutions own their weights: store those channels-last too (no per-call reorder).
-    for module in gm.modules():
-        if isinstance(module, FoldedConv2d):
-            module.weight = module.weight.contiguous(memory_format=torch.channels_last)
-    output = next(n for n in reversed(graph.nodes) if n.op == "output")
-    leaves, _ = tree_flatten(output.args[0])
-    restored = 0
-    for i, leaf in enumerate(leaves):
-        if not isinstance(leaf, torch.fx.Node):
-            continue
-        fmt = formats[i] if formats is not None and i < len(formats) else "contiguous_format"
-        with graph.inserting_before(output):
-            node = graph.call_function(restore_memory_format, (leaf, fmt))
-        output.replace_input_with(leaf, node)
-        restored += 1
-    return PassResult(
-        modified=True,
-        detail=f"channels-last: {plural(converted, 'input')} converted, {plural(restored, 'output')} restored",
-    )
+    if is_converted(gm):
+        return PassResult(modified=False, detail="inputs already converted to channels-last")
+
+    def rewrite(gm: torch.fx.GraphModule) -> tuple[bool, str]:
+        converted, restored = convert_layout(gm, ctx)
+        return (
+            converted > 0,
+            f"channels-last: {plural(converted, 'input')} converted, {plural(restored, 'output')} restored",
+        )
+
+    return keep_if_faster(gm, ctx, rewrite)
 
 
-PASS = PassSpec(name="channels_last", fn=channels_last, default=False, after=("fold_conv_bn",))
+PASS = PassSpec(
+    name="channels_last", fn=channels_last, after=("fold_conv_bn",), options=("measure",)
+)
 """This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

@@ -1,0 +1,70 @@
+"""Regional compilation: find a model's repeated blocks and compile each of them in place.
+
+torch.compile's regional compilation recipe compiles the repeated layer of a model
+(``for layer in model.layers: layer.compile()``) instead of the whole model: layers of one class
+share their ``forward`` code, and with their parameters passed to the compiled graph as inputs
+(``inline_inbuilt_nn_modules``, the default since torch 2.5) Dynamo compiles a block once and
+reuses it for every block with the same structure and shapes. Compile time then grows with the
+number of *distinct* blocks, not with depth. :func:`distopt.parallelize` does this when asked to
+compile (``compile=True``, ``compile_regions=True``); the parts outside the blocks are compiled
+per FSDP unit, or stay eager under DDP.
+
+A region is a block (a module with submodules, not a single layer) in a ``ModuleList``/
+``Sequential`` in which at least two blocks are structurally identical (same class, same
+``repr``, same state shapes). The outermost such level is taken: GPT's ``blocks.N``; in a ResNet or ConvNeXt, whose
+stages differ, the layers inside each stage.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from distopt.remote.intercept import makes_remote_calls
+
+
+def structure(module: nn.Module) -> tuple[Any, ...]:
+    """What must agree for two blocks to share one compiled region (shapes still guard reuse)."""
+    state = tuple(
+        (k, tuple(v.shape), v.dtype) for k, v in module.state_dict(keep_vars=True).items()
+    )
+    return (type(module).__qualname__, repr(module), state)
+
+
+def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's regions (module docstring), as ``(path, module)`` in module order."""
+    return _regions(model, "")
+
+
+def _regions(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
+    children = list(module.named_children())
+    if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2:
+        counts = collections.Counter(structure(child) for _, child in children)
+        blocks = [(name, child) for name, child in children if any(True for _ in child.children())]
+        if any(counts[structure(child)] >= 2 for _, child in blocks):
+            return [(f"{prefix}{name}", child) for name, child in blocks]
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in children:
+        found += _regions(child, f"{prefix}{name}.")
+    return found
+
+
+def compilable_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """:func:`repeated_blocks`, or none when a block makes remote calls (the graph passes must
+    see those, so blocks cannot be traced as single nodes)."""
+    regions = repeated_blocks(model)
+    if any(makes_remote_calls(block) for _, block in regions):
+        return []
+    return regions
+
+
+def compile_regions(regions: Iterable[nn.Module], *, backend: Any = "inductor") -> int:
+    """``torch.compile`` each region in place (``nn.Module.compile``); returns how many."""
+    count = 0
+    for block in regions:
+        block.compile(backend=backend)
+        count += 1
+    return count

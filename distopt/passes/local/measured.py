@@ -1,0 +1,137 @@
+"""Keep a rewrite only where it measured faster: the shared body of machine-dependent passes.
+
+A layout or kernel choice that wins on one machine loses on another (a tiny conv net pays
+channels-last conversions it never earns back). :func:`keep_if_faster` applies the rewrite, times
+the graph with and without it on the example inputs (:class:`distopt.estimate.ab.Measurer`:
+interleaved rounds, medians, a margin) and undoes it when it is not faster; the pass's report line
+carries both timings either way. Only eval graphs are measured (a forward under ``no_grad``, the
+user's RNG, buffers and input tensors left as they were): there a layout or kernel is purely a
+speed choice, while in training it also changes the gradients' round-off, which BatchNorm on a
+small batch amplifies, so training graphs get such rewrites only on request.
+
+The pass option ``measure: false`` applies the rewrite unmeasured (unit tests of a rewrite,
+``parallelize(channels_last=True)``, where every rank must make the same choice). Without a
+measurer (``config.measure.enabled: false``) or without example inputs the rewrite is not applied.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.fx
+
+from distopt.passes.core.base import PassContext, PassResult
+from distopt.passes.remote.nodes import remote_ops
+from distopt.verify import isolated, preserved_state
+
+Rewrite = Callable[[torch.fx.GraphModule], tuple[bool, str]]
+"""Changes the graph in place; returns whether it changed anything and the report line."""
+
+CONTAINER = "distopt_fused"
+"""Submodule holding the modules fusion passes add (:mod:`distopt.passes.local.fused`)."""
+
+
+def container(gm: torch.fx.GraphModule) -> torch.nn.Module:
+    """The submodule new fused modules go into (created on first use)."""
+    if not hasattr(gm, CONTAINER):
+        gm.add_module(CONTAINER, torch.nn.Module())
+    holder: torch.nn.Module = getattr(gm, CONTAINER)
+    return holder
+
+
+def add_fused(gm: torch.fx.GraphModule, name: str, module: torch.nn.Module) -> str:
+    """Register ``module`` under a fresh name in :func:`container`; returns its target path."""
+    holder = container(gm)
+    base = re.sub(r"\W", "_", name)
+    unique, i = base, 1
+    while hasattr(holder, unique):
+        unique, i = f"{base}_{i}", i + 1
+    holder.add_module(unique, module)
+    return f"{CONTAINER}.{unique}"
+
+
+def keep_if_faster(gm: torch.fx.GraphModule, ctx: PassContext, rewrite: Rewrite) -> PassResult:
+    """Apply ``rewrite``; keep it only if ``gm`` then measures faster (module docstring)."""
+    measurer = ctx.measure
+    if ctx.options.get("measure") is False:
+        changed, detail = rewrite(gm)
+        return PassResult(
+            modified=changed,
+            detail=f"{detail} (not measured: measure=false)" if changed else detail,
+        )
+    unmeasurable = _why_unmeasurable(gm, ctx)
+    if unmeasurable is not None:
+        return PassResult(
+            modified=False,
+            detail=f"not applied: {unmeasurable} (pass option measure=false applies it)",
+        )
+    saved = copy.deepcopy(gm.graph)
+    had_container = hasattr(gm, CONTAINER)
+    children_before = set(dict(container(gm).named_children())) if had_container else set()
+    changed, detail = rewrite(gm)
+    if not changed:
+        _drop_added(gm, had_container, children_before)
+        return PassResult(modified=False, detail=detail)
+    gm.recompile()
+    baseline = torch.fx.GraphModule(gm, copy.deepcopy(saved))
+    inputs = ctx.example_inputs
+    assert inputs is not None  # _why_unmeasurable checked
+    assert measurer is not None  # _why_unmeasurable checked
+    result = measurer.compare(lambda: _workload(baseline, inputs), lambda: _workload(gm, inputs))
+    if measurer.keeps(result):
+        return PassResult(modified=True, detail=f"{detail}; kept: measured {result.describe()}")
+    gm.graph = saved
+    _drop_added(gm, had_container, children_before)
+    return PassResult(modified=False, detail=f"declined ({detail}): measured {result.describe()}")
+
+
+def _why_unmeasurable(gm: torch.fx.GraphModule, ctx: PassContext) -> str | None:
+    if ctx.training:
+        return "training mode (layouts and kernels change gradients' round-off; only on request)"
+    if ctx.measure is None:
+        return "measuring is off (config measure.enabled=false)"
+    if ctx.example_inputs is None:
+        return "no example inputs to measure it on"
+    if remote_ops(gm.graph):
+        return "the graph makes remote calls, which timing runs must not repeat"
+    return None
+
+
+def _drop_added(gm: torch.fx.GraphModule, had_container: bool, children_before: set[str]) -> None:
+    if not had_container:
+        if hasattr(gm, CONTAINER):
+            delattr(gm, CONTAINER)
+        return
+    holder = container(gm)
+    for name in [n for n, _ in holder.named_children() if n not in children_before]:
+        delattr(holder, name)
+
+
+def _workload(module: torch.nn.Module, inputs: tuple[Any, ...]) -> None:
+    """One inference call. Nothing the user holds changes: the RNG, the module's buffers, and
+    tensors passed in (a Dynamo graph receives the model's parameters and buffers as inputs)."""
+    with preserved_state(module), _restored(inputs), isolated(), torch.random.fork_rng(devices=[]):
+        with torch.no_grad():
+            module(*inputs)
+
+
+@contextlib.contextmanager
+def _restored(inputs: tuple[Any, ...]) -> Iterator[None]:
+    """Put back the values of input tensors (not parameters) a call wrote in place."""
+    saved = [
+        (t, t.detach().clone())
+        for t in inputs
+        if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter)
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():  # compared by value: see distopt.verify.preserved_state
+            for tensor, value in saved:
+                if not torch.equal(tensor, value):
+                    tensor.copy_(value)

@@ -1,0 +1,77 @@
+"""Interleaved A/B timing: the verdict and when it stops, with an injected clock (no timing)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from distopt.estimate.ab import Measurer
+
+
+def clock_of(
+    seconds: dict[str, float], calls: list[str]
+) -> Callable[[str, Callable[[], object]], float]:
+    def clock(label: str, fn: Callable[[], object]) -> float:
+        calls.append(label)
+        return seconds[label]
+
+    return clock
+
+
+def test_slower_candidate_is_not_kept() -> None:
+    m = Measurer(clock=clock_of({"baseline": 0.01, "candidate": 0.02}, []))
+    result = m.compare(lambda: None, lambda: None)
+    assert (result.baseline_s, result.candidate_s) == (0.01, 0.02)
+    assert not m.keeps(result) and not m.not_slower(result)
+
+
+def test_faster_candidate_is_kept_only_beyond_the_margin() -> None:
+    m = Measurer(margin=0.05, clock=clock_of({"baseline": 0.0100, "candidate": 0.0097}, []))
+    result = m.compare(lambda: None, lambda: None)
+    assert not m.keeps(result) and m.not_slower(result)
+
+
+def test_rounds_are_interleaved_in_alternating_order_after_one_warm_up_each() -> None:
+    calls: list[str] = []
+    m = Measurer(
+        min_rounds=2, min_time_s=0.0, clock=clock_of({"baseline": 0.01, "candidate": 0.001}, calls)
+    )
+    m.compare(lambda: None, lambda: None)
+    assert calls == ["baseline", "candidate", "baseline", "candidate", "candidate", "baseline"]
+
+
+def test_long_calls_far_apart_are_decided_by_their_first_calls() -> None:
+    calls: list[str] = []
+    m = Measurer(clock=clock_of({"baseline": 1.0, "candidate": 0.7}, calls))
+    result = m.compare(lambda: None, lambda: None)
+    assert result.rounds == 1 and len(calls) == 2
+
+
+def test_long_calls_close_together_warm_up_then_decide_on_counted_rounds() -> None:
+    calls: list[str] = []
+    m = Measurer(budget_s=1.0, clock=clock_of({"baseline": 1.0, "candidate": 0.95}, calls))
+    result = m.compare(lambda: None, lambda: None)
+    assert result.rounds == 1 and len(calls) == 4  # the first calls were only a warm-up
+
+
+def test_close_calls_stop_at_the_budget() -> None:
+    m = Measurer(budget_s=3.0, clock=clock_of({"baseline": 1.0, "candidate": 0.99}, []))
+    result = m.compare(lambda: None, lambda: None)
+    assert result.rounds == 2  # after the warm-up: 2 s after one round, 4 s after two
+
+
+def test_short_calls_run_at_least_min_rounds_and_min_time() -> None:
+    m = Measurer(
+        min_rounds=5,
+        min_time_s=0.1,
+        max_rounds=100,
+        clock=clock_of({"baseline": 0.001, "candidate": 0.0005}, []),
+    )
+    result = m.compare(lambda: None, lambda: None)
+    assert result.rounds == 67  # 1.5 ms a round until 0.1 s spent (clear from the start)
+
+
+def test_warm_variants_count_their_first_round() -> None:
+    calls: list[str] = []
+    m = Measurer(clock=clock_of({"baseline": 1.0, "candidate": 0.5}, calls))
+    result = m.compare(lambda: None, lambda: None, warm=True)
+    assert result.rounds == 1 and len(calls) == 2

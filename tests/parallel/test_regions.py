@@ -1,0 +1,133 @@
+"""Regional compilation: repeated blocks found, compiled once per distinct structure, in parallelize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch._dynamo
+import torch.multiprocessing as mp
+from torch import nn
+
+import distopt
+from distopt.models import build, make_inputs
+from distopt.parallel import timing_of
+from distopt.parallel.regions import compile_regions, repeated_blocks
+from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.relu(self.fc(self.norm(x)))
+
+
+class Stages(nn.Module):
+    """Two stages of different widths, ``depth`` identical blocks each (a conv net's shape)."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 8)
+        self.stages = nn.ModuleList(
+            [
+                nn.Sequential(*[Block(8) for _ in range(depth)]),
+                nn.Sequential(nn.Linear(8, 16), *[Block(16) for _ in range(depth)]),
+            ]
+        )
+        self.head = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.stem(x)
+        for stage in self.stages:
+            h = stage(h)
+        return self.head(h)
+
+
+def test_regions_are_the_repeated_blocks_inside_distinct_stages() -> None:
+    paths = [path for path, _ in repeated_blocks(Stages(depth=2))]
+    assert paths == ["stages.0.0", "stages.0.1", "stages.1.1", "stages.1.2"]  # not the Linear
+
+
+def test_gpt_regions_are_its_blocks() -> None:
+    model = build("gpt", vocab_size=64, dim=32, heads=2, layers=3, seq_len=16, dropout=0.0)
+    assert [path for path, _ in repeated_blocks(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_compiles_grow_with_distinct_blocks_not_depth() -> None:
+    compiled: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiled.append(len(gm.graph.nodes))
+        return gm.forward
+
+    counts = []
+    for depth in (2, 6):
+        torch._dynamo.reset()
+        compiled.clear()
+        model = Stages(depth)
+        compile_regions([block for _, block in repeated_blocks(model)], backend=counting)
+        x = torch.randn(3, 4, requires_grad=True)
+        model(x).sum().backward()
+        model(x).sum().backward()
+        counts.append(len(compiled))
+    # One graph per distinct block (widths 8 and 16), at any depth.
+    assert counts == [2, 2]
+
+
+def _worker(rank: int, plan: StorePlan, results: Any) -> None:
+    torch.set_num_threads(1)
+    graphs: list[str] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(gm.code)
+        return gm.forward
+
+    torch._dynamo.register_backend(counting, name="distopt_test_counting")
+    init_gloo(plan, me="rank0", rank=0, world_size=1, timeout_s=60.0)
+    try:
+        torch.manual_seed(0)
+        model = build("gpt", vocab_size=64, dim=32, heads=2, layers=4, seq_len=16, dropout=0.0)
+        reference = build("gpt", vocab_size=64, dim=32, heads=2, layers=4, seq_len=16, dropout=0.0)
+        reference.load_state_dict(model.state_dict())
+        example = make_inputs("gpt", model, 2)
+        ours = distopt.parallelize(
+            model,
+            "fsdp",
+            example_inputs=example,
+            compile=True,
+            compile_backend="distopt_test_counting",
+            min_unit_bytes=1,
+        )
+        (idx,) = example
+        loss = ours(idx).float().square().mean()
+        loss.backward()
+        ref_loss = reference(idx).float().square().mean()
+        record = timing_of(ours)
+        block_graphs = sum("attn" in code for code in graphs)
+        results.put(
+            (
+                record.regions if record else -1,
+                block_graphs,
+                len(graphs),
+                float(loss),
+                float(ref_loss),
+            )
+        )
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def test_parallelize_compiles_each_repeated_block_once() -> None:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with spawned_gloo() as plan:
+        mp.start_processes(_worker, args=(plan, results), nprocs=1, join=True, start_method="spawn")
+    regions, block_graphs, graphs, loss, ref_loss = results.get(timeout=5)
+    assert regions == 4 and block_graphs == 1, (regions, block_graphs)
+    assert graphs <= 3  # the block, and the units outside the blocks (final norm, head)
+    assert abs(loss - ref_loss) < 1e-5

@@ -1,0 +1,93 @@
+"""Machine-dependent rewrites are kept only where measured faster; the report gives both timings.
+
+The clock is injected (``Measurer(clock=...)``): the verdict is tested without timing anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx
+from torch import nn
+
+from distopt.estimate.ab import Measurer
+from distopt.passes import PassContext
+from distopt.passes.local.channels_last import channels_last, to_channels_last
+from distopt.passes.local.measured import CONTAINER
+from distopt.passes.local.mkldnn_fusion import mkldnn_fusion
+
+
+class ConvRelu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+def fixed(baseline: float, candidate: float) -> Measurer:
+    """A measurer whose clock says each call of the baseline/candidate takes these seconds."""
+
+    def clock(label: str, fn: Callable[[], object]) -> float:
+        return {"baseline": baseline, "candidate": candidate}[label]
+
+    return Measurer(clock=clock)
+
+
+def _eval_ctx(measurer: Measurer | None, **options: object) -> PassContext:
+    return PassContext(
+        example_inputs=(torch.randn(2, 3, 8, 8),), training=False, measure=measurer, options=options
+    )
+
+
+def test_a_rewrite_measured_slower_is_declined_with_both_timings() -> None:
+    gm = torch.fx.symbolic_trace(ConvRelu().eval())
+    code = gm.code
+    result = channels_last(gm, _eval_ctx(fixed(0.010, 0.012)))
+    gm.recompile()
+    assert not result.modified and gm.code == code
+    assert result.detail.startswith("declined") and "with 12 ms vs without 10 ms" in result.detail
+
+
+def test_a_rewrite_measured_faster_is_kept() -> None:
+    gm = torch.fx.symbolic_trace(ConvRelu().eval())
+    result = channels_last(gm, _eval_ctx(fixed(0.010, 0.008)))
+    assert result.modified and "kept: measured with 8 ms vs without 10 ms" in result.detail
+    assert to_channels_last in [n.target for n in gm.graph.nodes]
+
+
+def test_a_declined_fusion_leaves_no_modules_behind() -> None:
+    gm = torch.fx.symbolic_trace(ConvRelu().eval())
+    result = mkldnn_fusion(gm, _eval_ctx(fixed(0.010, 0.020)))
+    assert not result.modified and not hasattr(gm, CONTAINER)
+    assert [n.op for n in gm.graph.nodes] == [
+        "placeholder",
+        "call_module",
+        "call_function",
+        "output",
+    ]
+
+
+def test_measure_false_applies_unmeasured() -> None:
+    gm = torch.fx.symbolic_trace(ConvRelu().eval())
+    result = channels_last(gm, _eval_ctx(fixed(0.010, 0.020), measure=False))
+    assert result.modified and "not measured" in result.detail
+
+
+def test_without_inputs_or_measurer_nothing_is_applied() -> None:
+    gm = torch.fx.symbolic_trace(ConvRelu().eval())
+    no_inputs = PassContext(training=False, measure=fixed(0.01, 0.001))
+    assert "no example inputs" in channels_last(gm, no_inputs).detail
+    assert "measuring is off" in channels_last(gm, _eval_ctx(None)).detail
+    assert not hasattr(gm, CONTAINER) and to_channels_last not in [n.target for n in gm.graph.nodes]
+
+
+def test_training_graphs_get_layouts_only_on_request() -> None:
+    gm = torch.fx.symbolic_trace(ConvRelu())
+    ctx = PassContext(
+        example_inputs=(torch.randn(2, 3, 8, 8),), training=True, measure=fixed(0.01, 0.001)
+    )
+    result = channels_last(gm, ctx)
+    assert not result.modified and "training mode" in result.detail
