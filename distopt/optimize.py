@@ -25,9 +25,9 @@ from distopt.errors import (
 )
 from distopt.estimate.ab import Measurer
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
-from distopt.passes.remote.nodes import remote_ops, remote_write_of
 from distopt.remote.intercept import makes_remote_calls
 from distopt.remote.local import with_remote_calls
+from distopt.remote.ops import remote_ops, remote_write_of
 from distopt.remote.record import RemoteWrite, RemoteWriteRefused
 from distopt.report import GraphRecord, OptimizeReport, VerifyRecord, attach
 from distopt.verify import Reference, compare_modules, preserved_state, run_reference

@@ -48,7 +48,7 @@ class CaptureResult:
 
 def number_remote_calls(gm: torch.fx.GraphModule) -> int:
     """Write :data:`CALL_INDEX` on every remote call and issue of a freshly captured graph."""
-    from distopt.passes.remote.nodes import remote_ops
+    from distopt.remote.ops import remote_ops
 
     count = 0
     for node, op in remote_ops(gm.graph).items():

@@ -9,7 +9,7 @@ One semantics for every caller (the cost model's prediction, the FSDP partition'
   remote-client state such as fetched-row records are the same afterwards
   (``torch.random.fork_rng``, :func:`distopt.verify.preserved_state` and
   :func:`distopt.verify.isolated`), so profiling a model does not change what training computes;
-* the node that starts a remote request (:func:`distopt.passes.remote.nodes.remote_ops`: a
+* the node that starts a remote request (:func:`distopt.remote.ops.remote_ops`: a
   blocking call, an issue, a batched issue) costs the request's latency; its waits cost 0. By
   default the latency is measured: remote *reads* are sent in the warm-up and in every timed
   run, at the sizes the example inputs give, and a read costs the median time from sending it
@@ -32,7 +32,7 @@ import torch.fx
 from torch.fx import Node
 
 from distopt.errors import ConfigError
-from distopt.passes.remote.nodes import RemoteOp, remote_ops
+from distopt.remote.ops import RemoteOp, remote_ops
 from distopt.remote.record import awaited
 from distopt.verify import isolated, preserved_state
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch.fx
 from torch.fx import Node
 
-from distopt.passes.remote.nodes import remote_ops
+from distopt.remote.ops import remote_ops
 from distopt.remote.record import CALL_INDEX
 
 

@@ -44,9 +44,9 @@ from distopt.job.record import Recorder, reopen_log, tensorboard_writer
 from distopt.job.recovery import Agreement
 from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
-from distopt.passes.remote.nodes import remote_ops
 from distopt.pipeline import Prefetcher, check_pipelined, provided
 from distopt.ps.client import calls as ps_calls
+from distopt.remote.ops import remote_ops
 from distopt.rendezvous import collective
 
 logger = logging.getLogger(__name__)

@@ -17,10 +17,10 @@ from distopt.passes.core.base import (
     unregister_pass,
 )
 from distopt.passes.core.runner import run_passes
-from distopt.passes.core.side_effects import eliminate_dead_code, is_impure, mark_side_effectful
 from distopt.passes.fsdp import fuse_units, partition
 from distopt.passes.local import channels_last, fold_conv_bn, mkldnn_fusion, remove_identity
 from distopt.passes.remote import batch, hoist, pair, sink, split
+from distopt.remote.side_effects import eliminate_dead_code, is_impure, mark_side_effectful
 
 BUILTIN_PASSES: frozenset[PassSpec] = frozenset(
     {

@@ -24,9 +24,9 @@ import torch.fx
 from torch import nn
 from torch.fx import Node
 
-from distopt.passes.remote.nodes import RemoteOp, conflicts, remote_ops
 from distopt.pipeline.split import issue_line, prefetchable
 from distopt.ps.client import calls
+from distopt.remote.ops import RemoteOp, conflicts, remote_ops
 from distopt.report import report_of
 
 

@@ -39,15 +39,15 @@ import torch
 import torch.fx
 from torch.fx import GraphModule, Node
 
-from distopt.passes.remote.nodes import (
+from distopt.pipeline.slots import slot_op
+from distopt.remote.graph_args import attr_value
+from distopt.remote.ops import (
     RemoteOp,
     is_pure_movable,
     is_stateful,
     ordering_edges,
     remote_ops,
 )
-from distopt.pipeline.slots import slot_op
-from distopt.remote.graph_args import attr_value
 from distopt.remote.wait import is_wait, source_line
 
 

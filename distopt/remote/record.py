@@ -180,7 +180,7 @@ class Replay(torch.fx.Interpreter):
 
     def __init__(self, gm: torch.fx.GraphModule, record: Recording) -> None:
         super().__init__(gm)
-        from distopt.passes.remote.nodes import remote_ops
+        from distopt.remote.ops import remote_ops
 
         self.record = record
         self.starts: Mapping[Node, Any] = {

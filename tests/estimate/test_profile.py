@@ -11,7 +11,7 @@ import distopt
 from distopt.capture import symbolic_capture
 from distopt.config import CaptureConfig
 from distopt.estimate.profile import profile_nodes
-from distopt.passes.remote.nodes import remote_ops
+from distopt.remote.ops import remote_ops
 from tests.estimate.remote_models import Stateful, graphs, inputs, local_nodes
 from tests.passes.remote.inprocess_server import STORE, fetch, push
 

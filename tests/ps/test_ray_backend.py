@@ -17,9 +17,9 @@ import distopt.ps as ps
 from distopt.config import from_dict
 from distopt.errors import ConfigError, RemoteCallError
 from distopt.models.dlrm import DLRM, DLRMConfig, dlrm_tables, make_batch
-from distopt.passes.remote.nodes import remote_ops
 from distopt.ps.server.table import ShardTable, initial_rows
 from distopt.ps.spec import ServerOptions, TableSpec
+from distopt.remote.ops import remote_ops
 from distopt.remote.wait import is_wait
 from distopt.report import report_of
 

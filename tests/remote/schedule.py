@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from distopt.passes.remote.nodes import remote_ops
+from distopt.remote.ops import remote_ops
 from distopt.remote.wait import is_wait
 
 

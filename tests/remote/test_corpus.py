@@ -19,8 +19,8 @@ import torch.fx
 from torch.distributed.optim import DistributedOptimizer
 
 import distopt
-from distopt.passes.remote.nodes import remote_ops
 from distopt.remote.local import named_local_tensors
+from distopt.remote.ops import remote_ops
 from distopt.report import report_of
 from tests.remote.corpus import common, tables
 from tests.remote.corpus.group import rpc_group

@@ -16,7 +16,7 @@ import torch.fx
 from torch import nn
 
 import distopt
-from distopt.passes.remote.nodes import remote_ops
+from distopt.remote.ops import remote_ops
 from distopt.report import report_of
 from tests.remote.schedule import schedule
 

@@ -11,7 +11,7 @@ import torch.fx
 
 from distopt.errors import PassError
 from distopt.passes.core.base import PassContext, PassSpec
-from distopt.passes.core.side_effects import eliminate_dead_code
+from distopt.remote.side_effects import eliminate_dead_code
 from distopt.report import GraphRecord, PassRecord
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ from distopt.config import from_dict
 from distopt.errors import ConfigError
 from distopt.estimate.profile import profile_nodes
 from distopt.passes.core.base import PassContext, PassResult, PassSpec
-from distopt.passes.remote.nodes import remote_ops
+from distopt.remote.ops import remote_ops
 
 UNIT_META = "distopt_unit"
 PLAN_META = "distopt_partition"

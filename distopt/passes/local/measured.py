@@ -26,7 +26,7 @@ import torch
 import torch.fx
 
 from distopt.passes.core.base import PassContext, PassResult
-from distopt.passes.remote.nodes import remote_ops
+from distopt.remote.ops import remote_ops
 from distopt.verify import isolated, preserved_state
 
 Rewrite = Callable[[torch.fx.GraphModule], tuple[bool, str]]

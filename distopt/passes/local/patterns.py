@@ -20,8 +20,8 @@ from torch import nn
 from torch.fx import Node
 from torch.nn import functional as F
 
-from distopt.passes.core.side_effects import is_impure
 from distopt.passes.local.fused import FusedConv2d
+from distopt.remote.side_effects import is_impure
 
 Operand = Node | str | None
 """A tensor operand: a graph value, a module tensor's attribute path (``"layer1.conv1.weight"``),

@@ -12,7 +12,7 @@ from torch.fx import Node
 
 from distopt.errors import ConfigError
 from distopt.passes.core.base import PassContext, PassResult, PassSpec
-from distopt.passes.remote.nodes import (
+from distopt.remote.ops import (
     RemoteOp,
     batch_key_of_call,
     conflicts,

@@ -6,7 +6,7 @@ import torch.fx
 from torch.fx import Node
 
 from distopt.passes.core.base import PassContext, PassResult, PassSpec
-from distopt.passes.remote.nodes import (
+from distopt.remote.ops import (
     RemoteOp,
     issue_cone,
     ordering_edges,

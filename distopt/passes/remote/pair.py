@@ -7,8 +7,8 @@ import torch.fx
 from torch.fx import Node
 
 from distopt.passes.core.base import PassContext, PassResult, PassSpec
-from distopt.passes.remote.nodes import remote_ops
 from distopt.remote import registry, rpc
+from distopt.remote.ops import remote_ops
 from distopt.remote.registry import RemoteCallSpec
 from distopt.remote.wait import source_line
 from distopt.text import plural

@@ -20,7 +20,7 @@ import distopt
 from distopt.capture.tracer import DistoptTracer
 from distopt.passes import run_passes
 from distopt.passes.core.base import resolve_pipeline
-from distopt.passes.remote.nodes import remote_ops
+from distopt.remote.ops import remote_ops
 from distopt.remote.wait import is_wait
 from tests.passes.remote import inprocess_server as ps
 from tests.passes.remote.inprocess_server import STORE, fetch, push, restart

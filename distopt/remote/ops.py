@@ -31,11 +31,11 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from distopt.passes.core.side_effects import is_impure
 from distopt.remote import registry
 from distopt.remote.graph_args import MISSING, attr_value
 from distopt.remote.record import RemoteWrite, remote_write
 from distopt.remote.registry import Effect, RemoteCallSpec
+from distopt.remote.side_effects import is_impure
 from distopt.remote.wait import source_line
 
 # --------------------------------------------------------------------------- remote operations
