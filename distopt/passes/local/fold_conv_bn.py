@@ -80,5 +80,5 @@ def fold_conv_bn(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
     return PassResult(modified=folded > 0, detail=f"folded {plural(folded, 'conv+batchnorm pair')}")
 
 
-PASS = PassSpec(name="fold_conv_bn", fn=fold_conv_bn)
+PASS = PassSpec(name="fold_conv_bn", fn=fold_conv_bn, after=("remove_identity",))
 """This module's pass, listed with the other built-ins in :mod:`distopt.passes`."""

@@ -63,6 +63,9 @@ def test_default_pipeline_contains_only_default_passes() -> None:
 
 DEFAULT_PIPELINE = [
     "remove_identity",
+    "fold_conv_bn",
+    "mkldnn_fusion",
+    "channels_last",
     "pair_user_waits",
     "split_remote",
     "hoist_issue",
