@@ -232,8 +232,12 @@ def init_rpc(
     _RPC_GROUPS.append(plan)
     members = [info.name for info in rpc.api._get_current_rpc_agent().get_worker_infos()]
     store = _connect(plan, "rpc", me=name, timeout_s=timeout_s)
-    firsts = [store.get(READY_PREFIX + member).decode().split(" ")[-1] for member in members]
-    _QUIET_LEAVE[:] = [all(first == "1" for first in firsts)]
+    # A member that joined without meet() (a caller of init_rpc alone) left no ready key: then
+    # nobody can know its counter, and the group leaves as torch's own shutdown does.
+    keys = [READY_PREFIX + member for member in members]
+    met = store.check(keys)
+    firsts = [store.get(key).decode().split(" ")[-1] for key in keys] if met else []
+    _QUIET_LEAVE[:] = [met and all(first == "1" for first in firsts)]
 
 
 def leave_rpc(*, me: str, graceful: bool) -> None:
