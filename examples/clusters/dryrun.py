@@ -30,7 +30,7 @@ def options(scheduler: str) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def dryrun(scheduler: str, config: Path, out: Path) -> distopt.job.launch.Launched:
-    clicks = write_criteo(out / "clicks.tsv", num_samples=200, seed=0)
+    clicks = write_criteo(out / "clicks.tsv", num_samples=1000, seed=0)  # a full first batch: the job is checked before it is submitted
     cfg, component = options(scheduler)
     return distopt.launch(config, scheduler, overrides=[f"data.path={clicks}", f"output_dir={out}"],
                           run_id=f"dryrun-{scheduler}", dryrun=True, component_args=component, **cfg)

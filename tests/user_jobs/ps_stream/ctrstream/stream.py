@@ -19,19 +19,13 @@ class ClickStream(IterableDataset):
             queries = torch.randint(0, N_QUERIES, (3,), generator=gen)
             numeric = torch.randn(6, generator=gen)
             p = torch.sigmoid(quality[ads].sum() + numeric[0] - 0.3)
-            yield {
-                "numeric": numeric,
-                "ads": ads,
-                "queries": queries,
-                "click": (torch.rand((), generator=gen) < p).float(),
-            }
+            yield {"numeric": numeric, "ads": ads, "queries": queries,
+                   "click": (torch.rand((), generator=gen) < p).float()}
 
     @staticmethod
     def collate_fn(events):
         stack = lambda key: torch.stack([e[key] for e in events])  # noqa: E731
-        return Batch(
-            (stack("numeric"), stack("ads"), stack("queries")), stack("click").unsqueeze(-1)
-        )
+        return Batch((stack("numeric"), stack("ads"), stack("queries")), stack("click").unsqueeze(-1))
 
 
 def clicks(split: str, seed: int, events: int = 6000) -> ClickStream:

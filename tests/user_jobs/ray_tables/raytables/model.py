@@ -39,12 +39,8 @@ class TwoTower(nn.Module):
         u = ray.get(self.users.lookup.remote(user))
         i = ray.get(self.items.lookup.remote(item))
         h = self.tower(dense)
-        return self.head(
-            torch.cat(
-                [h, learned(u, self.users, user, self.lr), learned(i, self.items, item, self.lr)],
-                dim=1,
-            )
-        )
+        return self.head(torch.cat([h, learned(u, self.users, user, self.lr),
+                                    learned(i, self.items, item, self.lr)], dim=1))
 
 
 def two_tower():

@@ -9,12 +9,8 @@ import distopt
 
 
 def connect():
-    ray.init(
-        address=os.environ.get("RAY_ADDRESS", "auto"),
-        namespace="raytables",
-        ignore_reinit_error=True,
-        log_to_driver=False,
-    )
+    ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), namespace="raytables",
+             ignore_reinit_error=True, log_to_driver=False)
 
 
 @ray.remote(num_cpus=0)
@@ -26,9 +22,7 @@ class Shard:
         return self.weight[ids]
 
     def apply(self, ids, grad, lr):
-        self.weight.index_add_(
-            0, ids.reshape(-1), grad.reshape(-1, self.weight.shape[1]), alpha=-lr
-        )
+        self.weight.index_add_(0, ids.reshape(-1), grad.reshape(-1, self.weight.shape[1]), alpha=-lr)
 
 
 distopt.register_read(Shard.lookup)

@@ -8,9 +8,7 @@ from torch.distributed.nn import RemoteModule
 class Net(nn.Module):
     def __init__(self, rows=1000, dim=16):
         super().__init__()
-        self.emb = RemoteModule(
-            "ps0/cpu", nn.EmbeddingBag, args=(rows, dim), kwargs={"mode": "sum"}
-        )
+        self.emb = RemoteModule("ps0/cpu", nn.EmbeddingBag, args=(rows, dim), kwargs={"mode": "sum"})
         self.fc = nn.Sequential(nn.Linear(dim + 4, 32), nn.ReLU(), nn.Linear(32, 1))
 
     def forward(self, x, ids):
