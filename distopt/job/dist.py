@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from distopt import rendezvous
+from distopt import netif, rendezvous
 from distopt.errors import ConfigError
 from distopt.job.env import JobEnv
 from distopt.ps.spec import trainer_name
@@ -37,14 +37,14 @@ def trainer_group(env: JobEnv, *, timeout_s: float = 120.0) -> Iterator[None]:
     Under torchrun the agent's store is reused (``env://``): torchrun's agent store listens on
     every interface, which is torchrun's doing, not ours. Otherwise the rendezvous follows
     :func:`store_plan` through :mod:`distopt.rendezvous`, so the store listens on ``MASTER_ADDR``
-    only and a loopback rendezvous pins gloo to loopback too.
+    only. Either way gloo listens on the interface of the route toward ``MASTER_ADDR``, loopback
+    for a job on one host, unless ``GLOO_SOCKET_IFNAME`` names one (:mod:`distopt.netif`).
     """
     if dist.is_initialized():  # the caller formed it and will destroy it
         yield
         return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        if rendezvous.is_loopback(env.master_addr or "127.0.0.1"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        netif.pin_gloo(env.master_addr or "127.0.0.1")
         dist.init_process_group(
             "gloo", init_method="env://", rank=env.rank, world_size=env.num_trainers,
             timeout=datetime.timedelta(seconds=timeout_s),
