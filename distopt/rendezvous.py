@@ -567,7 +567,7 @@ def _from_where(plan: StorePlan, me: str) -> str:
             f" (from {netif.hostname()}, where {plan.host} resolves to {addr}, a loopback address: "
             f"map {plan.host} to its network address in /etc/hosts, or set MASTER_ADDR to it)"
         )
-    return f" (from {netif.hostname()}, {plan.host} = {addr})"
+    return f" (from {netif.hostname()}" + (f", {plan.host} = {addr})" if addr != plan.host else ")")
 
 
 def first_line(err: BaseException) -> str:

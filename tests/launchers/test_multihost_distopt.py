@@ -87,8 +87,12 @@ def job_id(stdout: str) -> str:
     return handle.rsplit("/", 1)[1]
 
 
-def test_ddp_over_two_nodes_matches_the_same_job_on_one_host(multihost_cluster, tmp_path) -> None:
-    common = [MLP_DDP, *sets(tmp_path, steps=8, deterministic="true", checkpoint_every=0)]
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_data_parallel_over_two_nodes_matches_the_same_job_on_one_host(
+    multihost_cluster, tmp_path, parallel: str
+) -> None:
+    values = {"steps": 8, "deterministic": "true", "checkpoint_every": 0, "parallel": parallel}
+    common = [MLP_DDP, *sets(tmp_path, **values)]
     started = time.monotonic()
     two_nodes = distopt(
         multihost_cluster, tmp_path, "launch", *common, "-s", "slurm", "--num-trainers", "1",
@@ -105,7 +109,7 @@ def test_ddp_over_two_nodes_matches_the_same_job_on_one_host(multihost_cluster, 
     across, alone = losses(tmp_path / "runs/two-nodes"), losses(tmp_path / "runs/one-host")
     assert len(across[0]) == 8 and across == alone  # deterministic: true, bit for bit
     assert hosts(tmp_path / "runs/two-nodes") == list(NODES)
-    print(f"ddp over 2 nodes and on one host: {time.monotonic() - started:.1f}s")
+    print(f"{parallel} over 2 nodes and on one host: {time.monotonic() - started:.1f}s")
 
 
 def test_a_ps_job_with_servers_and_trainers_on_different_nodes(multihost_cluster, tmp_path) -> None:
