@@ -22,7 +22,8 @@ server 0, which serves until every trainer has finished. It hosts with :func:`ho
 on a socket bound to the plan's host alone (``TCPStore``'s own server listens on the wildcard
 address whatever host it is given, and so does ``init_rpc(init_method="tcp://...")``). Every
 member, the host included, then joins as a store client, and only through a probe (below).
-TensorPipe and gloo bind to the interface of :func:`pin_interface` (``lo`` on a loopback plan).
+TensorPipe and gloo bind to one interface (:mod:`distopt.netif`): by default that of the route
+toward the plan's host (``lo`` on a loopback plan).
 
 Deadlines, one policy: each call takes its caller's ``timeout_s`` and either finishes within it or
 raises one :class:`~distopt.errors.RemoteCallError` line naming the member, the store (what, where,
@@ -51,6 +52,7 @@ from typing import Any, Literal, Protocol
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
+from distopt import netif
 from distopt.config import check
 from distopt.errors import ConfigError, RemoteCallError
 
@@ -142,6 +144,9 @@ def host_stores(plan: StorePlan, *, me: str, timeout_s: float) -> HostedStores:
     """Host every store of ``plan`` if ``me`` is its host (else host nothing), bound to ``plan.host``."""
     if me != plan.hosted_by:
         return HostedStores(plan, {})
+    netif.check_not_loopback_across_hosts(
+        plan.host, nodes=netif.job_nodes(), address_key="MASTER_ADDR"
+    )
     stores: dict[Store, dist.TCPStore] = {}
     wanted: tuple[tuple[Store, int | None], ...] = (
         ("rpc", plan.rpc_port),
@@ -154,7 +159,8 @@ def host_stores(plan: StorePlan, *, me: str, timeout_s: float) -> HostedStores:
             stores[store] = _host_store(plan.host, port, timeout_s)
         except OSError as err:
             raise ConfigError(
-                f"{me}: cannot host the {_STORE_NAMES[store]} on {plan.host}:{port}: {err.strerror or err}"
+                f"{me}: cannot host the {_STORE_NAMES[store]} on {plan.host}:{port}: "
+                f"{err.strerror or err}{_not_here(plan.host, err)}"
             ) from None
     taken = {store: int(s.port) for store, s in stores.items()}
     hosted = dataclasses.replace(plan, rpc_port=taken.get("rpc"), gloo_port=taken.get("gloo"))
@@ -209,7 +215,7 @@ def init_rpc(
 
     Call :func:`meet` first: torch connects to the store itself, without our probe.
     """
-    pin_interface(transport.interface)
+    netif.pin(transport.interface, toward=plan.host, key=_interface_key(transport.interface))
     backend = rpc.TensorPipeRpcBackendOptions(
         init_method=f"tcp://{plan.host}:{plan.port('rpc')}",
         rpc_timeout=timeout_s,
@@ -358,11 +364,11 @@ _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken p
 def init_gloo(plan: StorePlan, *, me: str, rank: int, world_size: int, timeout_s: float) -> None:
     """Form the default process group (gloo) of ``world_size`` trainers through ``plan``'s gloo store.
 
-    On a loopback plan gloo is pinned to loopback unless ``GLOO_SOCKET_IFNAME`` says otherwise;
-    else gloo would bind the address the hostname resolves to.
+    gloo listens on ``GLOO_SOCKET_IFNAME`` (checked on this host), else on the interface of the
+    route toward the plan's host (:func:`distopt.netif.pin_gloo`: ``lo`` on a loopback plan); else
+    gloo would bind the address the hostname resolves to.
     """
-    if is_loopback(plan.host):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    netif.pin_gloo(plan.host)
     store = _connect(plan, "gloo", me=me, timeout_s=timeout_s)
     try:
         dist.init_process_group(
@@ -437,10 +443,22 @@ def _spawned_rank(
         leave_gloo()
 
 
-def pin_interface(interface: str) -> None:
-    """Make TensorPipe and gloo listen only on ``interface`` (``lo``: loopback)."""
-    os.environ["TP_SOCKET_IFNAME"] = interface
-    os.environ["GLOO_SOCKET_IFNAME"] = interface
+def _interface_key(interface: str) -> str:
+    """The key that set a member's interface: the environment (the launcher's ``--iface``) when
+    it names this one, else ``ps.interface``."""
+    return netif.ENV_KEY if interface == netif.from_environ() else "ps.interface"
+
+
+def _not_here(host: str, err: OSError) -> str:
+    """Why a store cannot listen on ``host``, when it is no address of this host."""
+    import errno
+
+    if err.errno != errno.EADDRNOTAVAIL:
+        return ""
+    return (
+        f" ({host} is no address of {netif.hostname()}: set MASTER_ADDR, or ps.host from Python, "
+        "to an address of the host that runs this member)"
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -519,7 +537,8 @@ def _connect(plan: StorePlan, store: Store, *, me: str, timeout_s: float) -> dis
     refused = probe(host, port, timeout_s=timeout_s)
     if refused is not None:
         raise RemoteCallError(
-            f"{me}: {plan.describe(store)} unreachable after {timeout_s:g} s: {first_line(refused)}"
+            f"{me}: {plan.describe(store)} unreachable after {timeout_s:g} s: "
+            f"{first_line(refused)}{_from_where(plan, me)}"
         )
     try:
         # The store answered: give the handshake time even when the probe used up the deadline.
@@ -536,6 +555,23 @@ def _connect(plan: StorePlan, store: Store, *, me: str, timeout_s: float) -> dis
         raise RemoteCallError(
             f"{me}: {plan.describe(store)} unreachable after {timeout_s:g} s: {first_line(err)}"
         ) from None
+
+
+def _from_where(plan: StorePlan, me: str) -> str:
+    """Which host could not reach a store, and what a loopback answer there means; nothing for a
+    loopback plan (a job on one host)."""
+    if is_loopback(plan.host):
+        return ""
+    try:
+        addr = socket.getaddrinfo(plan.host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except OSError:
+        return f" (from {netif.hostname()})"
+    if ipaddress.ip_address(addr).is_loopback and me != plan.hosted_by:
+        return (
+            f" (from {netif.hostname()}, where {plan.host} resolves to {addr}, a loopback address: "
+            f"map {plan.host} to its network address in /etc/hosts, or set MASTER_ADDR to it)"
+        )
+    return f" (from {netif.hostname()}" + (f", {plan.host} = {addr})" if addr != plan.host else ")")
 
 
 def first_line(err: BaseException) -> str:

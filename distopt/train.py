@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import faulthandler
 import logging
 import sys
@@ -59,8 +60,9 @@ def run(config: JobConfig, env: JobEnv) -> int:
     from distopt.job.trainer import train
 
     needs_group = env.num_trainers > 1 or config.parallel != "none"
-    with trainer_group(env) if needs_group else contextlib.nullcontext():
-        result = train(config, env)
+    group = trainer_group(env, timeout_s=config.collective_timeout_s)
+    with group if needs_group else contextlib.nullcontext(()) as hosts:
+        result = train(config, dataclasses.replace(env, hosts=hosts))
     if env.rank == 0:
         logger.info("run %s: %d steps, QPS log %s", result.run_id, result.steps, result.log_path)
     return 0

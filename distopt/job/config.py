@@ -85,6 +85,10 @@ class JobConfig:
     """Without a TTY, log a progress line every N steps (level INFO; ``DISTOPT_LOG_LEVEL``)."""
     num_threads: int | None = None
     """torch intra-op threads per process; ``None`` keeps torch's default (``OMP_NUM_THREADS``)."""
+    collective_timeout_s: float = 120.0
+    """Deadline of the trainers' process group (DDP/FSDP jobs): forming it and every collective.
+    A trainer whose peer died, hangs or lost its link fails after this long in one line naming the
+    peer's host."""
     ps: ServerOptions = dataclasses.field(default_factory=ServerOptions)
     """Parameter-server options, used when the launcher starts ``ps`` processes. In a launched
     job ``num_servers`` comes from ``DISTOPT_NUM_PS`` and ``host`` from ``DISTOPT_PS_ADDR``."""
@@ -99,6 +103,12 @@ class JobConfig:
         check(self.log_every >= 1, "log_every", "an integer >= 1", self.log_every)
         check(
             self.keep_checkpoints >= 0, "keep_checkpoints", "an integer >= 0", self.keep_checkpoints
+        )
+        check(
+            self.collective_timeout_s > 0,
+            "collective_timeout_s",
+            "a number > 0",
+            self.collective_timeout_s,
         )
         if self.num_threads is not None:
             check(self.num_threads >= 1, "num_threads", "an integer >= 1", self.num_threads)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import torch.distributed as dist
 
-from distopt import rendezvous
+from distopt import netif, rendezvous
 from distopt.errors import ConfigError
 from distopt.job.env import JobEnv
 from distopt.ps.spec import trainer_name
@@ -31,26 +31,27 @@ def store_plan(env: JobEnv) -> StorePlan:
 
 
 @contextlib.contextmanager
-def trainer_group(env: JobEnv, *, timeout_s: float = 120.0) -> Iterator[None]:
-    """The gloo group of all trainers (``env.num_trainers`` ranks) as the default process group.
+def trainer_group(env: JobEnv, *, timeout_s: float = 120.0) -> Iterator[tuple[str, ...]]:
+    """The gloo group of all trainers (``env.num_trainers`` ranks) as the default process group;
+    yields each rank's host name (gathered once it forms), for errors that name a peer's host.
 
     Under torchrun the agent's store is reused (``env://``): torchrun's agent store listens on
     every interface, which is torchrun's doing, not ours. Otherwise the rendezvous follows
     :func:`store_plan` through :mod:`distopt.rendezvous`, so the store listens on ``MASTER_ADDR``
-    only and a loopback rendezvous pins gloo to loopback too.
+    only. Either way gloo listens on the interface of the route toward ``MASTER_ADDR``, loopback
+    for a job on one host, unless ``GLOO_SOCKET_IFNAME`` names one (:mod:`distopt.netif`).
     """
     if dist.is_initialized():  # the caller formed it and will destroy it
-        yield
+        yield _hosts()
         return
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        if rendezvous.is_loopback(env.master_addr or "127.0.0.1"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        netif.pin_gloo(env.master_addr or "127.0.0.1")
         dist.init_process_group(
             "gloo", init_method="env://", rank=env.rank, world_size=env.num_trainers,
             timeout=datetime.timedelta(seconds=timeout_s),
         )  # fmt: skip
         try:
-            yield
+            yield _hosts()
         finally:
             rendezvous.leave_gloo()
         return
@@ -60,6 +61,14 @@ def trainer_group(env: JobEnv, *, timeout_s: float = 120.0) -> Iterator[None]:
             hosted.plan, me=me, rank=env.rank, world_size=env.num_trainers, timeout_s=timeout_s
         )
         try:
-            yield
+            yield _hosts()
         finally:
             rendezvous.leave_gloo()
+
+
+def _hosts() -> tuple[str, ...]:
+    """Every rank's host name, in rank order (one small all-gather)."""
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    with rendezvous.collective("gathering the trainers' host names"):
+        dist.all_gather_object(hosts, netif.hostname())
+    return tuple(str(h) for h in hosts)

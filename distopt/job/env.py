@@ -76,6 +76,9 @@ class JobEnv:
     ddp_port: int | None = None
     """Port of the trainers' gloo store on the ``ps_addr`` host (jobs with servers)."""
     run_id: str | None = None
+    hosts: tuple[str, ...] = ()
+    """Each trainer rank's host name once the trainers' group has formed (not from the
+    environment): errors name the host of a peer that was lost."""
     restarts: int = 0
     """How often the launcher has restarted this job (``DISTOPT_ATTEMPT`` of ``distopt.supervise``,
     torchrun's ``TORCHELASTIC_RESTART_COUNT``, Slurm's ``SLURM_RESTART_COUNT`` after a requeue):

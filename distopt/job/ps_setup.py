@@ -8,11 +8,10 @@ the ``ps`` role that serves the tables.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
-from distopt import models
+from distopt import models, netif
 from distopt.errors import ConfigError
 from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
@@ -21,10 +20,11 @@ from distopt.rendezvous import StorePlan
 
 
 def server_options(config: JobConfig, env: JobEnv) -> ServerOptions:
-    """The config's ``ps`` options with the launcher's server count, host and interface."""
+    """The config's ``ps`` options with the launcher's server count, host and interface (the
+    environment's ``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME`` over ``ps.interface``)."""
     assert env.ps_addr is not None
     host = env.ps_addr[0]
-    interface = os.environ.get("TP_SOCKET_IFNAME") or config.ps.interface
+    interface = netif.from_environ() or config.ps.interface
     return dataclasses.replace(
         config.ps,
         num_servers=env.num_ps,

@@ -437,6 +437,8 @@ def peer_lost(err: RuntimeError, env: JobEnv, *, step: int | None = None) -> Rem
     from distopt.rendezvous import collective_error
 
     who = f"trainer {1 - env.rank}" if env.num_trainers == 2 else "another trainer"
+    if env.num_trainers == 2 and len(env.hosts) == 2 and len(set(env.hosts)) == 2:
+        who += f" (on {env.hosts[1 - env.rank]})"  # a job across hosts: which host was lost
     at = f" at step {step + 1}" if step is not None else ""
     named = collective_error(
         err, f"a collective of the training loop{at}", me=f"trainer {env.rank}", peers="trainers"
@@ -449,6 +451,11 @@ def peer_lost(err: RuntimeError, env: JobEnv, *, step: int | None = None) -> Rem
         return RemoteCallError(
             f"trainer {env.rank}: {who} left the trainers' process group (exited or was killed) "
             f"during a collective{at}: {first}"
+        )
+    if "timed out waiting for" in str(named):
+        return RemoteCallError(
+            f"trainer {env.rank}: {who} did not reach a collective{at} within "
+            f"collective_timeout_s (its host died, hangs or lost its link): {first}"
         )
     return named
 

@@ -29,6 +29,12 @@ _ERROR_LINE = re.compile(
     r"^(\[rank\d+\]:\s*)?([A-Za-z_][\w.]*(Error|Exception|Interrupt)\b.*|\S+: error: .*)$"
 )
 _RANK = re.compile(r"^\[rank(\d+)\]:")
+_NOT_A_CAUSE = re.compile(
+    r"^(slurmstepd(-\S+)?: error: \*\*\* (STEP|JOB) \S+ ON \S+ CANCELLED"
+    r"|torch\.distributed\.elastic\.multiprocessing\.errors\.ChildFailedError\b)"
+)
+"""Lines a launcher adds after a process failed (Slurm ending the step, torchrun's exception
+saying a worker failed): the consequence, not the cause, which is the error line before them."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -253,7 +259,7 @@ def _log_lines(runner: Any, handle: str, replica: Replica) -> list[str]:
 
 def _last_error_line(lines: Sequence[str]) -> str | None:
     for line in reversed(lines):
-        if _ERROR_LINE.match(line):
+        if _ERROR_LINE.match(line) and not _NOT_A_CAUSE.match(line):
             return _RANK.sub("", line).strip()
     return None
 

@@ -21,8 +21,10 @@ the process where it stands through the environment (the contract with ``distopt
 ``DISTOPT_DDP_PORT``        ``MASTER_PORT + 1``: rendezvous of the trainers' gloo group
                             (hosted on ``MASTER_ADDR``, i.e. by ``ps`` 0)
 ``DISTOPT_RUN_ID``          ``--run_id`` when given (``ps_job``), shared by every process
-``GLOO_SOCKET_IFNAME``,     the ``--iface`` network interface (``lo`` by default, so single-host
-``TP_SOCKET_IFNAME``        jobs stay on loopback)
+``GLOO_SOCKET_IFNAME``,     the ``--iface`` network interface; unset with ``auto`` (default), where
+``TP_SOCKET_IFNAME``        each process takes the interface of its route toward ``MASTER_ADDR``:
+                            loopback on one host, the cluster network across hosts
+                            (:mod:`distopt.netif`)
 ==========================  ===================================================================
 
 Overrides (``--set a.b=1,c=x``) are passed on as ``--set a.b=1 --set c=x``; ``--output_dir DIR``
@@ -44,6 +46,7 @@ import torchx.specs as specs
 
 from distopt.job.config import JobConfig
 from distopt.launch.checks import ComponentArgError, check_port, check_positive, checked_config
+from distopt.netif import AUTO
 
 TRAIN_MODULE = "distopt.train"
 
@@ -62,7 +65,7 @@ def ps_job(
     memMB: int = 1024,
     h: Optional[str] = None,
     master_port: int = 29500,
-    iface: str = "lo",
+    iface: str = "auto",
     module: str = TRAIN_MODULE,
     python: Optional[str] = None,
     env: Optional[Dict[str, str]] = None,
@@ -89,7 +92,7 @@ def ps_job(
         memMB: memory per replica in MB
         h: a TorchX named resource for the trainers (e.g. gpu.small, aws_p4d.24xlarge); replaces cpu, gpu and memMB there
         master_port: RPC rendezvous port on the first server's host; the trainers' gloo group uses master_port + 1
-        iface: network interface for gloo and TensorPipe ('lo' keeps single-host jobs on loopback; '' lets them choose)
+        iface: network interface for gloo and TensorPipe on every host; 'auto': each process takes the one of its route toward MASTER_ADDR (lo on one host)
         module: python module to run (the training entry point)
         python: interpreter to run it with; default: the one running torchx (right for local_cwd and for clusters sharing this filesystem), pass python to use the job's PATH
         env: extra environment variables (e.g. LOGLEVEL=INFO,FOO=bar)
@@ -157,7 +160,7 @@ def ddp(
     memMB: int = 2048,
     h: Optional[str] = None,
     rdzv_port: int = 29500,
-    iface: str = "lo",
+    iface: str = "auto",
     module: str = TRAIN_MODULE,
     python: Optional[str] = None,
     env: Optional[Dict[str, str]] = None,
@@ -178,7 +181,7 @@ def ddp(
         memMB: memory per node in MB
         h: a TorchX named resource per node (e.g. gpu.small, aws_p4d.24xlarge); replaces cpu, gpu and memMB
         rdzv_port: torchrun rendezvous port on the first node (multi-node only)
-        iface: network interface for gloo ('lo' keeps single-host jobs on loopback; '' lets it choose)
+        iface: network interface for gloo on every host; 'auto': each process takes the one of its route toward the first node (lo on one host)
         module: python module to run (the training entry point)
         python: interpreter to run it with; default: the one running torchx (right for local_cwd and for clusters sharing this filesystem), pass python to use the job's PATH
         env: extra environment variables (e.g. LOGLEVEL=INFO)
@@ -207,7 +210,7 @@ def fsdp(
     memMB: int = 2048,
     h: Optional[str] = None,
     rdzv_port: int = 29500,
-    iface: str = "lo",
+    iface: str = "auto",
     module: str = TRAIN_MODULE,
     python: Optional[str] = None,
     env: Optional[Dict[str, str]] = None,
@@ -228,7 +231,7 @@ def fsdp(
         memMB: memory per node in MB
         h: a TorchX named resource per node (e.g. gpu.small, aws_p4d.24xlarge); replaces cpu, gpu and memMB
         rdzv_port: torchrun rendezvous port on the first node (multi-node only)
-        iface: network interface for gloo ('lo' keeps single-host jobs on loopback; '' lets it choose)
+        iface: network interface for gloo on every host; 'auto': each process takes the one of its route toward the first node (lo on one host)
         module: python module to run (the training entry point)
         python: interpreter to run it with; default: the one running torchx (right for local_cwd and for clusters sharing this filesystem), pass python to use the job's PATH
         env: extra environment variables (e.g. LOGLEVEL=INFO)
@@ -351,4 +354,7 @@ def _resource(cpu: int, gpu: int, memMB: int, h: Optional[str]) -> specs.Resourc
 
 
 def _iface_env(iface: str) -> Dict[str, str]:
-    return {"GLOO_SOCKET_IFNAME": iface, "TP_SOCKET_IFNAME": iface} if iface else {}
+    """``auto`` (or ``''``) sets nothing: each process picks its own (:mod:`distopt.netif`)."""
+    if iface in ("", AUTO):
+        return {}
+    return {"GLOO_SOCKET_IFNAME": iface, "TP_SOCKET_IFNAME": iface}

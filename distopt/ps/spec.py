@@ -143,10 +143,14 @@ class ServerOptions:
     """Sleep this long on the server before answering each fetch/push. Emulates network and server
     latency for benchmarks on one machine; 0 in production."""
     host: str = "127.0.0.1"
-    """Address every RPC listener binds to. Loopback by default: nothing is reachable off-host."""
-    interface: str = "lo"
-    """Network interface TensorPipe and gloo bind to (``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``);
-    must carry ``host``."""
+    """Address the RPC group's store listens on, for :func:`distopt.ps.start_servers` (which starts
+    every server on its own host). Loopback by default: nothing is reachable off-host. A
+    ``distopt.train`` job takes the launcher's ``MASTER_ADDR`` instead."""
+    interface: str = "auto"
+    """Network interface TensorPipe and gloo bind to (``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``,
+    which win when set). ``auto``: the interface of each process's route toward the RPC group's
+    host, ``lo`` when that is loopback (:mod:`distopt.netif`). A name is checked on each host: one
+    that does not exist there, or loopback toward another host, is a one-line error."""
     num_worker_threads: int = 64
     """Handler threads per server (RPC thread pool; a Ray actor's ``max_concurrency``);
     concurrent requests beyond this queue."""
@@ -202,6 +206,7 @@ class ServerOptions:
         check(self.num_servers >= 1, "ps.num_servers", "an integer >= 1", self.num_servers)
         check(self.latency_ms >= 0, "ps.latency_ms", "a number >= 0", self.latency_ms)
         check(bool(self.host), "ps.host", "a host address", self.host)
+        check(bool(self.interface), "ps.interface", "'auto' or an interface name", self.interface)
         check(
             self.num_worker_threads >= 1,
             "ps.num_worker_threads",

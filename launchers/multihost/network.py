@@ -57,6 +57,11 @@ __all__ = [
 ]
 
 NETNS_ETC = Path("/etc/netns")
+RESOLV_CONF = "# no DNS on this cluster: every name is in /etc/hosts\nnameserver 127.0.0.1\n"
+"""Each host's resolver: a name or address /etc/hosts lacks fails at once (nothing answers on the
+host's own loopback) instead of waiting 10 s on this machine's name server, which no host reaches.
+torch's stores look up every peer's IPv4-mapped address (``::ffff:10.x.y.z``), which /etc/hosts
+never lists: with the machine's resolver each such lookup took 10 s and logged a warning."""
 CGROUP_ROOT = "/sys/fs/cgroup"
 INNER_IFNAME = "eth0"
 GATEWAY_NAME = "login"
@@ -295,6 +300,7 @@ def create(net: Network) -> None:
         etc.mkdir(parents=True, exist_ok=True)
         (etc / "hosts").write_text(net.hosts_file())
         (etc / "hostname").write_text(f"{host.name}\n")
+        (etc / "resolv.conf").write_text(RESOLV_CONF)
 
 
 _VERIFY = """

@@ -41,7 +41,8 @@ def test_ps_job_has_server_and_trainer_roles(config: str) -> None:
         assert role.env["DISTOPT_NUM_PS"] == "2" and role.env["DISTOPT_NUM_TRAINERS"] == "3"
         assert role.env["REPLICA_ID"] == "${replica_id}"
         assert role.env["DISTOPT_DDP_PORT"] == str(int(role.env["MASTER_PORT"]) + 1)
-        assert role.env["GLOO_SOCKET_IFNAME"] == "lo"
+        # iface 'auto': each process picks the interface of its route toward MASTER_ADDR.
+        assert "GLOO_SOCKET_IFNAME" not in role.env and "TP_SOCKET_IFNAME" not in role.env
     # Servers take RPC ranks 0..1, trainers 2..4.
     assert "RANK=$((0 + ${replica_id}))" in _script(app, 0)
     assert "RANK=$((2 + ${replica_id}))" in _script(app, 1)
@@ -72,6 +73,8 @@ def test_ps_job_master_address_comes_from_scheduler_rank0_variable(config: str) 
     script = _script(components.ps_job(config))
     assert 'MASTER_ADDR="${MASTER_ADDR:-${${rank0_env}:-127.0.0.1}}"' in script
     assert components.ps_job(config, iface="").roles[0].env.get("GLOO_SOCKET_IFNAME") is None
+    named = components.ps_job(config, iface="eth1").roles[0].env
+    assert named["GLOO_SOCKET_IFNAME"] == named["TP_SOCKET_IFNAME"] == "eth1"
 
 
 @pytest.mark.parametrize("component", [components.ddp, components.fsdp])
