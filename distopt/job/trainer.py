@@ -329,7 +329,8 @@ def train(
     if config.pipeline.enabled:
         # Split before DDP wraps it: DDP runs the main stage, which shares the parameters. The
         # job's only writes outside the graph are distopt.ps pushes, which staleness counts.
-        split = check_pipelined(trained, config.pipeline.staleness, push=False)
+        deepest = config.pipeline.max_staleness or config.pipeline.staleness
+        split = check_pipelined(trained, deepest, push=False)
         trained = split.main
         prefetcher = Prefetcher(
             split,
@@ -338,6 +339,7 @@ def train(
             inputs=lambda b: b.inputs,
             deterministic=config.deterministic,
             to_device=lambda b: job_device.to_device(b, device, keep=keep),
+            max_staleness=config.pipeline.max_staleness,
         )
     group = job_device.data_parallel_group(device)
     trained = _parallelize(trained, example, config, device=device, group=group)
