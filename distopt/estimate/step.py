@@ -226,6 +226,7 @@ def predict_step(
     all_reduce_s: float,
     num_trainers: int,
     blocking_pushes: bool,
+    barrier_s: float = 0.0,
     data_s: float = 0.0,
 ) -> StepPrediction:
     """The step of the model as written and as optimized, phase by phase.
@@ -233,10 +234,11 @@ def predict_step(
     The passes change the forward only (its waits); every other phase is predicted the same for
     both. Pushes: one request per trainer and step (:func:`distopt.ps.push_gradients` batches
     every table), costing ``request_latency_s``; with ``blocking_pushes`` the trainers push one
-    after the other, each waiting for its answer, so the step pays ``num_trainers`` of them;
-    otherwise the push overlaps what follows and costs nothing here.
+    after the other, each waiting for its answer and then for a barrier (``barrier_s``), so the
+    step pays ``num_trainers`` of both; otherwise the push overlaps what follows and costs
+    nothing here.
     """
-    pushes = num_trainers * request_latency_s if blocking_pushes else 0.0
+    pushes = num_trainers * (request_latency_s + barrier_s) if blocking_pushes else 0.0
     shared = {
         "data": data_s,
         "backward": backward_s + all_reduce_s,
@@ -254,7 +256,7 @@ def predict_step(
         "gradient bytes in one bucket, not overlapped with backward",
         "pushes": (
             f"{num_trainers} trainers push one after the other, one request each at the "
-            "median request latency"
+            "median request latency, then a barrier (timed at start-up)"
             if blocking_pushes
             else "0: asynchronous pushes overlap the next step"
         ),
@@ -296,6 +298,7 @@ def step_of(
     all_reduce_s: float,
     num_trainers: int,
     blocking_pushes: bool,
+    barrier_s: float = 0.0,
 ) -> StepPrediction | None:
     """:func:`predict_step` from a :func:`~distopt.estimate.predict_gain` made with
     ``measure_step=True`` (``None`` when its step was not measured); a pipelined prediction's
@@ -314,4 +317,5 @@ def step_of(
         all_reduce_s=all_reduce_s,
         num_trainers=num_trainers,
         blocking_pushes=blocking_pushes,
+        barrier_s=barrier_s,
     )

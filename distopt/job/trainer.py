@@ -30,7 +30,13 @@ from distopt.config import to_dict
 from distopt.data import Batch, DataSource, build_data, to_batch
 from distopt.errors import CaptureError, ConfigError, RemoteCallError
 from distopt.estimate import predict_gain
-from distopt.estimate.step import StepPhases, gradient_bytes, step_of, time_optimizer_step
+from distopt.estimate.step import (
+    StepPhases,
+    gradient_bytes,
+    median_time,
+    step_of,
+    time_optimizer_step,
+)
 from distopt.explain import summary
 from distopt.job import checkpoint
 from distopt.job import device as job_device
@@ -146,6 +152,7 @@ def _prediction(
     if prediction.unmeasured_step is not None:
         logger.info("prediction: no step time predicted: %s", prediction.unmeasured_step)
     header = prediction.to_header()
+    blocking = config.deterministic and ps_calls.is_connected()
     step = step_of(
         prediction,
         optimizer_s=time_optimizer_step(
@@ -153,7 +160,8 @@ def _prediction(
         ),
         all_reduce_s=_all_reduce_s(model, config, num_trainers),
         num_trainers=num_trainers,
-        blocking_pushes=config.deterministic and ps_calls.is_connected(),
+        blocking_pushes=blocking,
+        barrier_s=_barrier_s() if blocking and num_trainers > 1 else 0.0,
     )
     if step is not None:
         header.update(step.to_header())
@@ -163,6 +171,14 @@ def _prediction(
 PREDICTION_REPEATS = 15
 """Timed runs of each graph (and of the model's backward) the prediction takes the median of:
 enough that two runs of one job predict alike on a busy host (docs/cost_model.md)."""
+
+
+def _barrier_s() -> float:
+    """Median seconds of the trainers' barrier (each deterministic push waits for one; every
+    trainer calls this)."""
+    if not dist.is_initialized():
+        return 0.0
+    return median_time(dist.barrier, repeats=PREDICTION_REPEATS)
 
 
 def _all_reduce_s(model: nn.Module, config: JobConfig, num_trainers: int) -> float:

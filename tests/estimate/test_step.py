@@ -89,18 +89,21 @@ def test_predict_step_changes_only_the_forward() -> None:
         all_reduce_s=0.002,
         num_trainers=2,
         blocking_pushes=True,
+        barrier_s=0.0005,
     )
     assert list(step.baseline) == list(REPORTED) == list(step.optimized)
-    assert step.baseline["pushes"] == pytest.approx(0.012)  # two trainers, one after the other
+    # Two trainers, one after the other, each a push and a barrier.
+    assert step.baseline["pushes"] == pytest.approx(0.013)
     assert step.baseline["backward"] == pytest.approx(0.006)  # the all-reduce is inside it
-    assert step.baseline_s == pytest.approx(0.030 + 0.006 + 0.012 + 0.001)
-    assert step.optimized_s == pytest.approx(0.010 + 0.006 + 0.012 + 0.001)
+    assert step.baseline_s == pytest.approx(0.030 + 0.006 + 0.013 + 0.001)
+    assert step.optimized_s == pytest.approx(0.010 + 0.006 + 0.013 + 0.001)
     assert step.gain == pytest.approx(step.baseline_s / step.optimized_s)
     assert {k: step.baseline[k] for k in REPORTED if k not in ("forward", "waits")} == {
         k: step.optimized[k] for k in REPORTED if k not in ("forward", "waits")
     }
     header = step.to_header()
     assert header["predicted_saving_s"] == pytest.approx(0.020)
+    assert header["predicted_gain"] == step.gain
     assert set(header["predicted_phases"]) == {"baseline", "optimized", "how"}
     assert set(header["predicted_phases"]["how"]) == set(REPORTED)
     asynchronous = predict_step(
