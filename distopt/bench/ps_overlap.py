@@ -401,6 +401,12 @@ def _write_logs(
                 writer.log_step(step, seconds)
 
 
+def _staleness_cell(point: dict) -> str:
+    """The pipeline's staleness; ``predicted→final`` when the run deepened it."""
+    start, final = point.get("predicted_pipeline_staleness"), point["pipeline_staleness"]
+    return str(final) if start in (None, final) else f"{start}→{final}"
+
+
 def _ratio_cell(value: float | None, target: float) -> str:
     if value is None:
         return "n/a"
@@ -443,7 +449,7 @@ def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
             str(p["tables"]), f"{p['latency_ms']:g}", p["compute"], str(p["rounds"]), *cells,
             _ratio_cell(p["hidden_fraction"], bench.target_h),
             _ratio_cell(p["opt_vs_hand_qps"], bench.target_ratio_vs_hand),
-            str(p["pipeline_staleness"]) if "pipelined" in bench.variants else "-",
+            _staleness_cell(p) if "pipelined" in bench.variants else "-",
             _ratio_cell(p["pipelined_vs_no_network_qps"], bench.target_pipelined_vs_no_network),
             _ratio_cell(p["pipelined_vs_optimized_qps"], bench.target_pipelined_vs_optimized),
             _ms(p["predicted_saving_s"]), _ms(p["measured_saving_s"]),
