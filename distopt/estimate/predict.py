@@ -18,7 +18,6 @@ a step gain. :meth:`GainPrediction.to_header` gives the QPS-log header keys
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,6 +28,7 @@ from torch import nn
 
 from distopt.errors import CaptureError, ConfigError
 from distopt.estimate.profile import profile_nodes
+from distopt.estimate.step import forward_backward_times, median_time
 from distopt.estimate.timeline import RequestLatency, Timeline, simulate
 from distopt.remote.local import with_remote_calls
 from distopt.remote.ops import remote_ops
@@ -41,13 +41,7 @@ def measure_latency(call: Callable[[], Any], *, repeats: int = 20) -> float:
     """Median seconds of ``call()`` after one warm-up call."""
     if repeats < 1:
         raise ConfigError(f"repeats: expected an integer >= 1, got {repeats!r}")
-    call()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return median_time(call, repeats=repeats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,8 +284,6 @@ def _measure_step(
     buffers and RNG stream, and remote state such as fetched-row records, are as they were
     afterwards. Remote reads are sent; a remote write (a push in backward) raises
     :class:`RemoteWriteRefused` before it is sent."""
-    from distopt.estimate.step import forward_backward_times
-
     view = with_remote_calls(model)
     with (
         preserved_state(model),
