@@ -145,11 +145,16 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
+def _short(label: str) -> str:
+    """A run's label without its directories (each job's, for pooled jobs)."""
+    return ",".join(Path(part).name for part in label.split(","))
+
+
 def render_phases(comparison: Comparison, console: Console) -> None:
     """Per run with a per-phase prediction: each phase predicted vs measured (median, ms)."""
-    base = comparison.runs[0].label
+    base = _short(comparison.runs[0].label)
     for label in dict.fromkeys(row.label for row in comparison.phases):
-        table = Table(title=f"step phases, median ms after warm-up: {base} vs {label}")
+        table = Table(title=f"step phases, median ms after warm-up: {base} vs {_short(label)}")
         for name in (
             "phase",
             "baseline predicted",
