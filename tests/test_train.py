@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from distopt.estimate.step import PHASES, REPORTED
 from distopt.job.checkpoint import latest_complete
 from distopt.job.config import JobConfig
 from distopt.job.state import read_tensors
@@ -255,11 +256,31 @@ def test_ps_dlrm_optimized_and_hand_variants_compare(tmp_path: Path) -> None:
         "predicted_step_time_s",
         "predicted_saving_s",
         "predicted_rpc_latency_s",
+        "predicted_phases",
     )
     assert [k for k in runs[0].header if k.startswith("predicted_")] == list(predicted)
     assert not any(k.startswith("predicted_") for k in runs[1].header)  # hand-written: no graph
+    # Every step of both variants records its phases; they are disjoint parts of its time.
+    for run in runs:
+        for record in run.ranks[0].steps:
+            assert record.phases is not None and list(record.phases) == list(REPORTED)
+            assert sum(record.phases[p] for p in PHASES) <= record.step_time_s
+            assert record.phases["waits"] <= record.phases["forward"]
+            assert record.wait_s is not None and record.phases["waits"] <= record.wait_s + 1e-9
+    phases = runs[0].header["predicted_phases"]
+    assert list(phases["optimized"]) == list(REPORTED) == list(phases["baseline"])
+    assert runs[0].header["predicted_step_time_s"] == pytest.approx(
+        sum(phases["optimized"][p] for p in PHASES)
+    )
+    assert phases["optimized"]["all_reduce"] == 0.0  # one trainer, no DDP
     result = compare_runs(runs, warmup=2)
     assert result.config_diff == {} and result.gains[0].median > 0
+    against_hand = compare_runs(runs[::-1], warmup=2)  # the hand run as the baseline
+    assert [row.phase for row in against_hand.phases] == list(REPORTED)
+    assert all(
+        row.measured is not None and row.baseline_measured is not None
+        for row in against_hand.phases
+    )
 
 
 @pytest.mark.slow

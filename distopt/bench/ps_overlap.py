@@ -167,10 +167,11 @@ def _train_chunk(
 
 
 def _pipelined_chunk(
-    model, batches, opt, *, staleness: int, lr: float, memory: dict
+    model, batches, opt, *, staleness: int, max_staleness: int | None, lr: float, memory: dict
 ) -> list[float]:
     """Step times of the optimized model in a pipeline (its first prefetch is in the first step);
-    ``memory`` keeps the peak bytes measured in flight and of one batch's rows."""
+    ``memory`` keeps the peak bytes measured in flight and of one batch's rows, and ``depth``
+    the staleness the pipeline ended at (with ``max_staleness`` it deepens when reads are late)."""
     pipe = TrainPipeline(
         model,
         opt,
@@ -179,6 +180,7 @@ def _pipelined_chunk(
         loss_fn=lambda out, b: dlrm_loss(out, b.labels),
         inputs=lambda b: (b.dense, b.sparse),
         push=lambda: ps.push_gradients(lr=lr),
+        max_staleness=max_staleness,
     )
     stamps = [time.perf_counter()]
     for _ in pipe.run():
@@ -190,6 +192,8 @@ def _pipelined_chunk(
         memory.get("inflight_bytes_max", 0), pipe.stats.inflight_bytes_max
     )
     memory["batch_bytes_max"] = max(memory.get("batch_bytes_max", 0), pipe.stats.batch_bytes_max)
+    memory["depth"] = pipe.stats.depth
+    memory["window"] = max(memory.get("window", 1), pipe.stats.depth)  # batches in flight at most
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
@@ -239,6 +243,9 @@ def _point(
         times: dict[str, list[float]] = {name: [] for name in variants}
         round_medians: dict[str, list[float]] = {name: [] for name in variants}
         memory: dict[str, int] = {"window": max(1, staleness)}
+        predicted_staleness = staleness
+        # Automatic staleness is the cost model's guess; the run deepens it while reads are late.
+        adapt_to = bench.max_staleness if bench.pipeline_staleness == "auto" else None
         round_index = 0
         while round_index < bench.rounds or (
             round_index < bench.max_rounds
@@ -252,9 +259,11 @@ def _point(
                         batches,
                         optimizers[name],
                         staleness=staleness,
+                        max_staleness=adapt_to,
                         lr=bench.lr,
                         memory=memory,
                     )
+                    staleness = memory["depth"]  # the next chunk starts where this one ended
                 else:
                     if name == "no_network":
                         ps.set_latency_ms(0.0)
@@ -322,6 +331,7 @@ def _point(
             else None
         ),
         "pipeline_staleness": staleness,
+        "predicted_pipeline_staleness": predicted_staleness,
         "predicted_pipelined_step_s": pipelined_step,
         "measured_pipelined_step_s": median_s.get("pipelined"),
         "pipelined_memory": memory if "inflight_bytes_max" in memory else None,
@@ -391,6 +401,12 @@ def _write_logs(
                 writer.log_step(step, seconds)
 
 
+def _staleness_cell(point: dict) -> str:
+    """The pipeline's staleness; ``predicted→final`` when the run deepened it."""
+    start, final = point.get("predicted_pipeline_staleness"), point["pipeline_staleness"]
+    return str(final) if start in (None, final) else f"{start}→{final}"
+
+
 def _ratio_cell(value: float | None, target: float) -> str:
     if value is None:
         return "n/a"
@@ -433,7 +449,7 @@ def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
             str(p["tables"]), f"{p['latency_ms']:g}", p["compute"], str(p["rounds"]), *cells,
             _ratio_cell(p["hidden_fraction"], bench.target_h),
             _ratio_cell(p["opt_vs_hand_qps"], bench.target_ratio_vs_hand),
-            str(p["pipeline_staleness"]) if "pipelined" in bench.variants else "-",
+            _staleness_cell(p) if "pipelined" in bench.variants else "-",
             _ratio_cell(p["pipelined_vs_no_network_qps"], bench.target_pipelined_vs_no_network),
             _ratio_cell(p["pipelined_vs_optimized_qps"], bench.target_pipelined_vs_optimized),
             _ms(p["predicted_saving_s"]), _ms(p["measured_saving_s"]),

@@ -16,6 +16,7 @@ from rich.table import Table
 
 from distopt.console import console as make_console
 from distopt.metrics.compare import (
+    DEFAULT_BLOCK,
     DEFAULT_LEVEL,
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
@@ -34,11 +35,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Compare the QPS logs of two or more runs. The first run is the baseline; each other "
             "run's gain is its median QPS over the baseline's, with a percentile-bootstrap "
-            "confidence interval (ratio of medians, seeded)."
+            "confidence interval (ratio of medians over blocks of consecutive steps, seeded). "
+            "Runs whose logs carry the cost model's per-phase prediction also get a table of "
+            "predicted vs measured phases."
         ),
     )
     parser.add_argument(
-        "runs", nargs="+", metavar="RUN", help="run directory or qps-rank*.jsonl file"
+        "runs",
+        nargs="+",
+        metavar="RUN",
+        help=(
+            "run directory or qps-rank*.jsonl file; several jobs of one variant joined by commas "
+            "are pooled into one run (e.g. jobs alternated with the other variant's)"
+        ),
     )
     parser.add_argument(
         "--warmup",
@@ -74,6 +83,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--seed", type=int, default=DEFAULT_SEED, help=f"bootstrap seed (default {DEFAULT_SEED})"
+    )
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=DEFAULT_BLOCK,
+        help=f"consecutive steps per resampled unit of the interval (default {DEFAULT_BLOCK})",
     )
     parser.set_defaults(func=run)
 
@@ -116,6 +131,9 @@ def render(comparison: Comparison, console: Console) -> None:
             predicted,
         )
     console.print(table)
+    console.print(f"interval: {comparison.interval}", markup=False)
+    if comparison.phases:
+        render_phases(comparison, console)
     if comparison.config_diff:
         console.print("[yellow]--force: configs differ in[/yellow]")
         for key, values in comparison.config_diff.items():
@@ -123,8 +141,45 @@ def render(comparison: Comparison, console: Console) -> None:
             console.print(f"  {key}: {shown}", markup=False)
 
 
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _short(label: str) -> str:
+    """A run's label without its directories (each job's, for pooled jobs)."""
+    return ",".join(Path(part).name for part in label.split(","))
+
+
+def render_phases(comparison: Comparison, console: Console) -> None:
+    """Per run with a per-phase prediction: each phase predicted vs measured (median, ms)."""
+    base = _short(comparison.runs[0].label)
+    for label in dict.fromkeys(row.label for row in comparison.phases):
+        table = Table(title=f"step phases, median ms after warm-up: {base} vs {_short(label)}")
+        for name in (
+            "phase",
+            "baseline predicted",
+            "measured",
+            "run predicted",
+            "measured ",
+            "error",
+        ):
+            table.add_column(name, justify="left" if name == "phase" else "right")
+        for row in comparison.phases:
+            if row.label == label:
+                error = row.error
+                table.add_row(
+                    row.phase,
+                    _ms(row.baseline_predicted),
+                    _ms(row.baseline_measured),
+                    _ms(row.predicted),
+                    _ms(row.measured),
+                    "-" if error is None else f"{error:+.0%}",
+                )
+        console.print(table)
+
+
 def run(args: argparse.Namespace) -> int:
-    logs = [load_run(path) for path in args.runs]
+    logs = [[load_run(path) for path in arg.split(",")] for arg in args.runs]
     comparison = compare_runs(
         logs,
         labels=list(args.runs),
@@ -133,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
         resamples=args.resamples,
         level=args.ci_level,
         seed=args.seed,
+        block=args.block,
     )
     console = make_console()
     render(comparison, console)

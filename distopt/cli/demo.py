@@ -2,10 +2,14 @@
 
 Writes a Criteo-format click log with a signal to learn (``distopt.data.generate``) under
 ``--out``, then launches ``configs/jobs/demo.yaml`` (a DLRM, 1 parameter server answering after
-5 ms, 2 DDP trainers) twice through TorchX on ``local_cwd``: once as written
-(``variant=baseline``) and once rewritten by ``distopt.optimize`` (``variant=optimized``). It
-prints the held-out AUC and loss each reached (deterministic jobs: the same for both), then the
-``distopt compare`` table, and writes the plot (with matplotlib: ``pip install 'distopt[plot]'``).
+5 ms, 2 DDP trainers) through TorchX on ``local_cwd``, as written (``variant=baseline``) and
+rewritten by ``distopt.optimize`` (``variant=optimized``), in ``--rounds`` alternated rounds
+(baseline, optimized; then optimized, baseline; ...): the host's speed drifts on a shared
+machine, and alternating shorter jobs keeps the drift from favouring either variant. It prints
+the held-out AUC and loss each reached (deterministic jobs: the same for both), then the
+``distopt compare`` table of the pooled jobs (its interval resamples blocks of each job's steps)
+with the cost model's per-phase prediction beside the measured phases, and writes the plot
+(with matplotlib: ``pip install 'distopt[plot]'``).
 Runs from any directory: the config is read relative to it, else from the copy shipped with
 distopt; logs go under ``--out`` there.
 """
@@ -32,7 +36,13 @@ from distopt.rendezvous import free_port
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("demo", help="run the PS workload baseline vs optimized and compare")
     parser.add_argument("--config", default="configs/jobs/demo.yaml", help="job config")
-    parser.add_argument("--steps", type=int, default=150, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=150, help="training steps per job")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="alternated rounds of one baseline and one optimized job (default 2: ABBA order)",
+    )
     parser.add_argument("--out", default="runs/demo", help="where logs and the plot go")
     parser.set_defaults(func=run)
 
@@ -78,11 +88,20 @@ def _learned(run_dir: Path) -> str:
     return f"held-out {held} after {last.step} steps" + (f"; {final}" if final else "")
 
 
+def alternated(rounds: int) -> list[str]:
+    """The variants' job order: each round one of each, every other round the other first
+    (ABBA...), so that a host getting steadily faster or slower favours neither."""
+    pair = ["baseline", "optimized"]
+    return [v for i in range(rounds) for v in (pair if i % 2 == 0 else pair[::-1])]
+
+
 def run(args: argparse.Namespace) -> int:
     from distopt.cli import main as distopt_main
 
     if args.steps < 1:
         raise ConfigError(f"--steps: expected an integer >= 1, got {args.steps}")
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds: expected an integer >= 1, got {args.rounds}")
     config = find_config_file(args.config)
     if not config.is_file():
         raise ConfigError(f"--config: config file not found: {args.config}")
@@ -95,14 +114,15 @@ def run(args: argparse.Namespace) -> int:
             write_criteo(clicks, num_samples=CLICKS, seed=0)
         overrides += f",data.path={clicks}"
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    runs = []
-    for variant in ("baseline", "optimized"):
-        run_id = f"demo-{stamp}-{variant}"
+    runs: dict[str, list[str]] = {"baseline": [], "optimized": []}
+    for variant in alternated(args.rounds):
+        run_id = f"demo-{stamp}-{variant}" + (f"-{len(runs[variant])}" if args.rounds > 1 else "")
         _launch(config.resolve(), overrides, variant, run_id, out)
-        runs.append(str(out / run_id))
+        runs[variant].append(str(out / run_id))
         print(f"{variant}: {_learned(out / run_id)}", flush=True)
     # Short runs (--steps 3 in tests) still leave steps to compare after the warm-up.
-    compare = [*runs, "--warmup", str(min(DEFAULT_WARMUP, args.steps // 2))]
+    compare = [",".join(jobs) for jobs in runs.values()]
+    compare += ["--warmup", str(min(DEFAULT_WARMUP, args.steps // 2))]
     if importlib.util.find_spec("matplotlib") is not None:
         compare += ["--plot", str(out / f"demo-{stamp}.png")]
     else:

@@ -4,7 +4,9 @@
   untouched, remote reads timed or modeled, writes never sent);
 * :mod:`~distopt.estimate.timeline` — one clock over a graph: blocking calls vs overlapped waits;
 * :mod:`~distopt.estimate.predict` — before/after predictions of the remote-call scheduling
-  passes and the one helper the trainer, ``distopt explain`` and the benchmarks report from.
+  passes and the one helper the trainer, ``distopt explain`` and the benchmarks report from;
+* :mod:`~distopt.estimate.step` — the whole training step phase by phase: what the trainer
+  measures and what the model predicts, under the same names (docs/cost_model.md).
 """
 
 from distopt.estimate.predict import (
@@ -16,16 +18,20 @@ from distopt.estimate.predict import (
     staleness_to_hide,
 )
 from distopt.estimate.profile import profile_nodes
+from distopt.estimate.step import StepPhases, StepPrediction, predict_step
 from distopt.estimate.timeline import RequestLatency, Timeline, simulate
 
 __all__ = [
     "GainPrediction",
     "Prediction",
     "RequestLatency",
+    "StepPhases",
+    "StepPrediction",
     "Timeline",
     "measure_latency",
     "predict",
     "predict_gain",
+    "predict_step",
     "profile_nodes",
     "simulate",
     "staleness_to_hide",

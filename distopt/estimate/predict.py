@@ -18,7 +18,6 @@ a step gain. :meth:`GainPrediction.to_header` gives the QPS-log header keys
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -29,6 +28,7 @@ from torch import nn
 
 from distopt.errors import CaptureError, ConfigError
 from distopt.estimate.profile import profile_nodes
+from distopt.estimate.step import forward_backward_times, median_time
 from distopt.estimate.timeline import RequestLatency, Timeline, simulate
 from distopt.remote.local import with_remote_calls
 from distopt.remote.ops import remote_ops
@@ -41,13 +41,7 @@ def measure_latency(call: Callable[[], Any], *, repeats: int = 20) -> float:
     """Median seconds of ``call()`` after one warm-up call."""
     if repeats < 1:
         raise ConfigError(f"repeats: expected an integer >= 1, got {repeats!r}")
-    call()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    return median_time(call, repeats=repeats)
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +179,8 @@ class GainPrediction:
     forward: Prediction
     measured_step_s: float | None = None
     """Median forward+backward of the model as written; ``None`` when not measured."""
+    measured_backward_s: float | None = None
+    """Median backward of those runs (timed on its own); ``None`` when not measured."""
     unmeasured_step: str | None = None
     """Why a step asked for was not measured (its backward sends a remote write)."""
     pipelined: Timeline | None = None
@@ -281,11 +277,13 @@ def predict_pipelined(
     return simulate(optimized, forward.after_costs, forward.latency, head_start_s=early)
 
 
-def _measure_step(model: nn.Module, example_inputs: tuple[Any, ...], runs: int = 3) -> float:
-    """Median seconds of a forward+backward of ``model``; its grads, buffers and RNG stream, and
-    remote state such as fetched-row records, are as they were afterwards. Remote reads are sent;
-    a remote write (a push in backward) raises :class:`RemoteWriteRefused` before it is sent."""
-    samples = []
+def _measure_step(
+    model: nn.Module, example_inputs: tuple[Any, ...], runs: int = 3
+) -> tuple[float, float]:
+    """Median seconds of a forward and of a backward of ``model`` (timed apart); its grads,
+    buffers and RNG stream, and remote state such as fetched-row records, are as they were
+    afterwards. Remote reads are sent; a remote write (a push in backward) raises
+    :class:`RemoteWriteRefused` before it is sent."""
     view = with_remote_calls(model)
     with (
         preserved_state(model),
@@ -295,11 +293,7 @@ def _measure_step(model: nn.Module, example_inputs: tuple[Any, ...], runs: int =
     ):
         # Restored on exit; None now so that backward does not accumulate into the user's grads.
         model.zero_grad(set_to_none=True)
-        for _ in range(runs):
-            start = time.perf_counter()
-            view(*example_inputs).float().sum().backward()
-            samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        return forward_backward_times(lambda: view(*example_inputs).float().sum(), repeats=runs)
 
 
 def predict_gain(
@@ -350,10 +344,11 @@ def predict_gain(
         captured = optimize(model, passes=[], verify=False)
     _graphs(captured=captured, optimized=optimized)
     forward = predict(captured, optimized, example_inputs, latency_s, repeats=repeats)
-    step = unmeasured = None
+    step = backward = unmeasured = None
     if measure_step:
         try:
-            step = _measure_step(model, example_inputs)
+            forward_s, backward = _measure_step(model, example_inputs, runs=repeats)
+            step = forward_s + backward
         except RemoteWriteRefused as err:
             unmeasured = f"the step sends a remote write ({err.write.describe()})"
     pipelined = None
@@ -365,6 +360,7 @@ def predict_gain(
     return GainPrediction(
         forward=forward,
         measured_step_s=step,
+        measured_backward_s=backward,
         unmeasured_step=unmeasured,
         pipelined=pipelined,
         pipeline_staleness=pipeline_staleness,

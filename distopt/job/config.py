@@ -147,6 +147,14 @@ class JobConfig:
             "false with parallel: fsdp (FSDP models have no remote reads to prefetch)",
             self.pipeline.enabled,
         )
+        check(
+            self.pipeline.max_staleness is None
+            or (self.pipeline.staleness >= 1 and not self.deterministic),
+            "pipeline.max_staleness",
+            "null unless pipeline.staleness >= 1 and deterministic is false (an adapting depth "
+            "follows the host's timing)",
+            self.pipeline.max_staleness,
+        )
 
     @property
     def lr(self) -> float:

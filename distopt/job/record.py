@@ -88,6 +88,7 @@ class Recorder:
         lr: float,
         wait_s: float | None,
         pipeline: PipelineStats | None = None,
+        phases: Mapping[str, float] | None = None,
     ) -> None:
         extra = {}
         if pipeline is not None:
@@ -96,7 +97,9 @@ class Recorder:
                 "staleness_mean": pipeline.staleness_mean,
                 "prefetch_bytes": pipeline.inflight_bytes_max,
             }
-        record = self.log.log_step(step, step_time_s, loss=loss, lr=lr, wait_s=wait_s, **extra)
+        record = self.log.log_step(
+            step, step_time_s, loss=loss, lr=lr, wait_s=wait_s, phases=phases, **extra
+        )
         self.progress.update(step, loss=loss, qps=record.qps)
         if self.board is not None:
             done = step + 1

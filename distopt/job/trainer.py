@@ -30,6 +30,13 @@ from distopt.config import to_dict
 from distopt.data import Batch, DataSource, build_data, to_batch
 from distopt.errors import CaptureError, ConfigError, RemoteCallError
 from distopt.estimate import predict_gain
+from distopt.estimate.step import (
+    StepPhases,
+    gradient_bytes,
+    median_time,
+    step_of,
+    time_optimizer_step,
+)
 from distopt.explain import summary
 from distopt.job import checkpoint
 from distopt.job import device as job_device
@@ -38,7 +45,7 @@ from distopt.job.config import JobConfig
 from distopt.job.env import JobEnv
 from distopt.job.evaluate import EvalResult, evaluate
 from distopt.job.loss import task_loss
-from distopt.job.optim import Stepper
+from distopt.job.optim import Stepper, build_optimizer
 from distopt.job.progress import Progress
 from distopt.job.record import Recorder, reopen_log, tensorboard_writer
 from distopt.job.recovery import Agreement
@@ -113,26 +120,75 @@ def _optimize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> 
 
 
 def _prediction(
-    model: nn.Module, optimized: nn.Module, example: tuple[Any, ...], staleness: int | None
+    model: nn.Module,
+    optimized: nn.Module,
+    example: tuple[Any, ...],
+    staleness: int | None,
+    *,
+    config: JobConfig,
+    num_trainers: int,
 ) -> dict[str, Any]:
     """The cost model's predicted gain of ``optimized`` over ``model``, as QPS-log header keys.
 
     Only for models captured as a graph that makes remote calls, whatever serves them (distopt's
     tables, the user's own functions, RRefs, Ray actors); see
     :func:`distopt.estimate.predict_gain` (each request timed as the model sends it, the forward
-    saving taken off a measured forward+backward of the model as written).
+    saving taken off a measured forward+backward of the model as written), and the whole step
+    phase by phase (:mod:`distopt.estimate.step`).
     """
     if not isinstance(optimized, torch.fx.GraphModule) or not remote_ops(optimized.graph):
         return {}
     try:
         prediction = predict_gain(
-            model, optimized, example, measure_step=True, pipeline_staleness=staleness
+            model,
+            optimized,
+            example,
+            measure_step=True,
+            pipeline_staleness=staleness,
+            repeats=PREDICTION_REPEATS,
         )
     except CaptureError:
         return {}  # the prediction is optional: no graph, no prediction (never a failed job)
     if prediction.unmeasured_step is not None:
         logger.info("prediction: no step time predicted: %s", prediction.unmeasured_step)
-    return prediction.to_header()
+    header = prediction.to_header()
+    blocking = config.deterministic and ps_calls.is_connected()
+    step = step_of(
+        prediction,
+        optimizer_s=time_optimizer_step(
+            list(model.parameters()), lambda params: build_optimizer(params, config.optim)
+        ),
+        all_reduce_s=_all_reduce_s(model, config, num_trainers),
+        num_trainers=num_trainers,
+        blocking_pushes=blocking,
+        barrier_s=_barrier_s() if blocking and num_trainers > 1 else 0.0,
+    )
+    if step is not None:
+        header.update(step.to_header())
+    return header
+
+
+PREDICTION_REPEATS = 15
+"""Timed runs of each graph (and of the model's backward) the prediction takes the median of:
+enough that two runs of one job predict alike on a busy host (docs/cost_model.md)."""
+
+
+def _barrier_s() -> float:
+    """Median seconds of the trainers' barrier (each deterministic push waits for one; every
+    trainer calls this)."""
+    if not dist.is_initialized():
+        return 0.0
+    return median_time(dist.barrier, repeats=PREDICTION_REPEATS)
+
+
+def _all_reduce_s(model: nn.Module, config: JobConfig, num_trainers: int) -> float:
+    """Predicted seconds of the step's DDP gradient all-reduce (α–β model of the trainers' group;
+    every trainer calls this: the model is agreed on collectively)."""
+    if config.parallel != "ddp" or num_trainers < 2 or not dist.is_initialized():
+        return 0.0
+    from distopt.collectives import alpha_beta
+
+    return alpha_beta().time(gradient_bytes(model))
 
 
 def _parallelize(
@@ -280,12 +336,17 @@ def train(
     if config.runs_optimize and config.parallel != "fsdp":
         trained = optimized = _optimize(model, example, config)
         staleness = config.pipeline.staleness if config.pipeline.enabled else None
-        header.update(_prediction(model, trained, example, staleness))
+        header.update(
+            _prediction(
+                model, trained, example, staleness, config=config, num_trainers=env.num_trainers
+            )
+        )
     prefetcher = None
     if config.pipeline.enabled:
         # Split before DDP wraps it: DDP runs the main stage, which shares the parameters. The
         # job's only writes outside the graph are distopt.ps pushes, which staleness counts.
-        split = check_pipelined(trained, config.pipeline.staleness, push=False)
+        deepest = config.pipeline.max_staleness or config.pipeline.staleness
+        split = check_pipelined(trained, deepest, push=False)
         trained = split.main
         prefetcher = Prefetcher(
             split,
@@ -294,6 +355,7 @@ def train(
             inputs=lambda b: b.inputs,
             deterministic=config.deterministic,
             to_device=lambda b: job_device.to_device(b, device, keep=keep),
+            max_staleness=config.pipeline.max_staleness,
         )
     group = job_device.data_parallel_group(device)
     trained = _parallelize(trained, example, config, device=device, group=group)
@@ -333,6 +395,7 @@ def train(
         batch_size=config.eval.batch_size or config.batch_size,
     )
     waits = ps_calls.is_connected()
+    phases = StepPhases(ps.take_wait_time if waits else None)
     saved_paths: list[Path] = []
     loss_value = float("nan")
     evaluation: EvalResult | None = None
@@ -352,23 +415,32 @@ def train(
                             agree.agreed()
                         ):  # before backward: no trainer enters DDP's all-reduce alone
                             issued = None
-                            if prefetcher is not None:
-                                batch, issued = prefetcher.take()
-                            else:
-                                batch = job_device.to_device(next(batches), device, keep=keep)
-                            with job_device.autocast(device, config.precision), provided(issued):
+                            with phases.phase("data"):
+                                if prefetcher is not None:
+                                    batch, issued = prefetcher.take()
+                                else:
+                                    batch = job_device.to_device(next(batches), device, keep=keep)
+                            with (
+                                phases.phase("forward"),
+                                job_device.autocast(device, config.precision),
+                                provided(issued),
+                            ):
                                 loss = task_loss(
                                     source.task, trained(*batch.inputs), batch, model_loss
                                 )
                         if prefetcher is not None:
                             prefetcher.before_backward()
-                        stepper.scale(loss).backward()
-                    if hooks.after_backward is not None:
-                        hooks.after_backward(trained)
-                    if prefetcher is not None:
-                        prefetcher.after_push()
+                        scaled = stepper.scale(loss)
+                        with phases.backward(scaled):
+                            scaled.backward()
+                    with phases.phase("pushes"):
+                        if hooks.after_backward is not None:
+                            hooks.after_backward(trained)
+                        if prefetcher is not None:
+                            prefetcher.after_push()
                     losses.append(loss.detach())
-                    stepper.step(step * accumulate + micro)
+                    with phases.phase("optimizer"):
+                        stepper.step(step * accumulate + micro)
                 loss_value = float(torch.stack(losses).float().mean())
                 job_device.synchronize(device)
                 step_time = time.perf_counter() - tick
@@ -377,8 +449,9 @@ def train(
                     step_time,
                     loss=loss_value,
                     lr=lr,
-                    wait_s=ps.take_wait_time() if waits else None,
+                    wait_s=phases.take_waited() if waits else None,
                     pipeline=prefetcher.stats if prefetcher is not None else None,
+                    phases=phases.take(),
                 )
                 done = step + 1
                 if eval_loader is not None and config.eval.due(done, config.steps):

@@ -5,11 +5,16 @@ Statistics use the merged (job-wide) QPS of each step after ``warmup`` steps; se
 :meth:`distopt.metrics.qps_log.RunLog.merged_steps`.
 
 Gain of run R vs baseline B = median QPS(R) / median QPS(B) (> 1 means R is faster). Its confidence
-interval is a percentile bootstrap: each run's post-warm-up QPS samples are resampled with
-replacement independently, the ratio of medians is recomputed ``resamples`` times, and the
-``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles bound the interval. Steps are treated as
-independent samples; slow drifts (thermal, noisy neighbours) violate that, which is why jobs should
-run long enough for several drift periods or be interleaved.
+interval is a percentile block bootstrap: each run's post-warm-up steps are cut into blocks of
+``block`` consecutive steps (the units: consecutive steps are not independent, a block of them
+nearly is), each run's blocks are resampled with replacement independently, the ratio of medians
+is recomputed ``resamples`` times, and the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles
+bound the interval (:attr:`Comparison.interval` says so in words). Drift *between* two jobs run one
+after the other is in no interval computed from them: ``distopt demo`` alternates shorter jobs of
+each variant for that (docs/cost_model.md).
+
+When a run's header has the cost model's per-phase prediction (``predicted_phases``), the
+comparison also puts each phase's prediction beside its measured median (:class:`PhaseRow`).
 """
 
 from __future__ import annotations
@@ -21,12 +26,16 @@ from typing import Any
 import numpy as np
 
 from distopt.errors import DistoptError
-from distopt.metrics.records import RunLog
+from distopt.metrics.records import MergedStep, RunLog
 
 DEFAULT_WARMUP = 5
 DEFAULT_RESAMPLES = 2000
 DEFAULT_LEVEL = 0.95
 DEFAULT_SEED = 0
+PHASE_FLOOR_S = 1e-4
+"""Phases shorter than this (predicted and measured) get no relative error."""
+DEFAULT_BLOCK = 10
+"""Consecutive steps per resampled unit of the gain's interval."""
 
 #: Config keys allowed to differ between compared runs: the variant and what it implies, and
 #: per-run bookkeeping (ids, output locations).
@@ -64,11 +73,22 @@ class RunSummary:
     predicted_gain: float | None
     predicted_saving_s: float | None
     """The cost model's per-step saving over the unoptimized model, when the header has one."""
+    phases: dict[str, float] | None = None
+    """Median seconds of each measured step phase after warm-up (over every rank's steps), when
+    the steps record them."""
+    predicted_phases: dict[str, dict[str, float]] | None = None
+    """The header's per-phase prediction: ``{"baseline": {...}, "optimized": {...}}``."""
+    segments: tuple[tuple[float, ...], ...] = ()
+    """QPS after warm-up of each job pooled into this run (one for a single job)."""
+    jobs: int = 1
+    """Jobs pooled into this run."""
 
     @property
     def measured_qps(self) -> np.ndarray:
-        """QPS samples after warm-up."""
-        return np.asarray(self.qps[self.warmup :], dtype=float)
+        """QPS samples after warm-up (of every job, in order)."""
+        if not self.segments:
+            return np.asarray(self.qps[self.warmup :], dtype=float)
+        return np.concatenate([np.asarray(seg, dtype=float) for seg in self.segments])
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -85,6 +105,29 @@ class Gain:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class PhaseRow:
+    """One phase of a step: predicted and measured seconds, for the baseline and one run."""
+
+    label: str
+    """The run whose header made the prediction."""
+    phase: str
+    baseline_predicted: float | None
+    baseline_measured: float | None
+    predicted: float | None
+    measured: float | None
+
+    @property
+    def error(self) -> float | None:
+        """Predicted over measured, less one (``None`` without both, or when both are under
+        :data:`PHASE_FLOOR_S`: noise, not a term)."""
+        if self.predicted is None or self.measured is None:
+            return None
+        if max(self.predicted, self.measured) < PHASE_FLOOR_S or self.measured <= 0:
+            return None
+        return self.predicted / self.measured - 1
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class Comparison:
     """Everything ``distopt compare`` shows."""
 
@@ -98,6 +141,24 @@ class Comparison:
     level: float
     resamples: int
     seed: int
+    block: int = DEFAULT_BLOCK
+    phases: tuple[PhaseRow, ...] = ()
+    """Predicted beside measured phases of every run whose header predicts them."""
+
+    @property
+    def interval(self) -> str:
+        """How the gains' intervals were made, in words."""
+        return (
+            f"{self.level:.0%} percentile bootstrap of the ratio of medians over blocks of "
+            f"{self.block} consecutive steps ({self.resamples} resamples, seed {self.seed}); "
+            + self._drift()
+        )
+
+    def _drift(self) -> str:
+        if all(run.jobs == 1 for run in self.runs):
+            return "drift of the host between the jobs is not in it"
+        jobs = ", ".join(f"{run.jobs} {run.variant}" for run in self.runs)
+        return f"steps pooled from alternated jobs ({jobs})"
 
     def to_json(self) -> dict[str, Any]:
         gains = {g.label: g for g in self.gains}
@@ -111,6 +172,7 @@ class Comparison:
                     "variant": run.variant,
                     "world_size": run.world_size,
                     "steps": run.steps,
+                    "jobs": run.jobs,
                     "median_qps": run.median_qps,
                     "p10_qps": run.p10_qps,
                     "p90_qps": run.p90_qps,
@@ -126,9 +188,12 @@ class Comparison:
             "ci_level": self.level,
             "resamples": self.resamples,
             "seed": self.seed,
+            "block": self.block,
+            "interval": self.interval,
             "forced": self.forced,
             "config_diff": self.config_diff,
             "runs": runs,
+            "phases": [dataclasses.asdict(row) for row in self.phases],
         }
 
 
@@ -141,19 +206,53 @@ def _optional_float(header: Mapping[str, Any], key: str) -> float | None:
     return float(value)
 
 
-def summarize(run: RunLog, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSummary:
-    """Median/p10/p90 of the merged QPS after ``warmup`` steps."""
+Jobs = RunLog | Sequence[RunLog]
+"""One run, or several jobs of one variant whose steps are pooled (each after its own warm-up)."""
+
+
+def _jobs(run: Jobs) -> list[RunLog]:
+    jobs = [run] if isinstance(run, RunLog) else list(run)
+    if not jobs:
+        raise CompareError("a run of no jobs")
+    return jobs
+
+
+def summarize(run: Jobs, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSummary:
+    """Median/p10/p90 of the merged QPS after ``warmup`` steps (of each job, for several)."""
     if warmup < 0:
         raise CompareError(f"--warmup: expected an integer >= 0, got {warmup}")
-    merged = run.merged_steps()
-    if len(merged) <= warmup:
-        raise CompareError(
-            f"{label}: {len(merged)} complete steps, none left after a warm-up of {warmup} "
-            "(lower --warmup or run more steps)"
-        )
+    jobs = _jobs(run)
+    segments: list[tuple[float, ...]] = []
+    merged: list[MergedStep] = []
+    counted_steps: list[MergedStep] = []
+    recorded: list[dict[str, float]] = []
+    for job in jobs:
+        steps = job.merged_steps()
+        if len(steps) <= warmup:
+            where = f" in {job.path}" if len(jobs) > 1 else ""
+            raise CompareError(
+                f"{label}: {len(steps)} complete steps{where}, none left after a warm-up of "
+                f"{warmup} (lower --warmup or run more steps)"
+            )
+        merged += steps
+        counted_steps += steps[warmup:]
+        segments.append(tuple(float(m.qps) for m in steps[warmup:]))
+        counted = {m.step for m in steps[warmup:]}
+        recorded += [
+            r.phases
+            for rank in job.ranks.values()
+            for r in rank.steps
+            if r.step in counted and r.phases is not None
+        ]
+    run = jobs[0]
     qps = np.asarray([m.qps for m in merged], dtype=float)
-    measured = qps[warmup:]
-    step_times = np.asarray([m.step_time_s for m in merged[warmup:]], dtype=float)
+    measured = np.concatenate([np.asarray(seg) for seg in segments])
+    step_times = np.asarray([m.step_time_s for m in counted_steps], dtype=float)
+    phases = (
+        {name: float(np.median([p.get(name, 0.0) for p in recorded])) for name in recorded[0]}
+        if recorded
+        else None
+    )
     return RunSummary(
         label=label,
         run_id=run.run_id,
@@ -166,33 +265,81 @@ def summarize(run: RunLog, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSu
         p90_qps=float(np.percentile(measured, 90)),
         step_numbers=tuple(m.step for m in merged),
         qps=tuple(float(q) for q in qps),
+        segments=tuple(segments),
+        jobs=len(jobs),
         median_step_time_s=float(np.median(step_times)),
         predicted_step_time_s=_optional_float(run.header, "predicted_step_time_s"),
         predicted_gain=_optional_float(run.header, "predicted_gain"),
         predicted_saving_s=_optional_float(run.header, "predicted_saving_s"),
+        phases=phases,
+        predicted_phases=_predicted_phases(run.header),
     )
 
 
+def _predicted_phases(header: Mapping[str, Any]) -> dict[str, dict[str, float]] | None:
+    value = header.get("predicted_phases")
+    if value is None:
+        return None
+    try:
+        return {
+            variant: {str(k): float(v) for k, v in value[variant].items()}
+            for variant in ("baseline", "optimized")
+        }
+    except (TypeError, KeyError, AttributeError, ValueError):
+        raise CompareError(
+            f"header predicted_phases: expected baseline and optimized phase seconds, got {value!r}"
+        ) from None
+
+
 def bootstrap_ratio_of_medians(
-    baseline: np.ndarray,
-    candidate: np.ndarray,
+    baseline: Samples,
+    candidate: Samples,
     *,
     resamples: int = DEFAULT_RESAMPLES,
     level: float = DEFAULT_LEVEL,
     seed: int = DEFAULT_SEED,
+    block: int = 1,
 ) -> tuple[float, float, float]:
-    """``(median(candidate) / median(baseline), ci_low, ci_high)`` by a percentile bootstrap."""
+    """``(median(candidate) / median(baseline), ci_low, ci_high)`` by a percentile bootstrap
+    that resamples blocks of ``block`` consecutive samples (1: single samples). Either side may
+    be a list of segments (the jobs of a pooled run): no block spans two of them."""
     if not 0 < level < 1:
         raise CompareError(f"--ci-level: expected a number in (0, 1), got {level}")
     if resamples < 1:
         raise CompareError(f"--resamples: expected an integer >= 1, got {resamples}")
+    if block < 1:
+        raise CompareError(f"--block: expected an integer >= 1, got {block}")
     rng = np.random.default_rng(seed)
-    base_idx = rng.integers(0, len(baseline), size=(resamples, len(baseline)))
-    cand_idx = rng.integers(0, len(candidate), size=(resamples, len(candidate)))
-    ratios = np.median(candidate[cand_idx], axis=1) / np.median(baseline[base_idx], axis=1)
+    ratios = _resampled_medians(candidate, rng, resamples, block) / _resampled_medians(
+        baseline, rng, resamples, block
+    )
     tail = (1 - level) / 2
     low, high = np.quantile(ratios, [tail, 1 - tail])
-    return float(np.median(candidate) / np.median(baseline)), float(low), float(high)
+    point = np.median(np.concatenate(_segments(candidate))) / np.median(
+        np.concatenate(_segments(baseline))
+    )
+    return float(point), float(low), float(high)
+
+
+Samples = np.ndarray | Sequence[np.ndarray]
+"""Samples, or segments of them (blocks never span two)."""
+
+
+def _segments(samples: Samples) -> list[np.ndarray]:
+    if isinstance(samples, np.ndarray):
+        return [samples]
+    return [np.asarray(seg, dtype=float) for seg in samples]
+
+
+def _resampled_medians(
+    samples: Samples, rng: np.random.Generator, resamples: int, block: int
+) -> np.ndarray:
+    """Medians of ``resamples`` resamples of ``samples``, each as many whole blocks (of ``block``
+    consecutive samples of one segment; a segment's last may be short) drawn with replacement
+    as ``samples`` has."""
+    blocks = [seg[i : i + block] for seg in _segments(samples) for i in range(0, len(seg), block)]
+    picks = rng.integers(0, len(blocks), size=(resamples, len(blocks)))
+    return np.asarray([np.median(np.concatenate([blocks[i] for i in row])) for row in picks])
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -228,7 +375,7 @@ def config_diff(runs: Sequence[RunLog], labels: Sequence[str]) -> dict[str, dict
 
 
 def compare_runs(
-    runs: Sequence[RunLog],
+    runs: Sequence[Jobs],
     *,
     labels: Sequence[str] | None = None,
     warmup: int = DEFAULT_WARMUP,
@@ -236,16 +383,25 @@ def compare_runs(
     resamples: int = DEFAULT_RESAMPLES,
     level: float = DEFAULT_LEVEL,
     seed: int = DEFAULT_SEED,
+    block: int = DEFAULT_BLOCK,
 ) -> Comparison:
-    """Compare ``runs`` against ``runs[0]`` (the baseline).
+    """Compare ``runs`` against ``runs[0]`` (the baseline). A run may be several jobs of one
+    variant (alternated with the other variant's, so that host drift cannot favour either): their
+    steps are pooled, and the interval resamples blocks of each job.
 
     Raises :class:`CompareError` when fewer than two runs are given, or when their configs differ
     in more than the variant and ``force`` is false (the message lists the differing keys).
     """
     if len(runs) < 2:
         raise CompareError(f"need at least two runs to compare, got {len(runs)}")
-    labels = [str(r.path) for r in runs] if labels is None else list(labels)
-    diff = config_diff(runs, labels)
+    pooled = [_jobs(run) for run in runs]
+    labels = [str(jobs[0].path) for jobs in pooled] if labels is None else list(labels)
+    job_labels = [
+        label if len(jobs) == 1 else f"{label}[{i}]"
+        for label, jobs in zip(labels, pooled, strict=True)
+        for i in range(len(jobs))
+    ]
+    diff = config_diff([job for jobs in pooled for job in jobs], job_labels)
     if diff and not force:
         keys = ", ".join(diff)
         raise CompareError(
@@ -258,7 +414,12 @@ def compare_runs(
     gains = []
     for summary in summaries[1:]:
         median, low, high = bootstrap_ratio_of_medians(
-            base.measured_qps, summary.measured_qps, resamples=resamples, level=level, seed=seed
+            [np.asarray(seg) for seg in base.segments],
+            [np.asarray(seg) for seg in summary.segments],
+            resamples=resamples,
+            level=level,
+            seed=seed,
+            block=block,
         )
         gains.append(
             Gain(
@@ -278,18 +439,45 @@ def compare_runs(
         level=level,
         resamples=resamples,
         seed=seed,
+        block=block,
+        phases=tuple(row for run in summaries[1:] for row in phase_rows(base, run)),
     )
+
+
+def phase_rows(base: RunSummary, run: RunSummary) -> list[PhaseRow]:
+    """``run``'s per-phase prediction (for the model as written and as optimized) beside the
+    measured phases of ``base`` and ``run``; empty when ``run``'s header predicts none."""
+    predicted = run.predicted_phases
+    if predicted is None:
+        return []
+    names = list(predicted["optimized"])
+    names += [n for n in (run.phases or {}) if n not in names]
+    return [
+        PhaseRow(
+            label=run.label,
+            phase=name,
+            baseline_predicted=predicted["baseline"].get(name),
+            baseline_measured=(base.phases or {}).get(name),
+            predicted=predicted["optimized"].get(name),
+            measured=(run.phases or {}).get(name),
+        )
+        for name in names
+    ]
 
 
 def predicted_gain(base: RunSummary, run: RunSummary) -> float | None:
     """The cost model's gain of ``run`` over ``base``.
 
-    Preferred: the run's predicted per-step saving subtracted from the baseline run's *measured*
+    Preferred: the header's ``predicted_gain`` when it predicted every phase of the step
+    (``predicted_phases``): a prediction of both steps, made before either was measured. Then,
+    for older logs: the run's predicted per-step saving subtracted from the baseline run's *measured*
     median step time. That step includes everything the cost model does not see (gradient pushes,
     all-reduce, other processes on the host), which a prediction made inside the trainer from a
     lone forward+backward overstates the gain by. Then a header's ``predicted_gain``; then the
     ratio of predicted step times when both runs have one.
     """
+    if run.predicted_phases is not None and run.predicted_gain is not None:
+        return run.predicted_gain
     if run.predicted_saving_s is not None and run is not base:
         after = base.median_step_time_s - run.predicted_saving_s
         # A saving as large as the whole step cannot be right; say nothing rather than infinity.

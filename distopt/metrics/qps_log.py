@@ -178,11 +178,12 @@ class QpsLogWriter:
         loss: float | None = None,
         lr: float | None = None,
         wait_s: float | None = None,
+        phases: Mapping[str, float] | None = None,
         **pipeline: float,
     ) -> StepRecord:
         """Record one step of this rank; ``qps`` is derived from the global batch size. The
-        optional values (``pipeline``: ``staleness_max``, ``staleness_mean``, ``prefetch_bytes``)
-        are written only when given."""
+        optional values (``pipeline``: ``staleness_max``, ``staleness_mean``, ``prefetch_bytes``;
+        ``phases``: seconds by step phase) are written only when given."""
         if step_time_s <= 0:
             raise QpsLogError(f"step {step}: step_time_s must be > 0, got {step_time_s!r}")
         record = StepRecord(
@@ -198,6 +199,7 @@ class QpsLogWriter:
             loss=loss,
             lr=lr,
             wait_s=wait_s,
+            phases=dict(phases) if phases is not None else None,
             **pipeline,
         )
         fields = {k: v for k, v in dataclasses.asdict(record).items() if v is not None}
@@ -355,6 +357,7 @@ def read_log(path: str | Path) -> RankLog:
                 )
             fields: dict[str, Any] = {name: record[name] for name in _STEP_FIELDS}
             fields.update({name: _optional_float(record, name, where) for name in _STEP_OPTIONAL})
+            fields["phases"] = _phases(record, where)
             steps.append(StepRecord(**fields))
         elif kind == "eval":
             _check_fields(record, _EVAL_FIELDS, where)
@@ -381,6 +384,17 @@ def _optional_float(record: Mapping[str, Any], name: str, where: str) -> float |
     if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
         raise QpsLogError(f"{where}: step field {name!r} has bad value {value!r}")
     return value
+
+
+def _phases(record: Mapping[str, Any], where: str) -> dict[str, float] | None:
+    value = record.get("phases")
+    if value is None:
+        return None
+    if not isinstance(value, dict) or any(
+        isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 for v in value.values()
+    ):
+        raise QpsLogError(f"{where}: step field 'phases' has bad value {value!r}")
+    return {str(k): float(v) for k, v in value.items()}
 
 
 def load_run(path: str | Path) -> RunLog:

@@ -63,6 +63,8 @@ class StepRecord:
     """Pipelined runs: updates missed per prefetched row, mean over the run so far."""
     prefetch_bytes: float | None = None
     """Pipelined runs: peak bytes of prefetched rows waiting for their step, over the run so far."""
+    phases: dict[str, float] | None = None
+    """Seconds of each phase of the step (:data:`distopt.estimate.step.REPORTED`), when logged."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)

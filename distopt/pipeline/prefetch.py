@@ -14,6 +14,12 @@ calls it sets how stale the prefetched rows may be:
   ``deterministic=True`` the issue order is kept instead: slower (a table's prefetch and push
   then chain), but the run repeats bitwise and the counted staleness is exact.
 
+With ``max_staleness`` (relaxed mode only) the depth adapts in the run: when
+:data:`LATE_TAKES` batches in a row are taken before all their prefetched reads arrived, the
+staleness deepens by one, never past ``max_staleness``. A starting staleness chosen by the cost
+model (:func:`distopt.estimate.staleness_to_hide`) is a guess of the host's speed; the run
+corrects it. Deepening is never undone (a shallower window would only be late again).
+
 Staleness is counted, not assumed: every push this trainer issues is numbered per table
 (:func:`distopt.ps.client.calls.on_push`), and when a batch is taken each of its fetched rows counts the
 pushes of that row issued after its fetch. Without ``deterministic`` this is an upper bound for
@@ -32,6 +38,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.utils._pytree import tree_leaves
 
+from distopt.errors import ConfigError
 from distopt.pipeline.slots import Issued
 from distopt.pipeline.split import PrefetchSplit
 from distopt.ps.client import calls as ps_calls
@@ -54,11 +61,18 @@ class PipelineStats:
     """Peak bytes of prefetched results that had arrived and were not yet used."""
     batch_bytes_max: int = 0
     """Peak bytes of the prefetched results of one batch (its rows)."""
+    late: int = 0
+    """Batches taken before all their prefetched reads had arrived."""
+    depth: int = 0
+    """The staleness the pipeline prefetches with now (deepens with ``max_staleness``)."""
 
     @property
     def staleness_mean(self) -> float:
         return self.staleness_sum / self.rows if self.rows else 0.0
 
+
+LATE_TAKES = 2
+"""Batches in a row taken before their prefetched reads arrived, before the depth deepens."""
 
 _KEY_SHIFT = 40
 
@@ -125,6 +139,12 @@ def _ps_requests(issued: Sequence[Issued]) -> list[tuple[str, torch.Tensor]]:
     return [r for future, _, _ in issued for r in getattr(future, "requests", ())]
 
 
+def _arrived(issued: Sequence[Issued]) -> bool:
+    """Whether every prefetched read has its answer (reads that are no torch future count as
+    arrived: their state cannot be asked without waiting)."""
+    return all(future.done() for future, _, _ in issued if isinstance(future, torch.futures.Future))
+
+
 def _arrived_bytes(issued: Sequence[Issued]) -> int:
     total = 0
     for future, _, _ in issued:
@@ -141,6 +161,15 @@ def _arrived_bytes(issued: Sequence[Issued]) -> int:
     return total
 
 
+def check_max_staleness(max_staleness: int | None, *, staleness: int, deterministic: bool) -> None:
+    """A one-line error unless the depth can adapt from ``staleness`` up to ``max_staleness``."""
+    if max_staleness is not None and (staleness < 1 or deterministic or max_staleness < staleness):
+        raise ConfigError(
+            f"max_staleness: {max_staleness!r} needs staleness >= 1 (got {staleness}), at most "
+            "max_staleness, and deterministic off (the depth follows the host's timing)"
+        )
+
+
 class Prefetcher(Generic[B]):
     """Batches with their prefetch stage issued, ``max(1, staleness)`` ahead (see the module)."""
 
@@ -153,15 +182,19 @@ class Prefetcher(Generic[B]):
         inputs: Callable[[B], Sequence[Any]],
         to_device: Callable[[B], B] | None = None,
         deterministic: bool = False,
+        max_staleness: int | None = None,
     ) -> None:
+        check_max_staleness(max_staleness, staleness=staleness, deterministic=deterministic)
         self.split = split
         self.batches = batches
         self.staleness = staleness
+        self.max_staleness = max_staleness
+        self._late_in_a_row = 0
         self.relaxed = staleness >= 1 and not deterministic
         """Whether prefetches and pushes skip the exact issue order (see the module)."""
         self.inputs = inputs
         self.to_device = to_device
-        self.stats = PipelineStats()
+        self.stats = PipelineStats(depth=staleness)
         self.exhausted = False
         self._queue: collections.deque[_InFlight[B]] = collections.deque()
         self._journal = PushJournal()
@@ -204,6 +237,7 @@ class Prefetcher(Generic[B]):
             self.close()  # back to exact pushes even if the caller never closes
             raise StopIteration
         entry = self._queue.popleft()
+        self._adapt(late=not _arrived(entry.issued))
         missed = self._journal.missed(_ps_requests(entry.issued), entry.clocks)
         if missed.numel():
             self.stats.rows += missed.numel()
@@ -217,6 +251,19 @@ class Prefetcher(Generic[B]):
         self.stats.batches += 1
         self._last = entry.issued
         return entry.batch, entry.issued
+
+    def _adapt(self, *, late: bool) -> None:
+        """Count a late batch; deepen after :data:`LATE_TAKES` in a row (up to the maximum)."""
+        self.stats.late += int(late)
+        self._late_in_a_row = self._late_in_a_row + 1 if late else 0
+        if (
+            self.max_staleness is not None
+            and self.staleness < self.max_staleness
+            and self._late_in_a_row >= LATE_TAKES
+        ):
+            self.staleness += 1
+            self.stats.depth = self.staleness
+            self._late_in_a_row = 0
 
     def before_backward(self) -> None:
         """Called by the loop before each backward: with ``staleness >= 1``, prefetch now."""

@@ -18,6 +18,8 @@ steps ahead is prefetched before ``backward``; with ``staleness=0`` the next bat
 right after ``push``, which makes the run bitwise equal to the optimized model without a pipeline.
 ``staleness >= 1`` lets pushes and prefetches overtake each other, so results vary run to run
 within the bound; ``deterministic=True`` keeps the issue order (repeatable, but slower).
+``max_staleness`` lets the staleness deepen in the run while prefetched reads arrive late
+(:class:`~distopt.pipeline.prefetch.Prefetcher`), never past it.
 The job's trainer (``pipeline:`` in a job config) uses the same :class:`Prefetcher` in its loop.
 
 Before any step, the pipeline refuses (one-line ``ConfigError`` naming the model) what it cannot
@@ -43,7 +45,7 @@ from distopt.pipeline.checks import (
     not_captured,
     staleness_problem,
 )
-from distopt.pipeline.prefetch import PipelineStats, Prefetcher
+from distopt.pipeline.prefetch import PipelineStats, Prefetcher, check_max_staleness
 from distopt.pipeline.slots import provided
 from distopt.pipeline.split import PrefetchSplit, split_prefetch
 from distopt.report import PipelineRecord, attach, report_of
@@ -114,10 +116,20 @@ class TrainPipeline:
         push: Callable[[], Any] | None = None,
         to_device: Callable[[Any], Any] | None = None,
         deterministic: bool = False,
+        max_staleness: int | None = None,
     ) -> None:
         self.staleness = check_staleness(staleness)
+        self.max_staleness = (
+            None if max_staleness is None else check_staleness(max_staleness, "max_staleness")
+        )
+        check_max_staleness(
+            self.max_staleness, staleness=self.staleness, deterministic=deterministic
+        )
         self.deterministic = deterministic
-        self.split = check_pipelined(model, self.staleness, push=push is not None)
+        # The deepest the pipeline may go is what must be safe to run.
+        self.split = check_pipelined(
+            model, self.max_staleness or self.staleness, push=push is not None
+        )
         self.model = self.split.main
         self.optimizer = optimizer
         self.loss_fn = loss_fn
@@ -154,6 +166,7 @@ class TrainPipeline:
                 inputs=self.inputs,
                 to_device=self.to_device,
                 deterministic=self.deterministic,
+                max_staleness=self.max_staleness,
             )
             self._prefetcher.fill()
         return self._prefetcher

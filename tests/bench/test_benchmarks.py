@@ -48,9 +48,9 @@ def test_ps_overlap_runs_and_logs(tmp_path) -> None:
     assert header["predicted_saving_s"] == point["predicted_saving_s"]
     assert "predicted_pipeline_staleness" not in header
     piped = json.loads(logs["pipelined"].read_text().splitlines()[0])
-    assert (
-        piped["predicted_pipeline_staleness"] == point["pipeline_staleness"] >= 1
-    )  # auto: per point
+    # auto: per point the cost model's choice, deepened in the run while reads were late.
+    assert piped["predicted_pipeline_staleness"] == point["predicted_pipeline_staleness"] >= 1
+    assert point["predicted_pipeline_staleness"] <= point["pipeline_staleness"] <= 4
     assert piped["predicted_step_time_s"] == point["predicted_pipelined_step_s"] > 0
     assert point["pipelined_vs_no_network_qps"] > 0 and point["pipelined_vs_optimized_qps"] > 0
 

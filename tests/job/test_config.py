@@ -66,6 +66,20 @@ def test_variant_decides_optimize_and_model() -> None:
             "ps.trainer_timeout_s: expected a number > 0, got 0",
         ),
         ({"steps": 3}, "JobConfig"),
+        (
+            {"model": "mlp", "pipeline": {"staleness": 2, "max_staleness": 1}},
+            "pipeline.max_staleness: expected an integer >= max(1, pipeline.staleness = 2), or "
+            "null, got 1",
+        ),
+        (
+            {
+                "model": "mlp",
+                "deterministic": True,
+                "pipeline": {"staleness": 1, "max_staleness": 3},
+            },
+            "pipeline.max_staleness: expected null unless pipeline.staleness >= 1 and "
+            "deterministic is false",
+        ),
     ],
 )
 def test_invalid_config_names_the_key(data: dict, message: str) -> None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 import pytest
 
+from distopt.estimate.step import PHASES
 from distopt.metrics.compare import (
     CompareError,
     bootstrap_ratio_of_medians,
@@ -12,7 +16,7 @@ from distopt.metrics.compare import (
     failed_gains,
     summarize,
 )
-from distopt.metrics.qps_log import load_run
+from distopt.metrics.qps_log import QpsLogWriter, load_run
 from tests.metrics.synthetic import WriteRun
 
 
@@ -132,3 +136,105 @@ def test_failed_gains_uses_lower_bound_or_median(write_run: WriteRun) -> None:
 def test_fewer_than_two_runs(write_run: WriteRun) -> None:
     with pytest.raises(CompareError, match="at least two runs"):
         compare_runs([load_run(write_run("a", 1000.0))])
+
+
+def _phased_run(
+    out: Path, run_id: str, variant: str, phases: dict[str, float], **extra: Any
+) -> Path:
+    """A run whose every step records ``phases`` (seconds); its step time is their sum."""
+    with QpsLogWriter.create(
+        out,
+        run_id=run_id,
+        variant=variant,
+        rank=0,
+        world_size=1,
+        global_batch_size=64,
+        config={"model": "dlrm", "variant": variant, "run_id": run_id},
+        extra=extra,
+    ) as writer:
+        for step in range(30):
+            jitter = 1 + 0.01 * (step % 3)
+            scaled = {k: v * jitter for k, v in phases.items()}
+            total = sum(v for k, v in scaled.items() if k in PHASES)
+            writer.log_step(step, total, phases=scaled)
+    return out / run_id
+
+
+def test_phases_predicted_beside_measured(tmp_path: Path) -> None:
+    measured_base = {
+        "data": 0.0,
+        "forward": 0.030,
+        "waits": 0.028,
+        "backward": 0.004,
+        "all_reduce": 0.001,
+        "pushes": 0.010,
+        "optimizer": 0.001,
+    }
+    measured_opt = {**measured_base, "forward": 0.012, "waits": 0.010}
+    predicted = {
+        "baseline": {**measured_base, "forward": 0.024},
+        "optimized": {**measured_opt, "pushes": 0.008},
+        "how": {"forward": "profiled"},
+    }
+    base = load_run(_phased_run(tmp_path, "base", "baseline", measured_base))
+    opt = load_run(
+        _phased_run(
+            tmp_path,
+            "opt",
+            "optimized",
+            measured_opt,
+            predicted_phases=predicted,
+            predicted_gain=1.6,
+            predicted_saving_s=0.5,
+        )
+    )
+    result = compare_runs([base, opt], labels=["b", "o"], warmup=3)
+    rows = {row.phase: row for row in result.phases}
+    assert list(rows) == list(measured_opt)
+    assert rows["forward"].baseline_predicted == 0.024
+    assert rows["forward"].baseline_measured == pytest.approx(0.030, rel=0.02)
+    assert rows["forward"].measured == pytest.approx(0.012, rel=0.02)
+    assert rows["pushes"].error == pytest.approx(0.008 / rows["pushes"].measured - 1)
+    assert rows["data"].error is None  # nothing measured: no ratio
+    # The whole-step prediction is the header's, not the saving taken off the measured baseline.
+    assert result.gains[0].predicted == 1.6
+    assert result.to_json()["phases"][1]["phase"] == "forward"
+    old = load_run(_phased_run(tmp_path, "old", "optimized", measured_opt))
+    assert compare_runs([base, old], warmup=3).phases == ()
+
+
+def test_interval_resamples_blocks_of_steps(write_run: WriteRun) -> None:
+    # Drift within each run: consecutive steps are alike, so single steps understate the spread.
+    base_qps = 1000 * (1 + 0.1 * np.sin(np.arange(200) / 10))
+    fast_qps = 1100 * (1 + 0.1 * np.sin(np.arange(200) / 10 + 2))
+    one = bootstrap_ratio_of_medians(base_qps, fast_qps, block=1)
+    blocks = bootstrap_ratio_of_medians(base_qps, fast_qps, block=20)
+    assert one[0] == blocks[0]  # the same point estimate
+    assert blocks[2] - blocks[1] > 1.5 * (one[2] - one[1])
+    with pytest.raises(CompareError, match="--block: expected an integer >= 1, got 0"):
+        bootstrap_ratio_of_medians(base_qps, fast_qps, block=0)
+    result = compare_runs(
+        [load_run(write_run("b", 1000.0)), load_run(write_run("f", 1100.0))], block=7
+    )
+    assert "blocks of 7 consecutive steps" in result.interval
+    assert result.to_json()["interval"] == result.interval
+
+
+def test_jobs_of_one_variant_are_pooled(write_run: WriteRun) -> None:
+    # The host slowed down between the jobs: base0, fast0 ran fast; fast1, base1 slow (ABBA).
+    base = [load_run(write_run("b0", 1000.0, seed=1)), load_run(write_run("b1", 800.0, seed=2))]
+    fast = [
+        load_run(write_run(name, qps, variant="optimized", seed=seed))
+        for name, qps, seed in (("f0", 1100.0, 3), ("f1", 880.0, 4))
+    ]
+    result = compare_runs([base, fast], labels=["b", "f"])
+    (gain,) = result.gains
+    assert result.runs[0].jobs == 2 and result.runs[0].steps == 2 * (200 - 5)
+    assert gain.ci_low < 1.10 < gain.ci_high
+    assert "steps pooled from alternated jobs (2 baseline, 2 optimized)" in result.interval
+    # One job of each, from opposite ends of the drift, gives a confident wrong answer.
+    lone = compare_runs([base[0], fast[1]], labels=["b", "f"]).gains[0]
+    assert lone.ci_high < 1.0
+    mixed = [base[0], load_run(write_run("other", 900.0, config={"lr": 0.5}))]
+    with pytest.raises(CompareError, match=r"lr \(use --force"):
+        compare_runs([mixed, fast], labels=["b", "f"])

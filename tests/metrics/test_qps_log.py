@@ -152,3 +152,28 @@ def test_ranks_of_different_runs_are_refused(tmp_path: Path) -> None:
     other.rename(tmp_path / "r1" / other.name)
     with pytest.raises(QpsLogError, match="run_id 'r2' differs from 'r1'"):
         load_run(tmp_path / "r1")
+
+
+def test_step_phases_round_trip_and_bad_phases_are_named(tmp_path: Path) -> None:
+    phases = {"data": 0.001, "forward": 0.02, "waits": 0.015, "backward": 0.004}
+    with QpsLogWriter.create(
+        tmp_path,
+        run_id="r1",
+        variant="optimized",
+        rank=0,
+        world_size=1,
+        global_batch_size=64,
+        config={"model": "mlp"},
+    ) as writer:
+        writer.log_step(0, 0.03, phases=phases)
+        writer.log_step(1, 0.03)
+    log = read_log(writer.path)
+    assert log.steps[0].phases == phases and log.steps[1].phases is None
+    lines = writer.path.read_text().splitlines()
+    assert "phases" not in json.loads(lines[2])  # absent when not given
+    step = json.loads(lines[1])
+    step["phases"] = {"forward": -1}
+    lines[1] = json.dumps(step)
+    writer.path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(QpsLogError, match=r":2: step field 'phases' has bad value"):
+        read_log(writer.path)

@@ -3,6 +3,8 @@ a pipeline; with staleness s, rows miss at most s updates (counted), and memory 
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ import distopt.ps as ps
 from distopt.errors import ConfigError
 from distopt.models.dlrm import dlrm_loss, make_batch
 from distopt.pipeline import TrainPipeline
+from distopt.pipeline.prefetch import LATE_TAKES
 from distopt.ps.client import calls
 from tests.pipeline.conftest import CONFIG, bitwise_equal, optimized_dlrm
 
@@ -131,3 +134,66 @@ def test_a_bad_staleness_is_a_one_line_error(server, bad) -> None:
     gm = optimized_dlrm(_inputs(batch))
     with pytest.raises(ConfigError, match=rf"^staleness: expected an integer >= 0, got {bad!r}$"):
         TrainPipeline(gm, torch.optim.SGD(gm.parameters(), lr=0.1), staleness=bad, loss_fn=_loss)
+
+
+def test_late_prefetches_deepen_the_staleness_up_to_the_maximum(server) -> None:
+    ps.set_latency_ms(40.0)  # every read answers long after a step of this small model
+    try:
+        batches = _batches() * 3
+        ps.load_state_dict(server)
+        gm = optimized_dlrm(_inputs(batches[0]))
+        pipe = TrainPipeline(
+            gm,
+            torch.optim.SGD(gm.parameters(), lr=0.1),
+            iter(batches),
+            staleness=1,
+            max_staleness=2,
+            loss_fn=_loss,
+            inputs=_inputs,
+            push=lambda: ps.push_gradients(lr=LR),
+        )
+        depths = []
+        for _ in pipe.run():
+            depths.append(pipe.stats.depth)
+        pipe.close()
+        ps.flush()
+    finally:
+        ps.set_latency_ms(0.0)
+    stats = pipe.stats
+    assert depths[0] == 1 and depths[-1] == 2 and depths == sorted(depths)  # deepened, never past
+    assert stats.late >= LATE_TAKES  # the deepening followed LATE_TAKES late batches in a row
+    assert stats.staleness_max == 2  # counted as before: the rows now miss up to 2 updates
+
+
+def test_a_fixed_staleness_stays_however_late_the_reads(server) -> None:
+    ps.set_latency_ms(40.0)
+    try:
+        _, _, _, pipe = _pipelined(server, staleness=1)
+    finally:
+        ps.set_latency_ms(0.0)
+    assert pipe.stats.late > 0 and pipe.stats.depth == 1 and pipe.stats.staleness_max <= 1
+
+
+@pytest.mark.parametrize(
+    ("staleness", "max_staleness", "deterministic", "message"),
+    [
+        (0, 2, False, "max_staleness: 2 needs staleness >= 1 (got 0)"),
+        (2, 1, False, "max_staleness: 1 needs staleness >= 1 (got 2), at most max_staleness"),
+        (1, 2, True, "deterministic off"),
+    ],
+)
+def test_an_adapting_staleness_that_cannot_hold_is_a_one_line_error(
+    server, staleness, max_staleness, deterministic, message
+) -> None:
+    batch = make_batch(CONFIG, 0)
+    gm = optimized_dlrm(_inputs(batch))
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        TrainPipeline(
+            gm,
+            torch.optim.SGD(gm.parameters(), lr=0.1),
+            staleness=staleness,
+            max_staleness=max_staleness,
+            deterministic=deterministic,
+            loss_fn=_loss,
+        )
+    assert "\n" not in str(info.value)

@@ -1,0 +1,321 @@
+"""The whole training step, phase by phase: what the trainer measures and what the cost model
+predicts, with the same names, so that a wrong term shows as one wrong row (docs/cost_model.md).
+
+A step of the QPS log (its ``step_time_s``) is the sum of these disjoint phases, plus a
+remainder (``other``: bookkeeping between them):
+
+* ``data`` — taking the next batch (from the loader or the pipeline) and moving it to the device;
+* ``forward`` — the model and its loss; ``waits`` is the part of it spent blocked on remote
+  requests (:func:`distopt.ps.take_wait_time`);
+* ``backward`` — autograd, the DDP gradient all-reduce included; ``all_reduce`` is the part of it
+  after the local gradients were done (the all-reduce that backward did not hide);
+* ``pushes`` — the trainer's gradient pushes to the parameter servers (in deterministic jobs one
+  trainer at a time, each waiting for its push);
+* ``optimizer`` — clipping, the optimizer and scheduler step.
+
+:class:`StepPhases` measures them in the training loop. :func:`predict_step` predicts each for
+the model as written and as optimized, from start-up measurements of that phase (forward,
+backward and each remote request profiled on the model; an optimizer step timed on copies of
+the parameters) or from a model of it (the all-reduce from the α–β fit of
+:mod:`distopt.collectives`; pushes as one request per trainer; data as a loader that keeps up).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from distopt.estimate.predict import GainPrediction
+
+PHASES: tuple[str, ...] = ("data", "forward", "backward", "pushes", "optimizer")
+"""The disjoint phases of a step, in order."""
+PARTS: dict[str, str] = {"waits": "forward", "all_reduce": "backward"}
+"""Measured parts of a phase: part → the phase that contains it."""
+REPORTED: tuple[str, ...] = (
+    "data",
+    "forward",
+    "waits",
+    "backward",
+    "all_reduce",
+    "pushes",
+    "optimizer",
+)
+"""The rows of a per-phase report, in step order."""
+
+
+class StepPhases:
+    """Seconds of each phase of the trainer's current step (see the module docstring).
+
+    ``wait_time``: reads and resets the seconds this process spent blocked on remote requests
+    (:func:`distopt.ps.take_wait_time`), ``None`` without parameter servers. The part of it inside
+    ``forward`` is the step's ``waits``; all of it is :attr:`waited_s`.
+    """
+
+    def __init__(self, wait_time: Callable[[], float] | None = None) -> None:
+        self._wait_time = wait_time
+        self._seconds = dict.fromkeys(PHASES, 0.0)
+        self._parts = dict.fromkeys(PARTS, 0.0)
+        self.waited_s = 0.0
+        """Seconds blocked on remote requests in the step so far, in any phase."""
+
+    def _waited(self) -> float:
+        if self._wait_time is None:
+            return 0.0
+        seconds = self._wait_time()
+        self.waited_s += seconds
+        return seconds
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the block as (part of) phase ``name``."""
+        if name not in self._seconds:
+            raise ValueError(f"phase: expected one of {', '.join(PHASES)}, got {name!r}")
+        self._waited()  # waits before the block belong to no part
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[name] += time.perf_counter() - start
+            waited = self._waited()
+            if name == "forward":
+                self._parts["waits"] += waited
+
+    @contextlib.contextmanager
+    def backward(self, loss: torch.Tensor) -> Iterator[None]:
+        """Time the block (``loss.backward()``) as ``backward``, and its ``all_reduce`` part: the
+        time after autograd's local work ended (the first callback queued at backward's start
+        runs then, before DDP's, which waits for the gradient all-reduce)."""
+        local_end: list[float] = []
+        grad_fn = loss.grad_fn
+        handle = None
+        if grad_fn is not None:
+            queue = torch.autograd.Variable._execution_engine.queue_callback  # type: ignore[attr-defined]
+
+            def at_start(_grads: Any) -> None:
+                queue(lambda: local_end.append(time.perf_counter()))
+
+            handle = grad_fn.register_prehook(at_start)
+        try:
+            with self.phase("backward"):
+                yield
+            if local_end:
+                end = time.perf_counter()
+                self._parts["all_reduce"] += max(0.0, end - local_end[0])
+        finally:
+            if handle is not None:
+                handle.remove()
+
+    def take(self) -> dict[str, float]:
+        """This step's phases and parts (seconds, :data:`REPORTED` order); starts the next step."""
+        self._waited()
+        taken = {**self._seconds, **self._parts}
+        self._seconds = dict.fromkeys(PHASES, 0.0)
+        self._parts = dict.fromkeys(PARTS, 0.0)
+        return {name: taken[name] for name in REPORTED}
+
+    def take_waited(self) -> float:
+        """Seconds blocked on remote requests since the last call (the step's ``wait_s``)."""
+        self._waited()
+        waited, self.waited_s = self.waited_s, 0.0
+        return waited
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPrediction:
+    """Predicted seconds of each reported phase of a step, for the model as written
+    (``baseline``) and as optimized, and what each prediction assumed."""
+
+    baseline: Mapping[str, float]
+    optimized: Mapping[str, float]
+    assumptions: Mapping[str, str]
+    """Phase → how it was predicted (a measurement, or the model and its assumption)."""
+
+    @staticmethod
+    def total(phases: Mapping[str, float]) -> float:
+        """The step: the sum of the disjoint phases (parts are inside them)."""
+        return sum(phases.get(name, 0.0) for name in PHASES)
+
+    @property
+    def baseline_s(self) -> float:
+        return self.total(self.baseline)
+
+    @property
+    def optimized_s(self) -> float:
+        return self.total(self.optimized)
+
+    @property
+    def gain(self) -> float:
+        return self.baseline_s / self.optimized_s if self.optimized_s > 0 else math.inf
+
+    def to_header(self) -> dict[str, Any]:
+        """The QPS-log header keys (docs/qps_log_format.md)."""
+        return {
+            "predicted_gain": self.gain,
+            "predicted_step_time_s": self.optimized_s,
+            "predicted_saving_s": self.baseline_s - self.optimized_s,
+            "predicted_phases": {
+                "baseline": dict(self.baseline),
+                "optimized": dict(self.optimized),
+                "how": dict(self.assumptions),
+            },
+        }
+
+
+def median_time(call: Callable[[], object], *, repeats: int, warmup: int = 1) -> float:
+    """Median seconds of ``call()`` over ``repeats`` calls after ``warmup`` untimed ones."""
+    for _ in range(warmup):
+        call()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def time_optimizer_step(
+    params: Sequence[nn.Parameter],
+    build: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    *,
+    repeats: int = 7,
+) -> float:
+    """Median seconds of an optimizer step (and ``zero_grad``) of the optimizer ``build`` makes,
+    run on copies of ``params`` with random gradients: the user's parameters, gradients and
+    optimizer state are untouched."""
+    copies = [nn.Parameter(p.detach().clone()) for p in params if p.requires_grad]
+    if not copies:
+        return 0.0
+    optimizer = build(copies)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+
+    def step() -> None:
+        for p in copies:
+            p.grad = torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    grads = median_time(
+        lambda: [torch.randn(p.shape, generator=generator) for p in copies], repeats=3
+    )
+    return max(0.0, median_time(step, repeats=repeats) - grads)
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """Bytes of the dense gradients DDP all-reduces (trainable parameters of ``model``)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def predict_step(
+    *,
+    forward_before_s: float,
+    forward_after_s: float,
+    waits_before_s: float,
+    waits_after_s: float,
+    backward_s: float,
+    request_latency_s: float,
+    optimizer_s: float,
+    all_reduce_s: float,
+    num_trainers: int,
+    blocking_pushes: bool,
+    barrier_s: float = 0.0,
+    data_s: float = 0.0,
+) -> StepPrediction:
+    """The step of the model as written and as optimized, phase by phase.
+
+    The passes change the forward only (its waits); every other phase is predicted the same for
+    both. Pushes: one request per trainer and step (:func:`distopt.ps.push_gradients` batches
+    every table), costing ``request_latency_s``; with ``blocking_pushes`` the trainers push one
+    after the other, each waiting for its answer and then for a barrier (``barrier_s``), so the
+    step pays ``num_trainers`` of both; otherwise the push overlaps what follows and costs
+    nothing here.
+    """
+    pushes = num_trainers * (request_latency_s + barrier_s) if blocking_pushes else 0.0
+    shared = {
+        "data": data_s,
+        "backward": backward_s + all_reduce_s,
+        "all_reduce": all_reduce_s,
+        "pushes": pushes,
+        "optimizer": optimizer_s,
+    }
+    how = {
+        "data": "0: the loader keeps up (batches are ready when asked for)",
+        "forward": "profiled nodes of the captured and optimized graphs, each remote read timed "
+        "as the model sends it, walked with one clock (distopt.estimate.timeline)",
+        "waits": "the same walk: request latency not hidden by local work",
+        "backward": "median of timed backwards of the model as written, plus all_reduce",
+        "all_reduce": "alpha-beta fit of the trainers' group (distopt.collectives) for all dense "
+        "gradient bytes in one bucket, not overlapped with backward",
+        "pushes": (
+            f"{num_trainers} trainers push one after the other, one request each at the "
+            "median request latency, then a barrier (timed at start-up)"
+            if blocking_pushes
+            else "0: asynchronous pushes overlap the next step"
+        ),
+        "optimizer": "median of timed optimizer steps on copies of the parameters",
+    }
+    baseline = {**shared, "forward": forward_before_s, "waits": waits_before_s}
+    optimized = {**shared, "forward": forward_after_s, "waits": waits_after_s}
+    order = {name: i for i, name in enumerate(REPORTED)}
+    return StepPrediction(
+        baseline=dict(sorted(baseline.items(), key=lambda kv: order[kv[0]])),
+        optimized=dict(sorted(optimized.items(), key=lambda kv: order[kv[0]])),
+        assumptions=how,
+    )
+
+
+def forward_backward_times(
+    run_forward: Callable[[], torch.Tensor], *, repeats: int
+) -> tuple[float, float]:
+    """Median seconds of ``run_forward()`` (a scalar loss) and of its backward, over ``repeats``
+    runs after one warm-up run. The caller keeps the model's state (see
+    :func:`distopt.estimate.predict.measure_step`)."""
+    forwards, backwards = [], []
+    for i in range(repeats + 1):
+        start = time.perf_counter()
+        loss = run_forward()
+        middle = time.perf_counter()
+        loss.backward()
+        end = time.perf_counter()
+        if i:
+            forwards.append(middle - start)
+            backwards.append(end - middle)
+    return statistics.median(forwards), statistics.median(backwards)
+
+
+def step_of(
+    gain: GainPrediction,
+    *,
+    optimizer_s: float,
+    all_reduce_s: float,
+    num_trainers: int,
+    blocking_pushes: bool,
+    barrier_s: float = 0.0,
+) -> StepPrediction | None:
+    """:func:`predict_step` from a :func:`~distopt.estimate.predict_gain` made with
+    ``measure_step=True`` (``None`` when its step was not measured); a pipelined prediction's
+    optimized forward is the pipelined one."""
+    if gain.measured_backward_s is None:
+        return None
+    after = gain.pipelined if gain.pipelined is not None else gain.forward.after
+    return predict_step(
+        forward_before_s=gain.forward.before_s,
+        forward_after_s=after.total_s,
+        waits_before_s=gain.forward.before.blocked_s,
+        waits_after_s=after.blocked_s,
+        backward_s=gain.measured_backward_s,
+        request_latency_s=gain.rpc_latency_s,
+        optimizer_s=optimizer_s,
+        all_reduce_s=all_reduce_s,
+        num_trainers=num_trainers,
+        blocking_pushes=blocking_pushes,
+        barrier_s=barrier_s,
+    )

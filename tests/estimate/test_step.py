@@ -1,0 +1,164 @@
+"""The step phase by phase: measured by the trainer (StepPhases), predicted (predict_step)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from distopt.estimate.predict import GainPrediction, Prediction
+from distopt.estimate.step import (
+    PHASES,
+    REPORTED,
+    StepPhases,
+    StepPrediction,
+    gradient_bytes,
+    predict_step,
+    step_of,
+    time_optimizer_step,
+)
+from distopt.estimate.timeline import Timeline
+
+
+class FakeWaits:
+    """A remote client's wait counter: ``blocked(s)`` adds seconds, reading resets it."""
+
+    def __init__(self) -> None:
+        self.pending = 0.0
+
+    def blocked(self, seconds: float) -> None:
+        self.pending += seconds
+
+    def __call__(self) -> float:
+        taken, self.pending = self.pending, 0.0
+        return taken
+
+
+def test_phases_add_up_and_waits_belong_to_the_forward() -> None:
+    waits = FakeWaits()
+    phases = StepPhases(waits)
+    waits.blocked(0.5)  # before the step: no phase, but the step's wait_s
+    with phases.phase("data"):
+        time.sleep(0.002)
+    with phases.phase("forward"):
+        waits.blocked(0.25)
+        time.sleep(0.002)
+    with phases.phase("pushes"):
+        waits.blocked(0.125)  # a blocking push waits too, but not in the forward
+    taken = phases.take()
+    assert list(taken) == list(REPORTED)
+    assert taken["data"] >= 0.002 and taken["forward"] >= 0.002
+    assert taken["waits"] == 0.25
+    assert taken["backward"] == taken["all_reduce"] == taken["optimizer"] == 0.0
+    assert phases.take_waited() == 0.875
+    assert phases.take() == dict.fromkeys(REPORTED, 0.0)  # the next step starts from zero
+    with pytest.raises(ValueError, match="got 'fetch'"):
+        with phases.phase("fetch"):
+            pass
+
+
+def test_backward_and_its_all_reduce_part() -> None:
+    model = nn.Linear(8, 1)
+    phases = StepPhases()
+    loss = model(torch.randn(4, 8)).sum()
+    with phases.backward(loss):
+        loss.backward()
+        time.sleep(0.003)  # after autograd's local work: what an all-reduce wait looks like
+    taken = phases.take()
+    assert model.weight.grad is not None
+    assert 0.003 <= taken["all_reduce"] <= taken["backward"]
+    # Outside a timed backward, a backward of the same graph records nothing.
+    loss = model(torch.randn(4, 8)).sum()
+    with phases.backward(loss):
+        pass
+    loss.backward()
+    assert phases.take()["all_reduce"] == 0.0
+
+
+def test_predict_step_changes_only_the_forward() -> None:
+    step = predict_step(
+        forward_before_s=0.030,
+        forward_after_s=0.010,
+        waits_before_s=0.028,
+        waits_after_s=0.008,
+        backward_s=0.004,
+        request_latency_s=0.006,
+        optimizer_s=0.001,
+        all_reduce_s=0.002,
+        num_trainers=2,
+        blocking_pushes=True,
+        barrier_s=0.0005,
+    )
+    assert list(step.baseline) == list(REPORTED) == list(step.optimized)
+    # Two trainers, one after the other, each a push and a barrier.
+    assert step.baseline["pushes"] == pytest.approx(0.013)
+    assert step.baseline["backward"] == pytest.approx(0.006)  # the all-reduce is inside it
+    assert step.baseline_s == pytest.approx(0.030 + 0.006 + 0.013 + 0.001)
+    assert step.optimized_s == pytest.approx(0.010 + 0.006 + 0.013 + 0.001)
+    assert step.gain == pytest.approx(step.baseline_s / step.optimized_s)
+    assert {k: step.baseline[k] for k in REPORTED if k not in ("forward", "waits")} == {
+        k: step.optimized[k] for k in REPORTED if k not in ("forward", "waits")
+    }
+    header = step.to_header()
+    assert header["predicted_saving_s"] == pytest.approx(0.020)
+    assert header["predicted_gain"] == step.gain
+    assert set(header["predicted_phases"]) == {"baseline", "optimized", "how"}
+    assert set(header["predicted_phases"]["how"]) == set(REPORTED)
+    asynchronous = predict_step(
+        forward_before_s=0.03,
+        forward_after_s=0.01,
+        waits_before_s=0.0,
+        waits_after_s=0.0,
+        backward_s=0.0,
+        request_latency_s=0.006,
+        optimizer_s=0.0,
+        all_reduce_s=0.0,
+        num_trainers=2,
+        blocking_pushes=False,
+    )
+    assert asynchronous.optimized["pushes"] == 0.0
+
+
+def test_step_total_is_the_disjoint_phases() -> None:
+    phases = {"data": 1.0, "forward": 2.0, "waits": 1.5, "backward": 3.0, "all_reduce": 2.5}
+    assert StepPrediction.total({**phases, "pushes": 4.0, "optimizer": 5.0}) == 15.0
+    assert set(PHASES) | {"waits", "all_reduce"} == set(REPORTED)
+
+
+def test_optimizer_step_is_timed_on_copies() -> None:
+    model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
+    before = [p.detach().clone() for p in model.parameters()]
+    seconds = time_optimizer_step(
+        list(model.parameters()), lambda params: torch.optim.Adam(params, lr=0.1)
+    )
+    assert seconds > 0
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    assert all(p.grad is None for p in model.parameters())
+    assert gradient_bytes(model) == sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_step_of_a_gain_prediction_uses_the_pipelined_forward() -> None:
+    before = Timeline(total_s=0.030, compute_s=0.002, blocked_s=0.028, requests=4)
+    after = Timeline(total_s=0.010, compute_s=0.002, blocked_s=0.008, requests=1)
+    forward = Prediction(before=before, after=after, rpc_latency_s=0.007)
+    assert (
+        step_of(
+            GainPrediction(forward=forward),
+            optimizer_s=0,
+            all_reduce_s=0,
+            num_trainers=1,
+            blocking_pushes=False,
+        )
+        is None
+    )
+    pipelined = Timeline(total_s=0.003, compute_s=0.002, blocked_s=0.001, requests=1)
+    gain = GainPrediction(
+        forward=forward, measured_step_s=0.034, measured_backward_s=0.004, pipelined=pipelined
+    )
+    step = step_of(gain, optimizer_s=0.001, all_reduce_s=0.0, num_trainers=1, blocking_pushes=True)
+    assert step is not None
+    assert step.baseline["forward"] == 0.030 and step.optimized["forward"] == 0.003
+    assert step.optimized["waits"] == 0.001 and step.baseline["pushes"] == 0.007
+    assert step.baseline["backward"] == 0.004
