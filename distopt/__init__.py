@@ -11,8 +11,7 @@ from distopt.errors import (
     RemoteCallError,
     VerificationError,
 )
-from distopt.explain import explain
-from distopt.optimize import optimize
+from distopt.optimize import explain, optimize
 from distopt.parallel import ParallelizeConfig, parallelize
 from distopt.passes import PassContext, PassResult, register_pass
 from distopt.remote import register_batched, register_read, register_remote, register_write, remote

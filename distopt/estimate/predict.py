@@ -30,11 +30,11 @@ from torch import nn
 from distopt.errors import CaptureError, ConfigError
 from distopt.estimate.profile import profile_nodes
 from distopt.estimate.timeline import RequestLatency, Timeline, simulate
+from distopt.optimize.verify import isolated, preserved_state
 from distopt.remote.local import with_remote_calls
 from distopt.remote.ops import remote_ops
 from distopt.remote.record import CALL_INDEX, RemoteWriteRefused, recording
 from distopt.text import plural
-from distopt.verify import isolated, preserved_state
 
 
 def measure_latency(call: Callable[[], Any], *, repeats: int = 20) -> float:

@@ -30,7 +30,6 @@ from distopt.config import to_dict
 from distopt.data import Batch, DataSource, build_data, to_batch
 from distopt.errors import CaptureError, ConfigError, RemoteCallError
 from distopt.estimate import predict_gain
-from distopt.explain import summary
 from distopt.job import checkpoint
 from distopt.job import device as job_device
 from distopt.job import state as job_state
@@ -44,6 +43,7 @@ from distopt.job.record import Recorder, reopen_log, tensorboard_writer
 from distopt.job.recovery import Agreement
 from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
+from distopt.optimize.explain import summary
 from distopt.pipeline import Prefetcher, check_pipelined, provided
 from distopt.ps.client import calls as ps_calls
 from distopt.remote.ops import remote_ops

@@ -262,10 +262,10 @@ def _check_group(mesh: Any, process_group: Any) -> None:
 
 def _min_unit_bytes(cfg: ParallelizeConfig) -> int:
     """The configured minimum, else the one the measured α–β model of the group gives (every rank
-    agrees on one model: see :func:`distopt.collectives.alpha_beta`)."""
+    agrees on one model: see :func:`distopt.estimate.collectives.alpha_beta`)."""
     if cfg.min_unit_bytes is not None:
         return cfg.min_unit_bytes
-    from distopt.collectives import alpha_beta, min_unit_bytes
+    from distopt.estimate.collectives import alpha_beta, min_unit_bytes
 
     with collective("distopt.parallelize (timing all-gather and reduce-scatter for fuse_units)"):
         return min_unit_bytes(alpha_beta(cache_dir=cfg.cache_dir))

@@ -104,7 +104,7 @@ def _output_formats(
         return [format_name(v) for v in tensors]
     if example_inputs is None:
         return None
-    from distopt.verify import preserved_state
+    from distopt.optimize.verify import preserved_state
 
     try:
         with preserved_state(gm), torch.no_grad(), torch.random.fork_rng(devices=[]):

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.fx
 
+from distopt.optimize.verify import isolated, preserved_state
 from distopt.passes.core.base import PassContext, PassResult
 from distopt.remote.ops import remote_ops
-from distopt.verify import isolated, preserved_state
 
 Rewrite = Callable[[torch.fx.GraphModule], tuple[bool, str]]
 """Changes the graph in place; returns whether it changed anything and the report line."""
@@ -131,7 +131,7 @@ def _restored(inputs: tuple[Any, ...]) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():  # compared by value: see distopt.verify.preserved_state
+        with torch.no_grad():  # compared by value: see distopt.optimize.verify.preserved_state
             for tensor, value in saved:
                 if not torch.equal(tensor, value):
                     tensor.copy_(value)

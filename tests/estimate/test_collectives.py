@@ -1,4 +1,4 @@
-"""The α–β model of FSDP's collectives (``distopt.collectives``): the fit, the smallest unit worth
+"""The α–β model of FSDP's collectives (``distopt.estimate.collectives``): the fit, the smallest unit worth
 its own collective, and one model measured once per group, cached, agreed by every rank."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from distopt.collectives import AlphaBeta, alpha_beta, cache_path, fit, min_unit_bytes
 from distopt.errors import ConfigError
+from distopt.estimate.collectives import AlphaBeta, alpha_beta, cache_path, fit, min_unit_bytes
 from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
 
 MODEL = AlphaBeta(

@@ -24,13 +24,13 @@ from distopt.errors import (
     VerificationError,
 )
 from distopt.estimate.ab import Measurer
+from distopt.optimize.verify import Reference, compare_modules, preserved_state, run_reference
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
 from distopt.remote.intercept import makes_remote_calls
 from distopt.remote.local import with_remote_calls
 from distopt.remote.ops import remote_ops, remote_write_of
 from distopt.remote.record import RemoteWrite, RemoteWriteRefused
 from distopt.report import GraphRecord, OptimizeReport, VerifyRecord, attach
-from distopt.verify import Reference, compare_modules, preserved_state, run_reference
 
 
 class _SymbolicOff(Exception):
@@ -155,7 +155,7 @@ def optimize(
     if optimized is not model and inputs is not None and not model.training and cfg.measure.enabled:
         optimized = _keep_if_not_slower(model, optimized, inputs, cfg, report, warm=verify)
     if optimized is not model and cfg.dump_graph and isinstance(optimized, torch.fx.GraphModule):
-        from distopt.explain import draw_graph
+        from distopt.optimize.explain import draw_graph
 
         report.warnings.extend(draw_graph(optimized, cfg.dump_graph))
     report.total_seconds = time.perf_counter() - start
@@ -206,7 +206,7 @@ def _capture_and_transform(
         if strict:
             raise CaptureError(f"{report.model}: {report.reason}; Dynamo capture is disabled")
         return _fall_back(model, report, report.reason or "capture failed")
-    from distopt.compile_backend import make_backend
+    from distopt.optimize.backend import make_backend
 
     backend = make_backend(
         pipeline,

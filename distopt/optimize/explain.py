@@ -195,7 +195,7 @@ def _report(module: nn.Module) -> OptimizeReport:
     report = report_of(module)
     if report is not None:
         return report
-    from distopt.compile_backend import compiled_report
+    from distopt.optimize.backend import compiled_report
 
     report = compiled_report(module)
     if report is None:

@@ -3,7 +3,7 @@ from torch import nn
 
 import distopt
 from distopt import models
-from distopt.explain import draw_graph
+from distopt.optimize.explain import draw_graph
 
 
 def test_report_lists_tier_passes_diff_and_verification() -> None:

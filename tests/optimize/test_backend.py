@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch._dynamo
 
-from distopt.compile_backend import distopt_backend
 from distopt.errors import ConfigError
 from distopt.models import build, make_inputs
+from distopt.optimize.backend import distopt_backend
 
 MODELS = {
     "mlp": {},
