@@ -35,9 +35,10 @@ import distopt.ps as ps
 from distopt.bench import median, quantile
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
-from distopt.estimate import GainPrediction, predict_gain
+from distopt.estimate import GainPrediction
 from distopt.metrics import QpsLogWriter
 from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm_tables, make_batch
+from distopt.optimize.gain import predict_gain
 from distopt.pipeline import TrainPipeline
 
 VARIANTS = ("baseline", "optimized", "hand", "pipelined", "no_network")

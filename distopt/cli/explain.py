@@ -17,7 +17,7 @@ from torch import nn
 import distopt
 from distopt import models
 from distopt.errors import ConfigError
-from distopt.estimate import predict_gain
+from distopt.optimize.gain import predict_gain
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -4,7 +4,9 @@
   untouched, remote reads timed or modeled, writes never sent);
 * :mod:`~distopt.estimate.timeline` — one clock over a graph: blocking calls vs overlapped waits;
 * :mod:`~distopt.estimate.predict` — before/after predictions of the remote-call scheduling
-  passes and the one helper the trainer, ``distopt explain`` and the benchmarks report from.
+  passes (the tools' ``predict_gain``, which captures the model first, is
+  :mod:`distopt.optimize.gain`, above this layer);
+* :mod:`~distopt.estimate.collectives` — the α–β model of FSDP's collectives.
 """
 
 from distopt.estimate.predict import (
@@ -12,7 +14,6 @@ from distopt.estimate.predict import (
     Prediction,
     measure_latency,
     predict,
-    predict_gain,
     staleness_to_hide,
 )
 from distopt.estimate.profile import profile_nodes
@@ -25,7 +26,6 @@ __all__ = [
     "Timeline",
     "measure_latency",
     "predict",
-    "predict_gain",
     "profile_nodes",
     "simulate",
     "staleness_to_hide",

@@ -29,7 +29,6 @@ from distopt import models
 from distopt.config import to_dict
 from distopt.data import Batch, DataSource, build_data, to_batch
 from distopt.errors import CaptureError, ConfigError, RemoteCallError
-from distopt.estimate import predict_gain
 from distopt.job import checkpoint
 from distopt.job import device as job_device
 from distopt.job import state as job_state
@@ -44,6 +43,7 @@ from distopt.job.recovery import Agreement
 from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
 from distopt.optimize.explain import summary
+from distopt.optimize.gain import predict_gain
 from distopt.pipeline import Prefetcher, check_pipelined, provided
 from distopt.ps.client import calls as ps_calls
 from distopt.remote.ops import remote_ops
@@ -119,7 +119,7 @@ def _prediction(
 
     Only for models captured as a graph that makes remote calls, whatever serves them (distopt's
     tables, the user's own functions, RRefs, Ray actors); see
-    :func:`distopt.estimate.predict_gain` (each request timed as the model sends it, the forward
+    :func:`distopt.optimize.gain.predict_gain` (each request timed as the model sends it, the forward
     saving taken off a measured forward+backward of the model as written).
     """
     if not isinstance(optimized, torch.fx.GraphModule) or not remote_ops(optimized.graph):

@@ -24,9 +24,10 @@ from distopt.errors import (
     VerificationError,
 )
 from distopt.estimate.ab import Measurer
-from distopt.optimize.verify import Reference, compare_modules, preserved_state, run_reference
+from distopt.optimize.verify import Reference, compare_modules, run_reference
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
 from distopt.remote.intercept import makes_remote_calls
+from distopt.remote.isolation import preserved_state
 from distopt.remote.local import with_remote_calls
 from distopt.remote.ops import remote_ops, remote_write_of
 from distopt.remote.record import RemoteWrite, RemoteWriteRefused

@@ -2,7 +2,8 @@ import torch
 from torch import nn
 
 from distopt.config import VerifyConfig
-from distopt.optimize.verify import compare_modules, preserved_state
+from distopt.optimize.verify import compare_modules
+from distopt.remote.isolation import preserved_state
 
 
 def test_identical_modules_pass_and_count_outputs_and_grads() -> None:

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 import torch.fx
 
-from distopt.optimize.verify import isolated, preserved_state
 from distopt.passes.core.base import PassContext, PassResult
+from distopt.remote.isolation import isolated, preserved_state
 from distopt.remote.ops import remote_ops
 
 Rewrite = Callable[[torch.fx.GraphModule], tuple[bool, str]]
@@ -131,7 +131,7 @@ def _restored(inputs: tuple[Any, ...]) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():  # compared by value: see distopt.optimize.verify.preserved_state
+        with torch.no_grad():  # compared by value: see distopt.remote.isolation.preserved_state
             for tensor, value in saved:
                 if not torch.equal(tensor, value):
                     tensor.copy_(value)

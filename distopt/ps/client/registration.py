@@ -12,10 +12,10 @@ import sys
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
-from distopt.optimize.verify import register_isolation_hook
 from distopt.ps.client import calls, context
 from distopt.ps.client.futures import FetchFuture
 from distopt.remote import register_remote
+from distopt.remote.isolation import register_isolation_hook
 
 
 def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str) -> Any:
