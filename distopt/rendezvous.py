@@ -362,9 +362,12 @@ def init_gloo(plan: StorePlan, *, me: str, rank: int, world_size: int, timeout_s
     store = _connect(plan, "gloo", me=me, timeout_s=timeout_s)
     try:
         dist.init_process_group(
-            "gloo", store=store, rank=rank, world_size=world_size,
+            "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
-        )  # fmt: skip
+        )
     except (RuntimeError, dist.DistError) as err:
         raise RemoteCallError(
             f"{me}: gloo group of {world_size} trainers did not form within {timeout_s:g} s through "
@@ -487,9 +490,14 @@ def _host_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
     # The store takes over the listening socket: detach so Python never closes it underneath.
     fd = _bind(host, port).detach()
     return dist.TCPStore(
-        host, 0, None, True, timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False, master_listen_fd=fd,
-    )  # fmt: skip
+        host,
+        0,
+        None,
+        True,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=fd,
+    )
 
 
 def probe(host: str, port: int, *, timeout_s: float) -> OSError | None:

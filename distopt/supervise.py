@@ -41,9 +41,21 @@ from distopt.job.checkpoint import latest_complete
 from distopt.job.config import JobConfig
 from distopt.rendezvous import free_port
 
-_JOB_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "DISTOPT_ROLE",
-            "DISTOPT_NUM_PS", "DISTOPT_NUM_TRAINERS", "REPLICA_ID", "DISTOPT_REPLICA_ID",
-            "DISTOPT_PS_ADDR", "DISTOPT_DDP_PORT", "TORCHELASTIC_USE_AGENT_STORE")  # fmt: skip
+_JOB_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "DISTOPT_ROLE",
+    "DISTOPT_NUM_PS",
+    "DISTOPT_NUM_TRAINERS",
+    "REPLICA_ID",
+    "DISTOPT_REPLICA_ID",
+    "DISTOPT_PS_ADDR",
+    "DISTOPT_DDP_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -168,9 +180,12 @@ class Supervisor:
             self.logs[name] = log_dir / f"{name}.log"
             with open(self.logs[name], "wb") as log:
                 proc = subprocess.Popen(
-                    cmd, env=proc_env, stdout=log, stderr=subprocess.STDOUT,
+                    cmd,
+                    env=proc_env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
                     preexec_fn=_die_with_parent,
-                )  # fmt: skip
+                )
             self.procs[name] = proc
             self.event("start", attempt=attempt, process=name, pid=proc.pid)
         pids = ", ".join(f"{n} {p.pid}" for n, p in self.procs.items())
@@ -211,8 +226,10 @@ class Supervisor:
                         if first_failure is None
                         else f"{now - first_failure:.1f} s after the first failure"
                     )
-                    self.say(f"attempt {attempt}: {name} (pid {proc.pid}) exited with {code} "
-                             f"{when}{': ' + line if line else ''}")  # fmt: skip
+                    self.say(
+                        f"attempt {attempt}: {name} (pid {proc.pid}) exited with {code} "
+                        f"{when}{': ' + line if line else ''}"
+                    )
                     if first_failure is None:
                         first_failure = now
             if (
@@ -221,8 +238,10 @@ class Supervisor:
             ):
                 for name in self.kill_all():
                     self.event("kill", attempt=attempt, process=name)
-                    self.say(f"attempt {attempt}: killed {name}, still running "
-                             f"{self.options.grace_s:g} s after the first failure")  # fmt: skip
+                    self.say(
+                        f"attempt {attempt}: killed {name}, still running "
+                        f"{self.options.grace_s:g} s after the first failure"
+                    )
                 continue
             time.sleep(0.05)
         return all(code == 0 for code in exited.values())
@@ -258,13 +277,23 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run a distopt job's processes on this host; restart the job on failure.",
     )
     parser.add_argument("--config", required=True, help="job config YAML (see configs/jobs/)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config key; repeatable")  # fmt: skip
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key; repeatable",
+    )
     parser.add_argument("--num-ps", type=int, default=1, help="parameter servers (0: none)")
     parser.add_argument("--num-trainers", type=int, default=1, help="trainer processes")
     parser.add_argument("--max-restarts", type=int, default=3, help="restarts after failures")
-    parser.add_argument("--grace-s", type=float, default=30.0,
-                        help="seconds the other processes get to exit after a failure")  # fmt: skip
+    parser.add_argument(
+        "--grace-s",
+        type=float,
+        default=30.0,
+        help="seconds the other processes get to exit after a failure",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address the job listens on")
     parser.add_argument("--iface", default="lo", help="interface of gloo and TensorPipe")
     parser.add_argument("--run-id", default=None, help="run id (default: config's, else new)")
@@ -275,10 +304,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         options = SuperviseOptions(
-            config=args.config, overrides=tuple(args.overrides), num_ps=args.num_ps,
-            num_trainers=args.num_trainers, max_restarts=args.max_restarts, grace_s=args.grace_s,
-            host=args.host, iface=args.iface, run_id=args.run_id,
-        )  # fmt: skip
+            config=args.config,
+            overrides=tuple(args.overrides),
+            num_ps=args.num_ps,
+            num_trainers=args.num_trainers,
+            max_restarts=args.max_restarts,
+            grace_s=args.grace_s,
+            host=args.host,
+            iface=args.iface,
+            run_id=args.run_id,
+        )
         config = load_config(JobConfig, args.config, args.overrides)
         supervisor = Supervisor(options, config, out=sys.stdout)
     except DistoptError as err:

@@ -40,11 +40,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _launch(config: Path, overrides: str, variant: str, run_id: str, out: Path) -> None:
     overrides = f"variant={variant},{overrides}"
     cmd = [
-        sys.executable, "-m", "torchx.cli.main", "run", "-s", "local_cwd",
-        "-cfg", f"log_dir={out / 'torchx'}",
-        "distopt.ps_job", "--config", str(config), "--set", overrides,
-        "--run_id", run_id, "--master_port", str(free_port(consecutive=2)),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "torchx.cli.main",
+        "run",
+        "-s",
+        "local_cwd",
+        "-cfg",
+        f"log_dir={out / 'torchx'}",
+        "distopt.ps_job",
+        "--config",
+        str(config),
+        "--set",
+        overrides,
+        "--run_id",
+        run_id,
+        "--master_port",
+        str(free_port(consecutive=2)),
+    ]
     print(f"$ {' '.join(cmd[2:])}", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})

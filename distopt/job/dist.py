@@ -46,9 +46,12 @@ def trainer_group(env: JobEnv, *, timeout_s: float = 120.0) -> Iterator[None]:
         if rendezvous.is_loopback(env.master_addr or "127.0.0.1"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         dist.init_process_group(
-            "gloo", init_method="env://", rank=env.rank, world_size=env.num_trainers,
+            "gloo",
+            init_method="env://",
+            rank=env.rank,
+            world_size=env.num_trainers,
             timeout=datetime.timedelta(seconds=timeout_s),
-        )  # fmt: skip
+        )
         try:
             yield
         finally:

@@ -60,9 +60,15 @@ def reopen_log(path: Path, *, before_step: int) -> QpsLogWriter:
         raise ConfigError(f"QPS log {path}: no header to continue after a recovery")
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
     head = kept[0]
-    log = QpsLogWriter(path, path.open("a", encoding="utf-8"), run_id=head["run_id"],
-                       variant=head["variant"], rank=head["rank"], world_size=head["world_size"],
-                       global_batch_size=head["global_batch_size"])  # fmt: skip
+    log = QpsLogWriter(
+        path,
+        path.open("a", encoding="utf-8"),
+        run_id=head["run_id"],
+        variant=head["variant"],
+        rank=head["rank"],
+        world_size=head["world_size"],
+        global_batch_size=head["global_batch_size"],
+    )
     log.steps_logged = sum(1 for r in kept if r["type"] == "step")
     return log
 

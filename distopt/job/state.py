@@ -72,9 +72,14 @@ def barrier() -> None:
 
 
 def trainer_state(
-    *, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, parallel: str,
-    num_trainers: int, job: Mapping[str, Any],
-) -> TrainerState:  # fmt: skip
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rank: int,
+    parallel: str,
+    num_trainers: int,
+    job: Mapping[str, Any],
+) -> TrainerState:
     """Where this trainer's dense state goes: shared when DDP/FSDP keep one model for the job."""
     own_model = num_trainers > 1 and parallel == "none"
     return TrainerState(

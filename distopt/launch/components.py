@@ -188,9 +188,21 @@ def ddp(
         the TorchX application
     """
     role = _torchrun_role(
-        "ddp", config, nnodes, nproc_per_node, set, output_dir, image,
-        _resource(cpu, gpu, memMB, h), rdzv_port, iface, module, python, env, max_retries,
-    )  # fmt: skip
+        "ddp",
+        config,
+        nnodes,
+        nproc_per_node,
+        set,
+        output_dir,
+        image,
+        _resource(cpu, gpu, memMB, h),
+        rdzv_port,
+        iface,
+        module,
+        python,
+        env,
+        max_retries,
+    )
     return specs.AppDef(name=name, roles=[role])
 
 
@@ -238,9 +250,21 @@ def fsdp(
         the TorchX application
     """
     role = _torchrun_role(
-        "fsdp", config, nnodes, nproc_per_node, set, output_dir, image,
-        _resource(cpu, gpu, memMB, h), rdzv_port, iface, module, python, env, max_retries,
-    )  # fmt: skip
+        "fsdp",
+        config,
+        nnodes,
+        nproc_per_node,
+        set,
+        output_dir,
+        image,
+        _resource(cpu, gpu, memMB, h),
+        rdzv_port,
+        iface,
+        module,
+        python,
+        env,
+        max_retries,
+    )
     return specs.AppDef(name=name, roles=[role])
 
 
@@ -271,11 +295,23 @@ def _torchrun_role(
     else:
         endpoint = f'"${{{specs.macros.rank0_env}:-127.0.0.1}}":{rdzv_port}'
     torchrun = [
-        python or sys.executable, "-m", "torch.distributed.run",
-        "--rdzv_backend", "c10d", "--rdzv_id", specs.macros.app_id,
-        "--nnodes", str(nnodes), "--nproc_per_node", str(nproc_per_node),
-        "-m", module, "--config", config, *_set_args(overrides),
-    ]  # fmt: skip
+        python or sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_id",
+        specs.macros.app_id,
+        "--nnodes",
+        str(nnodes),
+        "--nproc_per_node",
+        str(nproc_per_node),
+        "-m",
+        module,
+        "--config",
+        config,
+        *_set_args(overrides),
+    ]
     # The endpoint needs shell expansion of the scheduler's rank-0 variable, so it is not quoted.
     script = " ".join([*map(shlex.quote, torchrun[:3]), "--rdzv_endpoint", endpoint])
     script += " " + " ".join(shlex.quote(arg) for arg in torchrun[3:])

@@ -187,18 +187,24 @@ class RayJobScheduler(Scheduler[RayJobOpts]):
     def _run_opts(self) -> runopts:
         opts = runopts()
         opts.add(
-            "dashboard_address", type_=str, default=DEFAULT_DASHBOARD,
+            "dashboard_address",
+            type_=str,
+            default=DEFAULT_DASHBOARD,
             help="Ray dashboard / job submission address, HOST:PORT or http://HOST:PORT",
-        )  # fmt: skip
+        )
         opts.add(
-            "working_dir", type_=str, default=None,
+            "working_dir",
+            type_=str,
+            default=None,
             help="directory uploaded as the job's working directory (default: the roles' image "
             "when it is a local directory); .gitignore'd files stay behind",
-        )  # fmt: skip
+        )
         opts.add(
-            "requirements", type_=str, default=None,
+            "requirements",
+            type_=str,
+            default=None,
             help="requirements.txt installed into the job's environment (runtime_env pip)",
-        )  # fmt: skip
+        )
         return opts
 
     def _submit_dryrun(self, app: AppDef, cfg: RayJobOpts) -> AppDryRunInfo[RayJobRequest]:
@@ -327,8 +333,10 @@ class RayJobScheduler(Scheduler[RayJobOpts]):
         while True:
             job = self._job(app_id)
             ended = job is None or _state(job.status) in (
-                AppState.SUCCEEDED, AppState.FAILED, AppState.CANCELLED,
-            )  # fmt: skip
+                AppState.SUCCEEDED,
+                AppState.FAILED,
+                AppState.CANCELLED,
+            )
             lines = split_lines(self._logs(app_id))
             complete = lines if ended else [ln for ln in lines if ln.endswith("\n")]
             yield from complete[done:]

@@ -60,9 +60,15 @@ class Replica:
         env = {**os.environ, **self.env, RANK0_ENV: rank0_host}
         # Its own process group: stop() reaches the command's children too (bash -c "a; b").
         self.proc = subprocess.Popen(
-            self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, errors="replace", bufsize=1, preexec_fn=os.setpgrp,
-        )  # fmt: skip
+            self.command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+            bufsize=1,
+            preexec_fn=os.setpgrp,
+        )
         assert self.proc.stdout is not None
         # Not `yield from`: Ray drives this generator with send(), which a file lacks.
         for line in self.proc.stdout:  # noqa: UP028
