@@ -44,7 +44,9 @@ def run(samples: int, steps: int, out: Path) -> dict[str, float]:
         evaluation = load_run(job.run_dir).ranks[0].evals[-1]
         auc[variant] = evaluation.metrics["eval_auc"]
         print(f"{variant}: held-out AUC {auc[variant]:.4f} after {evaluation.step} steps")
-    distopt_cli(["compare", str(out / "dlrm-baseline"), str(out / "dlrm-optimized"), "--warmup", "3"])
+    distopt_cli(
+        ["compare", str(out / "dlrm-baseline"), str(out / "dlrm-optimized"), "--warmup", "3"]
+    )
     return auc
 
 

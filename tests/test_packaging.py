@@ -93,7 +93,7 @@ def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"
     assert {n.split("/", 1)[0] for n in names} == {"distopt", dist_info}  # no launchers/
-    assert {"distopt/configs/jobs/ps_dlrm.yaml", "distopt/launch/components.py"} <= set(names)
+    assert {"distopt/configs/jobs/ps_dlrm.yaml", "distopt/torchx/components.py"} <= set(names)
     built = time.monotonic()
 
     venv = tmp_path / "venv"

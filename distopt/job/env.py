@@ -1,6 +1,6 @@
 """The process's place in a job, read from the environment the launcher sets.
 
-The contract with ``distopt/launch/components.py`` (TorchX) and with ``torchrun``:
+The contract with ``distopt/torchx/components.py`` (TorchX) and with ``torchrun``:
 
 ==========================  ========================================================================
 ``DISTOPT_ROLE``            ``trainer`` (default) or ``ps``

@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional
 import torchx.specs as specs
 
 from distopt.job.config import JobConfig
-from distopt.launch.checks import ComponentArgError, check_port, check_positive, checked_config
+from distopt.torchx.checks import ComponentArgError, check_port, check_positive, checked_config
 
 TRAIN_MODULE = "distopt.train"
 

@@ -13,7 +13,7 @@ import pytest
 from torchx import specs
 from torchx.specs import AppState
 
-from distopt.launch.ray_scheduler import RayJobScheduler, create_scheduler
+from distopt.torchx.ray_scheduler import RayJobScheduler, create_scheduler
 from launchers._proc import alive
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]

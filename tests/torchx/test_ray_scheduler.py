@@ -1,7 +1,7 @@
 """distopt's Ray scheduler without a cluster: the job it would submit, its errors, its names.
 
-How it reaches TorchX without changing TorchX: tests/launch/test_schedulers.py. The same scheduler
-against a real Ray head: tests/launchers/test_ray_scheduler.py and test_ray.py.
+How it reaches TorchX without changing TorchX: tests/torchx/test_schedulers.py. The same scheduler
+against a real Ray head: tests/launchers/test_ray_scheduler_cluster.py and test_ray.py.
 """
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 from torchx import specs
 
-from distopt.launch import ray_scheduler
-from distopt.launch.ray_scheduler import (
+from distopt.rendezvous import free_port
+from distopt.torchx import ray_scheduler
+from distopt.torchx.ray_scheduler import (
     RayDashboardError,
     RayJobRequest,
     RayJobScheduler,
     create_ray_scheduler,
     create_scheduler,
 )
-from distopt.rendezvous import free_port
 
 pytest.importorskip("ray")
 

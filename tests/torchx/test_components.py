@@ -14,7 +14,7 @@ from torchx.specs import AppDef
 
 from distopt.errors import ConfigError
 from distopt.job.config import JobConfig
-from distopt.launch import components
+from distopt.torchx import components
 from tests.launchers.conftest import JOB_MODULE, REPO, job_config, torchx
 
 TINY = "configs/jobs/ps_dlrm_tiny.yaml"
@@ -90,7 +90,7 @@ def test_torchrun_components(component, config: str) -> None:
 
 def _ray_replicas(request: Any) -> list[tuple[str, int, int]]:
     """(role, CPUs, GPUs) of each replica in a dry run of the `ray` scheduler: TorchX's own
-    (torchx 0.7) or distopt's (TorchX without one, distopt.launch.ray_scheduler)."""
+    (torchx 0.7) or distopt's (TorchX without one, distopt.torchx.ray_scheduler)."""
     if hasattr(request, "actors"):
         return [(a.name, a.num_cpus, a.num_gpus) for a in request.actors]
     return [(r.role, int(r.resources["CPU"]), int(r.resources.get("GPU", 0)))
@@ -302,7 +302,7 @@ def test_torchxconfig_defaults_are_valid() -> None:
     import configparser
     import inspect
 
-    from distopt.launch.schedulers import get_runner as distopt_runner
+    from distopt.torchx.schedulers import get_runner as distopt_runner
 
     parser = configparser.ConfigParser()
     parser.read(REPO / ".torchxconfig")

@@ -1,6 +1,6 @@
 """The entrypoint of a distopt Ray job: runs every replica of every role as a Ray actor.
 
-:mod:`distopt.launch.ray_scheduler` submits ``python -m ray_job_driver '<replicas as JSON>'`` as
+:mod:`distopt.torchx.ray_scheduler` submits ``python -m ray_job_driver '<replicas as JSON>'`` as
 one Ray job and ships this package with it (``runtime_env.py_modules``), so it imports Ray and the
 standard library only: the cluster needs neither distopt nor TorchX.
 

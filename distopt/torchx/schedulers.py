@@ -30,7 +30,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from torchx.runner import Runner
 from torchx.schedulers import SchedulerFactory, get_scheduler_factories
 
-from distopt.launch.ray_scheduler import create_ray_scheduler, create_scheduler
+from distopt.torchx.ray_scheduler import create_ray_scheduler, create_scheduler
 
 __all__ = ["apply_torchxconfig", "distopt_schedulers", "get_runner", "scheduler_factories"]
 

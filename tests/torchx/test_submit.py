@@ -13,7 +13,7 @@ from distopt.cli import main as cli
 from distopt.data.generate import write_criteo
 from distopt.errors import ConfigError
 from distopt.job.device import NO_GPU
-from distopt.job.launch import COMPONENTS
+from distopt.torchx.submit import COMPONENTS
 
 ROOT = Path(__file__).resolve().parents[2]
 DLRM = ROOT / "configs" / "jobs" / "dlrm_criteo.yaml"
@@ -159,7 +159,7 @@ def _tokens(tmp_path: Path) -> Path:
 def test_distopt_ray_on_any_torchx(
     tmp_path: Path, clicks: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`distopt launch -s distopt_ray` needs no TorchX registration (distopt.launch.schedulers)."""
+    """`distopt launch -s distopt_ray` needs no TorchX registration (distopt.torchx.schedulers)."""
     pytest.importorskip("ray")
     code = cli(
         [

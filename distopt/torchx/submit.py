@@ -18,7 +18,7 @@ What it does, in order, so bad input fails before anything is scheduled:
    ``device: cuda`` against this host's GPUs (:mod:`distopt.job.preflight`);
 3. writes the resolved config, run id included, to ``<output_dir>/<run_id>/job.yaml`` and runs
    the TorchX component for the job's shape (:data:`COMPONENTS`) on it with TorchX's Runner
-   (:func:`distopt.launch.schedulers.get_runner`: TorchX's schedulers and distopt's Ray one). Scheduler options come from ``**cfg`` over ``.torchxconfig``
+   (:func:`distopt.torchx.schedulers.get_runner`: TorchX's schedulers and distopt's Ray one). Scheduler options come from ``**cfg`` over ``.torchxconfig``
    (``[<scheduler>]`` sections); component defaults from its ``[component:<name>]`` sections.
 
 The job's processes read ``job.yaml``, so ``output_dir`` must be where they can read it: the
@@ -222,7 +222,7 @@ def launch(
     Args:
         config: a job YAML file or a :class:`JobConfig`.
         scheduler: a TorchX scheduler (``local_cwd``, ``slurm``, ``ray``, ``kubernetes``, ...) or
-            ``distopt_ray`` (:mod:`distopt.launch.schedulers`).
+            ``distopt_ray`` (:mod:`distopt.torchx.schedulers`).
         overrides: ``key.sub=value`` overrides of the config, as ``--set`` takes them.
         num_trainers: trainer processes (``--num_trainers``; per node for DDP/FSDP jobs).
         num_ps: parameter-server processes; ``None``: 1 when the model has ``ps_tables()``,
@@ -241,7 +241,7 @@ def launch(
         job = load_config(JobConfig, Path(config), list(overrides))
     from torchx.runner import config as torchx_config
 
-    from distopt.launch.schedulers import apply_torchxconfig, get_runner
+    from distopt.torchx.schedulers import apply_torchxconfig, get_runner
 
     runner = get_runner(component_defaults=torchx_config.load_sections("component", [os.getcwd()]))
     try:

@@ -4,7 +4,7 @@ TorchX removed its ``ray`` scheduler upstream (pytorch/torchx#1120). This schedu
 ``distopt_ray`` everywhere and ``ray`` where TorchX has none; :mod:`.schedulers` says how it
 reaches TorchX without changing TorchX's own scheduler list.
 
-**One Ray job per app.** The job's entrypoint is :mod:`distopt.launch.ray_job_driver` (shipped
+**One Ray job per app.** The job's entrypoint is :mod:`distopt.torchx.ray_job_driver` (shipped
 with the job), which reserves one placement group for every replica of every role and runs each
 replica as a Ray actor. One job per role was the alternative; it was not taken because Ray would
 schedule the roles independently (a parameter server could start and wait forever for trainers

@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 from torchx.schedulers import get_scheduler_factories
 
-from distopt.launch.ray_scheduler import RayJobScheduler
-from distopt.launch.schedulers import (
+from distopt.torchx.ray_scheduler import RayJobScheduler
+from distopt.torchx.schedulers import (
     apply_torchxconfig,
     distopt_schedulers,
     get_runner,

@@ -72,7 +72,7 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 
 def _cfg(text: str) -> dict[str, str]:
     """``--cfg k=v,...`` split as TorchX splits it (list values keep their commas); the options are
-    checked and typed by :func:`distopt.job.launch.scheduler_options`, as for the Python API."""
+    checked and typed by :func:`distopt.torchx.submit.scheduler_options`, as for the Python API."""
     from torchx.specs.api import to_dict
 
     try:
@@ -84,7 +84,7 @@ def _cfg(text: str) -> dict[str, str]:
 def run(args: argparse.Namespace) -> int:
     from torchx.specs import AppState
 
-    from distopt.job.launch import LOCAL_SCHEDULERS, launch
+    from distopt.torchx.submit import LOCAL_SCHEDULERS, launch
 
     cfg = _cfg(args.cfg)
     job = launch(
