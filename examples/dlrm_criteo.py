@@ -18,8 +18,8 @@ from pathlib import Path
 import distopt
 from distopt.cli import main as distopt_cli
 from distopt.data.generate import write_criteo
+from distopt.dist.rendezvous import free_port
 from distopt.metrics import load_run
-from distopt.rendezvous import free_port
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "jobs" / "dlrm_criteo.yaml"
 

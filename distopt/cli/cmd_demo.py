@@ -22,11 +22,11 @@ from pathlib import Path
 
 from distopt.config import find_config_file, load_config
 from distopt.data.generate import write_criteo
+from distopt.dist.rendezvous import free_port
 from distopt.errors import ConfigError, DistoptError
-from distopt.job.config import JobConfig
 from distopt.metrics import load_run
 from distopt.metrics.compare import DEFAULT_WARMUP
-from distopt.rendezvous import free_port
+from distopt.training.config import JobConfig
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

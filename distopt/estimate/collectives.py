@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from distopt.config import check
-from distopt.rendezvous import run_spawned
+from distopt.dist.rendezvous import run_spawned
 
 SIZES = (16 * 1024, 256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 """Bytes of the gathered tensor per measurement point."""

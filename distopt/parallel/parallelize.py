@@ -12,6 +12,7 @@ import torch.fx
 from torch import nn
 
 from distopt.config import from_dict
+from distopt.dist.rendezvous import collective
 from distopt.errors import ConfigError
 from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
 from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
@@ -19,7 +20,6 @@ from distopt.parallel.regions import compilable_regions
 from distopt.parallel.units import agree_across_ranks, materialize_units, plan_of, unit_modules
 from distopt.passes import resolve_pipeline
 from distopt.passes.local.channels_last import run_channels_last
-from distopt.rendezvous import collective
 from distopt.report import OptimizeReport, ParallelRecord, attach, report_of
 
 Strategy = Literal["ddp", "fsdp", "fsdp1"]

@@ -165,7 +165,7 @@ class ServerOptions:
     :func:`~distopt.ps.load_servers`; the seeded tables when there was none, said in a log line) and
     refuses fetches and pushes until a trainer calls :func:`distopt.ps.recover`, which reloads every
     server from that checkpoint (a ``distopt.train`` job does so itself, every trainer rolling back
-    with it, at most ``max_restarts`` times: :mod:`distopt.job.recovery`). 0 (default): calls to a
+    with it, at most ``max_restarts`` times: :mod:`distopt.training.recovery`). 0 (default): calls to a
     dead actor keep failing."""
     ray_state_dir: str | None = None
     """``ray`` backend: directory where the job records which checkpoint it saved or loaded last

@@ -29,7 +29,7 @@ Overrides (``--set a.b=1,c=x``) are passed on as ``--set a.b=1 --set c=x``; ``--
 is ``--set output_dir=DIR``; list values keep their commas
 (``--set optimize_config.passes=[a,b],steps=5``). The config file and the overrides are checked on
 the submitting machine (:mod:`.checks`), merged and built as a
-:class:`~distopt.job.config.JobConfig` when the module is ``distopt.train``, so an unknown key or a
+:class:`~distopt.training.config.JobConfig` when the module is ``distopt.train``, so an unknown key or a
 wrong type fails before anything is scheduled.
 """
 
@@ -42,8 +42,8 @@ from typing import Any, Dict, List, Optional
 
 import torchx.specs as specs
 
-from distopt.job.config import JobConfig
 from distopt.torchx.checks import ComponentArgError, check_port, check_positive, checked_config
+from distopt.training.config import JobConfig
 
 TRAIN_MODULE = "distopt.train"
 
@@ -104,7 +104,7 @@ def ps_job(
     server_resource = _resource(cpu, 0, memMB, None)
     trainer_resource = _resource(cpu, gpu, memMB, h)
     check_port("--master_port", master_port)
-    # ps.backend: ray: trainer 0 creates num_ps server actors itself (distopt.job.ray_roles).
+    # ps.backend: ray: trainer 0 creates num_ps server actors itself (distopt.roles.ray_roles).
     on_ray = job is not None and job.ps.backend == "ray"
     world_size = num_trainers if on_ray else num_ps + num_trainers
     common = {

@@ -10,12 +10,12 @@
 What it does, in order, so bad input fails before anything is scheduled:
 
 1. loads and validates the whole config (unknown keys, bad values, optimizer names and arguments,
-   data factories that do not import: :class:`~distopt.job.config.JobConfig`) and the scheduler
+   data factories that do not import: :class:`~distopt.training.config.JobConfig`) and the scheduler
    options (:func:`scheduler_options`);
 2. :func:`check_job`: builds the model and opens its data (missing or malformed files, with the
    line), puts the first batch through the collate function against the model's forward,
    checks the model's remote calls against the servers the job starts, and on a local scheduler
-   ``device: cuda`` against this host's GPUs (:mod:`distopt.job.preflight`);
+   ``device: cuda`` against this host's GPUs (:mod:`distopt.torchx.preflight`);
 3. writes the resolved config, run id included, to ``<output_dir>/<run_id>/job.yaml`` and runs
    the TorchX component for the job's shape (:data:`COMPONENTS`) on it with TorchX's Runner
    (:func:`distopt.torchx.schedulers.get_runner`: TorchX's schedulers and distopt's Ray one). Scheduler options come from ``**cfg`` over ``.torchxconfig``
@@ -41,10 +41,10 @@ import yaml
 
 from distopt.config import load_config, to_dict
 from distopt.errors import ConfigError
-from distopt.job.config import JobConfig
+from distopt.training.config import JobConfig
 
 if TYPE_CHECKING:
-    from distopt.job.watch import Failure
+    from distopt.torchx.watch import Failure
 
 COMPONENTS = {"ps": "distopt.ps_job", "ddp": "distopt.ddp", "fsdp": "distopt.fsdp"}
 """The TorchX component that runs each shape of job: with parameter servers, or trainers only
@@ -86,7 +86,7 @@ class Launched:
     ) -> threading.Thread:
         """Print the log of ``role``'s replica ``replica`` as it comes (default: trainer 0's
         progress) on a thread that ends with the job: join it after :meth:`wait`."""
-        from distopt.job.watch import stream
+        from distopt.torchx.watch import stream
 
         if self.handle is None:
             raise ConfigError("stream: a dry run has no logs")
@@ -94,10 +94,10 @@ class Launched:
 
     def failure(self, status: Any = None) -> Failure | None:
         """Which process of a failed job failed first, its exit code, its error and the end of
-        its log (:mod:`distopt.job.watch`); ``None`` for a job that did not fail."""
+        its log (:mod:`distopt.torchx.watch`); ``None`` for a job that did not fail."""
         from torchx.specs import AppState
 
-        from distopt.job.watch import failure
+        from distopt.torchx.watch import failure
 
         status = status if status is not None else self.status()
         if self.handle is None or status is None or status.state != AppState.FAILED:
@@ -125,26 +125,26 @@ class CheckedJob:
     """On the meta device when its factory builds there."""
     num_ps: int
     python_path: list[str]
-    """Directories for the replicas' ``PYTHONPATH`` (:func:`distopt.job.preflight.import_roots`)."""
+    """Directories for the replicas' ``PYTHONPATH`` (:func:`distopt.torchx.preflight.import_roots`)."""
 
 
 def check_job(
     config: JobConfig, *, local: bool = True, num_trainers: int = 2, num_ps: int | None = None
 ) -> CheckedJob:
-    """What a job needs before it is scheduled (:mod:`distopt.job.preflight`): the model builds,
+    """What a job needs before it is scheduled (:mod:`distopt.torchx.preflight`): the model builds,
     its data opens (files read and validated) and its first batch fits the model's forward, the
     model's remote calls have servers to go to, TensorBoard is importable when on, and
     (``local``) a GPU for ``device: cuda``. ``num_ps`` ``None``: 1 when the model has
     ``ps_tables()``, else 0."""
     from distopt.data import build_data
-    from distopt.job import preflight
+    from distopt.torchx import preflight
 
     if num_trainers < 1:
         raise ConfigError(f"num_trainers: expected an integer >= 1, got {num_trainers!r}")
     if num_ps is not None and num_ps < 0:
         raise ConfigError(f"num_ps: expected an integer >= 0, got {num_ps!r}")
     if local:
-        from distopt.job.device import resolve_device
+        from distopt.training.device import resolve_device
 
         resolve_device(config.device)
     model = preflight.build_model(config)

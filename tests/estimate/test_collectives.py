@@ -11,9 +11,9 @@ import pytest
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distopt.dist.rendezvous import StorePlan, init_gloo, spawned_gloo
 from distopt.errors import ConfigError
 from distopt.estimate.collectives import AlphaBeta, alpha_beta, cache_path, fit, min_unit_bytes
-from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
 
 MODEL = AlphaBeta(
     backend="gloo",

@@ -66,7 +66,7 @@ def test_source_excerpts_keep_their_brackets() -> None:
 def test_explain_reports_what_parallelize_did() -> None:
     import torch.distributed as dist
 
-    from distopt import rendezvous
+    from distopt.dist import rendezvous
 
     plan = rendezvous.StorePlan(host="127.0.0.1", hosted_by="trainer0", gloo_port=0)
     hosted = rendezvous.host_stores(plan, me="trainer0", timeout_s=30)  # loopback only

@@ -13,8 +13,8 @@ from torchx.runner import get_runner
 from torchx.specs import AppDef
 
 from distopt.errors import ConfigError
-from distopt.job.config import JobConfig
 from distopt.torchx import components
+from distopt.training.config import JobConfig
 from tests.launchers.conftest import JOB_MODULE, REPO, job_config, torchx
 
 TINY = "configs/jobs/ps_dlrm_tiny.yaml"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from torchx import specs
 
-from distopt.rendezvous import free_port
+from distopt.dist.rendezvous import free_port
 from distopt.torchx import ray_scheduler
 from distopt.torchx.ray_scheduler import (
     RayDashboardError,

@@ -12,8 +12,8 @@ import distopt
 from distopt.cli import main as cli
 from distopt.data.generate import write_criteo
 from distopt.errors import ConfigError
-from distopt.job.device import NO_GPU
 from distopt.torchx.submit import COMPONENTS
+from distopt.training.device import NO_GPU
 
 ROOT = Path(__file__).resolve().parents[2]
 DLRM = ROOT / "configs" / "jobs" / "dlrm_criteo.yaml"
@@ -117,7 +117,7 @@ def test_dryrun_resolves_the_config_and_picks_the_component(tmp_path: Path, clic
         assert job.args[2:] == ["--num_ps", "1", "--num_trainers", "2"]  # DLRM has ps_tables()
         roles = {role.name: role for role in job.dryrun._app.roles}
         assert sorted(roles) == ["ps", "trainer"] and roles["trainer"].num_replicas == 2
-    resolved = distopt.config.load_config(distopt.job.JobConfig, written)
+    resolved = distopt.config.load_config(distopt.training.JobConfig, written)
     assert resolved.run_id == "r" and resolved.variant == "optimized"
     assert resolved.data.path == str(clicks) and resolved.optim.name == "adam"
 

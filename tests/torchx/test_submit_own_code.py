@@ -426,7 +426,7 @@ def test_a_successful_launch_streams_progress_and_is_quiet(
     handle = proc.stdout.splitlines()[0]
     lines = proc.stderr.splitlines()
     assert lines[-1] == f"{handle}: SUCCEEDED"
-    progress = [line for line in lines if "distopt.job.progress: step " in line]
+    progress = [line for line in lines if "distopt.training.progress: step " in line]
     assert [line.split("step ")[1].split()[0] for line in progress] == ["10/20", "20/20"]
     assert all(line.startswith("trainer/0 ") for line in progress)
     assert noise(proc.stderr) == []

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from distopt.dist.rendezvous import free_port
 from distopt.metrics import load_run
-from distopt.rendezvous import free_port
 from tests.user_jobs.as_user import HERE, distopt_cli, trainer_log
 
 DOC = HERE.parents[1] / "docs" / "own_job.md"
