@@ -22,7 +22,7 @@ import pytest
 from tests.launchers.conftest import require
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = {"distopt.ps_job", "distopt.ddp", "distopt.fsdp"}
+OURS = {"distopt.ps_job", "distopt.spmd"}
 
 
 def test_pyproject_lists_every_package() -> None:

@@ -1,17 +1,19 @@
-"""TorchX components for distopt jobs: ``ps_job`` (parameter server + trainers), ``ddp``, ``fsdp``.
+"""TorchX components for distopt jobs: ``ps_job`` (parameter server + trainers) and ``spmd``
+(trainers only, DDP or FSDP as the config's ``parallel`` key says: one component for both, as
+TorchX's ``dist.ddp``).
 
 Every component runs ``python -m distopt.train --config CONFIG [--set key=value ...]`` and tells
 the process where it stands through the environment (the contract with ``distopt.train``):
 
 ==========================  ===================================================================
 ``DISTOPT_ROLE``            ``ps`` or ``trainer``
-``DISTOPT_LAUNCH``          the component: ``ps``, ``ddp`` or ``fsdp``
+``DISTOPT_LAUNCH``          the component: ``ps`` or ``spmd``
 ``REPLICA_ID``              index of this replica within its role (TorchX ``macros.replica_id``)
-``DISTOPT_NUM_PS``          parameter-server replicas (0 for ``ddp``/``fsdp``)
-``DISTOPT_NUM_TRAINERS``    trainer replicas (``ddp``/``fsdp``: torchrun's ``WORLD_SIZE`` instead)
+``DISTOPT_NUM_PS``          parameter-server replicas (0 for ``spmd``)
+``DISTOPT_NUM_TRAINERS``    trainer replicas (``spmd``: torchrun's ``WORLD_SIZE`` instead)
 ``RANK``, ``WORLD_SIZE``    RPC rank and world size: servers first (``RANK = REPLICA_ID``), then
                             trainers (``RANK = DISTOPT_NUM_PS + REPLICA_ID``); torchrun's for
-                            ``ddp``/``fsdp``; with ``ps.backend: ray`` the trainers alone
+                            ``spmd``; with ``ps.backend: ray`` the trainers alone
 ``MASTER_ADDR``             host of the first replica of the first role (``ps`` 0; trainer 0 with
                             ``ps.backend: ray``, where it hosts the trainers' gloo store at
                             ``MASTER_PORT``), from the scheduler's rank-0 variable;
@@ -144,13 +146,13 @@ def ps_job(
     return specs.AppDef(name=name, roles=roles)
 
 
-def ddp(
+def spmd(
     config: str,
     nnodes: int = 1,
     nproc_per_node: int = 2,
     set: Optional[List[str]] = None,  # noqa: A002
     output_dir: Optional[str] = None,
-    name: str = "distopt-ddp",
+    name: str = "distopt-spmd",
     image: str = ".",
     cpu: int = 2,
     gpu: int = 0,
@@ -163,7 +165,8 @@ def ddp(
     env: Optional[Dict[str, str]] = None,
     max_retries: int = 0,
 ) -> specs.AppDef:
-    """Data-parallel training job (DDP over gloo/NCCL), launched with torchrun on each node.
+    """Data-parallel training job, DDP or FSDP as the config's ``parallel`` key says, launched with
+    torchrun on each node (one component for both, as TorchX's ``dist.ddp``).
 
     Args:
         config: path of the job's YAML config, relative to the workspace
@@ -188,69 +191,7 @@ def ddp(
         the TorchX application
     """
     role = _torchrun_role(
-        "ddp",
-        config,
-        nnodes,
-        nproc_per_node,
-        set,
-        output_dir,
-        image,
-        _resource(cpu, gpu, memMB, h),
-        rdzv_port,
-        iface,
-        module,
-        python,
-        env,
-        max_retries,
-    )
-    return specs.AppDef(name=name, roles=[role])
-
-
-def fsdp(
-    config: str,
-    nnodes: int = 1,
-    nproc_per_node: int = 2,
-    set: Optional[List[str]] = None,  # noqa: A002
-    output_dir: Optional[str] = None,
-    name: str = "distopt-fsdp",
-    image: str = ".",
-    cpu: int = 2,
-    gpu: int = 0,
-    memMB: int = 2048,
-    h: Optional[str] = None,
-    rdzv_port: int = 29500,
-    iface: str = "lo",
-    module: str = TRAIN_MODULE,
-    python: Optional[str] = None,
-    env: Optional[Dict[str, str]] = None,
-    max_retries: int = 0,
-) -> specs.AppDef:
-    """Fully-sharded data-parallel training job (FSDP), launched with torchrun on each node.
-
-    Args:
-        config: path of the job's YAML config, relative to the workspace
-        nnodes: number of nodes (replicas)
-        nproc_per_node: trainer processes per node
-        set: config overrides as key=value pairs, comma-separated
-        output_dir: directory for QPS logs and checkpoints (same as --set output_dir=DIR)
-        name: job name
-        image: working directory or container image (workspaces replace it)
-        cpu: CPUs per node
-        gpu: GPUs per node (usually nproc_per_node: one per trainer, picked by LOCAL_RANK)
-        memMB: memory per node in MB
-        h: a TorchX named resource per node (e.g. gpu.small, aws_p4d.24xlarge); replaces cpu, gpu and memMB
-        rdzv_port: torchrun rendezvous port on the first node (multi-node only)
-        iface: network interface for gloo ('lo' keeps single-host jobs on loopback; '' lets it choose)
-        module: python module to run (the training entry point)
-        python: interpreter to run it with; default: the one running torchx (right for local_cwd and for clusters sharing this filesystem), pass python to use the job's PATH
-        env: extra environment variables (e.g. LOGLEVEL=INFO)
-        max_retries: how many times the scheduler may retry a failed job
-
-    Returns:
-        the TorchX application
-    """
-    role = _torchrun_role(
-        "fsdp",
+        "spmd",
         config,
         nnodes,
         nproc_per_node,
@@ -284,7 +225,7 @@ def _torchrun_role(
     env: Optional[Dict[str, str]],
     max_retries: int,
 ) -> specs.Role:
-    """The one role of ``ddp``/``fsdp``: torchrun starting the trainers on each node."""
+    """The one role of ``spmd``: torchrun starting the trainers on each node."""
     check_positive("--nnodes", nnodes)
     check_positive("--nproc_per_node", nproc_per_node)
     check_port("--rdzv_port", rdzv_port)

@@ -46,7 +46,7 @@ from distopt.training.config import JobConfig
 if TYPE_CHECKING:
     from distopt.torchx.watch import Failure
 
-COMPONENTS = {"ps": "distopt.ps_job", "ddp": "distopt.ddp", "fsdp": "distopt.fsdp"}
+COMPONENTS = {"ps": "distopt.ps_job", "spmd": "distopt.spmd"}
 """The TorchX component that runs each shape of job: with parameter servers, or trainers only
 (DDP or FSDP). Names are ``torchx.components`` entry points (see ``pyproject.toml``)."""
 LOCAL_SCHEDULERS = ("local_cwd", "local_docker")
@@ -265,7 +265,7 @@ def launch(
     if scheduler == "local_cwd" and not options.get("log_dir"):
         # Without one, local_cwd logs to a temporary directory it deletes when the runner closes.
         options["log_dir"] = str((run_dir / "logs").resolve())
-    kind = "ps" if num_ps else ("fsdp" if job.parallel == "fsdp" else "ddp")
+    kind = "ps" if num_ps else "spmd"
     component = COMPONENTS[kind]
     extra = dict(component_args or {})
     if checked.python_path:

@@ -74,12 +74,12 @@ def test_ps_job_master_address_comes_from_scheduler_rank0_variable(config: str) 
     assert components.ps_job(config, iface="").roles[0].env.get("GLOO_SOCKET_IFNAME") is None
 
 
-@pytest.mark.parametrize("component", [components.ddp, components.fsdp])
+@pytest.mark.parametrize("component", [components.spmd])
 def test_torchrun_components(component, config: str) -> None:
     app = component(config, nnodes=2, nproc_per_node=3, set=["model_kwargs.depth=1"])
     (role,) = app.roles
     assert role.num_replicas == 2 and role.env["DISTOPT_NUM_PS"] == "0"
-    assert role.env["DISTOPT_LAUNCH"] == component.__name__
+    assert role.env["DISTOPT_LAUNCH"] == "spmd"
     script = _script(app)
     assert "-m torch.distributed.run" in script and "--nproc_per_node 3" in script
     assert '--rdzv_endpoint "${${rank0_env}:-127.0.0.1}":29500' in script
@@ -100,9 +100,9 @@ def _ray_replicas(request: Any) -> list[tuple[str, int, int]]:
 def test_gpus_go_to_trainers_and_named_resources_replace_them(config: str) -> None:
     ps, trainer = components.ps_job(config, gpu=1, memMB=4096).roles
     assert (ps.resource.gpu, trainer.resource.gpu, trainer.resource.memMB) == (0, 1, 4096)
-    (node,) = components.ddp(config, nproc_per_node=4, gpu=4).roles
+    (node,) = components.spmd(config, nproc_per_node=4, gpu=4).roles
     assert node.resource.gpu == 4
-    named = components.fsdp(config, h="gpu.small").roles[0].resource
+    named = components.spmd(config, h="gpu.small").roles[0].resource
     assert (named.gpu, named.cpu) == (1, 8)
     with get_runner() as runner:  # Slurm asks for the trainers' GPUs, not the servers'
         script = runner.dryrun_component(
@@ -142,9 +142,9 @@ def test_missing_and_malformed_config(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("steps: [1\n")
     with pytest.raises(ConfigError, match=r"^--config: .*bad\.yaml:\d+: "):
-        components.ddp(str(bad))
+        components.spmd(str(bad))
     with pytest.raises(ConfigError, match="^--nproc_per_node: "):
-        components.fsdp(str(tmp_path / "nope.yaml"), nproc_per_node=0)
+        components.spmd(str(tmp_path / "nope.yaml"), nproc_per_node=0)
 
 
 @pytest.mark.parametrize(
@@ -157,7 +157,7 @@ def test_missing_and_malformed_config(tmp_path: Path) -> None:
     ],
 )  # fmt: skip
 def test_merged_config_is_checked_before_scheduling(overrides: list[str], message: str) -> None:
-    for component in (components.ps_job, components.ddp, components.fsdp):
+    for component in (components.ps_job, components.spmd):
         with pytest.raises(ConfigError) as err:
             component(TINY, set=overrides)
         assert str(err.value) == message
@@ -232,7 +232,7 @@ def test_builtins_lists_ours_and_every_torchx_builtin() -> None:
     out = torchx("builtins")
     assert out.returncode == 0, out.stderr
     listed = {line.split(". ", 1)[1] for line in out.stdout.splitlines() if ". " in line}
-    assert listed == theirs | {"distopt.ps_job", "distopt.ddp", "distopt.fsdp"}
+    assert listed == theirs | {"distopt.ps_job", "distopt.spmd"}
     assert "dist.ddp" in listed  # a builtin in every TorchX (0.7's metrics.*, serve.* are gone)
 
 

@@ -127,7 +127,7 @@ def test_a_job_without_servers_uses_torchrun(tmp_path: Path) -> None:
     with distopt.launch(
         config, overrides=[f"output_dir={tmp_path}"], num_trainers=3, dryrun=True
     ) as job:
-        assert job.component == "distopt.ddp" and job.args[2:] == ["--nproc_per_node", "3"]
+        assert job.component == "distopt.spmd" and job.args[2:] == ["--nproc_per_node", "3"]
 
 
 def test_device_cuda_asks_the_scheduler_for_one_gpu_per_trainer(
