@@ -14,10 +14,7 @@ class Impressions(Dataset):
         self.shop = self.item % 50
         self.dense = torch.randn(size, 4, generator=gen)
         taste = torch.Generator().manual_seed(1234)  # the same hidden preferences in every split
-        item_appeal, shop_appeal = (
-            torch.randn(500, generator=taste),
-            torch.randn(50, generator=taste),
-        )
+        item_appeal, shop_appeal = torch.randn(500, generator=taste), torch.randn(50, generator=taste)
         logit = 1.5 * item_appeal[self.item] + shop_appeal[self.shop] + self.dense[:, 0] - 0.5
         self.clicked = (torch.rand(size, generator=gen) < torch.sigmoid(logit)).float()
 
@@ -25,13 +22,8 @@ class Impressions(Dataset):
         return len(self.clicked)
 
     def __getitem__(self, i):
-        return {
-            "dense": self.dense[i],
-            "user": self.user[i],
-            "item": self.item[i],
-            "shop": self.shop[i],
-            "clicked": self.clicked[i],
-        }
+        return {"dense": self.dense[i], "user": self.user[i], "item": self.item[i],
+                "shop": self.shop[i], "clicked": self.clicked[i]}
 
 
 def collate(rows):

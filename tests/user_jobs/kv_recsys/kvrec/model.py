@@ -35,12 +35,8 @@ class ShopRanker(nn.Module):
     def __init__(self, hidden=32, table_lr=0.5):
         super().__init__()
         self.table_lr = table_lr
-        self.dense = nn.Sequential(
-            nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU()
-        )
-        self.head = nn.Sequential(
-            nn.Linear(hidden + 3 * store.DIM, hidden), nn.ReLU(), nn.Linear(hidden, 1)
-        )
+        self.dense = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(hidden + 3 * store.DIM, hidden), nn.ReLU(), nn.Linear(hidden, 1))
 
     def forward(self, dense, user, item, shop):
         u = rpc.rpc_sync(STORE, store.get, args=("user", user))
@@ -48,12 +44,7 @@ class ShopRanker(nn.Module):
         s = rpc.rpc_sync(STORE, store.get, args=("shop", shop))
         h = self.dense(dense)
         lr = self.table_lr
-        features = [
-            h,
-            trained(u, "user", user, lr),
-            trained(i, "item", item, lr),
-            trained(s, "shop", shop, lr),
-        ]
+        features = [h, trained(u, "user", user, lr), trained(i, "item", item, lr), trained(s, "shop", shop, lr)]
         return self.head(torch.cat(features, dim=1))
 
     def ps_tables(self):

@@ -20,9 +20,7 @@ _tables: dict[str, torch.Tensor] = {}
 def _table(name: str) -> torch.Tensor:
     if name not in _tables:
         seed = sorted(SIZES).index(name)
-        _tables[name] = 0.05 * torch.randn(
-            SIZES[name], DIM, generator=torch.Generator().manual_seed(seed)
-        )
+        _tables[name] = 0.05 * torch.randn(SIZES[name], DIM, generator=torch.Generator().manual_seed(seed))
     return _tables[name]
 
 
