@@ -48,7 +48,7 @@ NIGHTLY_SAME = $(foreach t,test_real_ps_job_on_ray test_failing_trainer_fails_th
 
 test-torchx-nightly: $(NIGHTLY_STAMP)
 	DISTOPT_RAY_TEST_STATE_DIR=/tmp/distopt-ray-test-nightly $(NIGHTLY_VENV)/bin/python -m pytest -n 2 \
-		tests/launch tests/launchers/test_ray.py tests/launchers/test_ray_scheduler.py \
+		tests/torchx tests/launchers/test_ray.py tests/launchers/test_ray_scheduler_cluster.py \
 		tests/launchers/test_ray_ps_backend.py \
 		$(NIGHTLY_SAME) $(PYTEST_ARGS)
 

@@ -11,19 +11,11 @@ from distopt.errors import (
     RemoteCallError,
     VerificationError,
 )
-from distopt.explain import explain
-from distopt.optimize import optimize
+from distopt.optimize import explain, optimize
 from distopt.parallel import ParallelizeConfig, parallelize
 from distopt.passes import PassContext, PassResult, register_pass
 from distopt.remote import register_batched, register_read, register_remote, register_write, remote
-
-# `distopt.launch` is the launch function below; the TorchX components live in the package of the
-# same name (distopt/launch/). Importing a package binds it as an attribute of its parent, so the
-# package is imported first and the function bound after it: a later import of
-# distopt.launch.components (TorchX loads it by entry point) finds the package in sys.modules
-# and leaves the attribute alone.
-import distopt.launch as _components_package  # noqa: E402,F401  isort: skip
-from distopt.job.launch import launch  # noqa: E402  isort: skip
+from distopt.torchx.submit import launch
 
 __version__ = "0.1.0"
 

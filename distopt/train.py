@@ -1,6 +1,6 @@
 """Training entry point: ``python -m distopt.train --config configs/jobs/<job>.yaml [--set k=v ...]``.
 
-The process's role comes from the environment (see :mod:`distopt.job.env`): a trainer (default)
+The process's role comes from the environment (see :mod:`distopt.dist.env`): a trainer (default)
 trains and writes its QPS log; a ``ps`` process serves parameter-server tables until the trainers
 finish. Single process: ``python -m distopt.train --config configs/jobs/mlp.yaml``. DDP on one host:
 ``torchrun --standalone --nproc-per-node 2 -m distopt.train --config configs/jobs/mlp_ddp.yaml``.
@@ -19,9 +19,9 @@ import logging
 import sys
 
 from distopt.config import load_config
+from distopt.dist.env import JobEnv
 from distopt.errors import DistoptError, RemoteCallError
-from distopt.job.config import JobConfig
-from distopt.job.env import JobEnv
+from distopt.training.config import JobConfig
 
 logger = logging.getLogger("distopt.train")
 
@@ -49,15 +49,15 @@ def run(config: JobConfig, env: JobEnv) -> int:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     if env.role == "trainer":
-        from distopt.job.device import resolve_device
+        from distopt.training.device import resolve_device
 
         resolve_device(config.device, local_rank=env.local_rank)  # no GPU: fail before any group
     if env.role == "ps" or env.num_ps > 0:
-        from distopt.job.ps_roles import run_ps_role  # imports torch.distributed.rpc
+        from distopt.roles.ps_roles import run_ps_role  # imports torch.distributed.rpc
 
         return run_ps_role(config, env)
-    from distopt.job.dist import trainer_group
-    from distopt.job.trainer import train
+    from distopt.dist.group import trainer_group
+    from distopt.training.trainer import train
 
     needs_group = env.num_trainers > 1 or config.parallel != "none"
     group = trainer_group(env, timeout_s=config.collective_timeout_s)
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None, *, prog: str = "distopt.train") -> int:
     status and ``distopt launch`` name the process that failed first and why. Faults (SIGABRT,
     SIGSEGV) print every thread's stack (``faulthandler``), so an abort names its cause.
     """
-    from distopt.job.logs import configure, record_failure
+    from distopt.training.logs import configure, record_failure
 
     # torchelastic's ErrorHandler.initialize() does this too, but warns where sys.stderr has no
     # file descriptor (a notebook, captured output): there is nothing to print a fault to then.

@@ -18,8 +18,8 @@ from pathlib import Path
 import distopt
 from distopt.cli import main as distopt_cli
 from distopt.data.generate import write_criteo
+from distopt.dist.rendezvous import free_port
 from distopt.metrics import load_run
-from distopt.rendezvous import free_port
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "jobs" / "dlrm_criteo.yaml"
 
@@ -44,7 +44,9 @@ def run(samples: int, steps: int, out: Path) -> dict[str, float]:
         evaluation = load_run(job.run_dir).ranks[0].evals[-1]
         auc[variant] = evaluation.metrics["eval_auc"]
         print(f"{variant}: held-out AUC {auc[variant]:.4f} after {evaluation.step} steps")
-    distopt_cli(["compare", str(out / "dlrm-baseline"), str(out / "dlrm-optimized"), "--warmup", "3"])
+    distopt_cli(
+        ["compare", str(out / "dlrm-baseline"), str(out / "dlrm-optimized"), "--warmup", "3"]
+    )
     return auc
 
 

@@ -30,7 +30,9 @@ def main() -> None:
     (x,) = make_inputs("resnet50", model, batch_size=8)
     # Folding is exact only in eval mode; gradients are not compared (the folded graph is for inference).
     fast = distopt.optimize(
-        model, x, passes=["fold_conv_bn", "channels_last"],
+        model,
+        x,
+        passes=["fold_conv_bn", "channels_last"],
         config={"verify": {"check_grads": False, "rtol": 1e-3, "atol": 1e-3}},
     )
     distopt.explain(fast)

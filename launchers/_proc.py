@@ -18,9 +18,9 @@ __all__ = ["alive", "free_port", "port_open", "read_pid", "session_members", "st
 
 
 def free_port(host: str = "127.0.0.1", *, consecutive: int = 1) -> int:
-    """:func:`distopt.rendezvous.free_port`, imported when first called: the cluster scripts
+    """:func:`distopt.dist.rendezvous.free_port`, imported when first called: the cluster scripts
     start in a fraction of a second instead of loading torch."""
-    from distopt.rendezvous import free_port as rendezvous_free_port
+    from distopt.dist.rendezvous import free_port as rendezvous_free_port
 
     return rendezvous_free_port(host, consecutive=consecutive)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distopt.rendezvous import free_port
+from distopt.dist.rendezvous import free_port
 
 __all__ = ["free_port"]
 

@@ -12,9 +12,9 @@ from torch import nn
 import distopt
 from distopt.config import from_dict
 from distopt.errors import ConfigError
-from distopt.job.config import JobConfig
 from distopt.passes.core.base import resolve_pipeline
 from distopt.report import report_of
+from distopt.training.config import JobConfig
 
 JOB_KEYS = [
     "model",

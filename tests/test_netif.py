@@ -1,4 +1,4 @@
-"""distopt.netif: the interface a process listens on, from its route toward the rendezvous."""
+"""distopt.dist.netif: the interface a process listens on, from its route toward the rendezvous."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from distopt import netif
+from distopt.dist import netif
 from distopt.errors import ConfigError
 
 

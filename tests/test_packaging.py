@@ -22,7 +22,7 @@ import pytest
 from tests.launchers.conftest import require
 
 REPO = Path(__file__).resolve().parents[1]
-OURS = {"distopt.ps_job", "distopt.ddp", "distopt.fsdp"}
+OURS = {"distopt.ps_job", "distopt.spmd"}
 
 
 def test_pyproject_lists_every_package() -> None:
@@ -93,7 +93,7 @@ def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     dist_info = "-".join(wheel.name.split("-")[:2]) + ".dist-info"
     assert {n.split("/", 1)[0] for n in names} == {"distopt", dist_info}  # no launchers/
-    assert {"distopt/configs/jobs/ps_dlrm.yaml", "distopt/launch/components.py"} <= set(names)
+    assert {"distopt/configs/jobs/ps_dlrm.yaml", "distopt/torchx/components.py"} <= set(names)
     built = time.monotonic()
 
     venv = tmp_path / "venv"

@@ -12,10 +12,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import distopt
+from distopt.dist.rendezvous import StorePlan, init_gloo, spawned_gloo
 from distopt.errors import ConfigError
 from distopt.models import build, make_inputs
 from distopt.parallel import ParallelizeConfig, timing_of
-from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
 
 STEPS = 20
 RTOL, ATOL = 1e-4, 1e-5

@@ -97,7 +97,7 @@ def _torchrun(tmp_path: Path, strategy: str) -> subprocess.CompletedProcess[str]
 def test_a_torchrun_script_keeps_its_keys_exits_and_is_quiet(tmp_path: Path, strategy: str) -> None:
     """Issue 22 items 6, 9 and 11. DDP: ``state_dict`` keys without ``module.``. The script calls
     ``destroy_process_group()`` before its model goes: plain DDP hung there at exit in 10 of 26
-    runs here (a gloo destructor waiting for the GIL, see ``distopt.rendezvous.keep_group``),
+    runs here (a gloo destructor waiting for the GIL, see ``distopt.dist.rendezvous.keep_group``),
     so the DDP run repeats. FSDP2: units ending in a view draw no "returned a view tensor"
     warning. No rank prints a warning or traceback."""
     try:

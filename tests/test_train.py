@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from distopt.estimate.step import PHASES, REPORTED
-from distopt.job.checkpoint import latest_complete
-from distopt.job.config import JobConfig
-from distopt.job.state import read_tensors
 from distopt.metrics.compare import compare_runs
 from distopt.metrics.qps_log import load_run
 from distopt.train import main
+from distopt.training.checkpoint import latest_complete
+from distopt.training.config import JobConfig
+from distopt.training.state import read_tensors
 from tests.conftest import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def _base_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in TRAINER_ENV}
     env["OMP_NUM_THREADS"] = "1"  # several processes share two cores
-    # tests.job.remote_model is importable by the job; what the caller's path adds stays.
+    # tests.training.remote_model is importable by the job; what the caller's path adds stays.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     return env
 
@@ -80,7 +80,7 @@ def test_single_process_job_writes_valid_log_and_checkpoints(tmp_path: Path) -> 
 def _mlp_named_tensors() -> list[tuple[str, torch.Tensor]]:
     from distopt import models
     from distopt.config import load_config
-    from distopt.job.config import JobConfig
+    from distopt.training.config import JobConfig
 
     config = load_config(JobConfig, MLP)
     return list(models.build(config.model, **config.model_kwargs).state_dict().items())
@@ -287,7 +287,7 @@ def test_ps_dlrm_optimized_and_hand_variants_compare(tmp_path: Path) -> None:
 def test_ps_job_fails_fast_when_a_trainer_fails(tmp_path: Path) -> None:
     config = tmp_path / "job.yaml"
     config.write_text(
-        "model: 'tests.job.remote_model:remote_mlp'\nmodel_kwargs: {fail_after: 4}\nsteps: 12\n"
+        "model: 'tests.training.remote_model:remote_mlp'\nmodel_kwargs: {fail_after: 4}\nsteps: 12\n"
         "ps: {rpc_timeout_s: 20, start_timeout_s: 30, join_timeout_s: 60}\n"
     )
     start = time.monotonic()

@@ -10,7 +10,7 @@ interleaved rounds of two arms (the order alternates each round):
 - ``prebuilt``: the same first batches, read and collated before the chunk and cycled from
   memory (no loading at all; the old ``data_batches`` way).
 
-A step's time includes waiting for its batch (see :mod:`distopt.job.trainer`), so a loader that
+A step's time includes waiting for its batch (see :mod:`distopt.training.trainer`), so a loader that
 falls behind lowers QPS. Each chunk drops its first ``warmup`` steps (first fetches; in the
 first ``loader`` chunk, the workers' start-up). The result is the ratio of median QPS, loader over prebuilt; the benchmark exits 1
 when it is under ``target_ratio``. The machine's load average is reported with it (other
@@ -46,8 +46,8 @@ from rich.table import Table
 from distopt.config import check, from_dict, load_config
 from distopt.console import console as make_console
 from distopt.data import Batch, DataSource, IndexedStream, Loader, build_data, to_batch
-from distopt.job.config import JobConfig
-from distopt.job.env import JobEnv
+from distopt.dist.env import JobEnv
+from distopt.training.config import JobConfig
 
 ARMS = ("loader", "prebuilt")
 
@@ -164,8 +164,8 @@ def _sources(job: JobConfig, bench: DataLoadingConfig) -> dict[str, DataSource]:
 def _chunk(job: JobConfig, source: DataSource, run_id: str, warmup: int) -> list[float]:
     """Step times of one chunk (after warm-up), read back from its QPS log."""
     import distopt.ps as ps
-    from distopt.job.trainer import Hooks, train
     from distopt.metrics import load_run
+    from distopt.training.trainer import Hooks, train
 
     def push(_model: Any) -> None:
         ps.push_gradients(lr=job.lr)  # async, as a job pushes without deterministic
@@ -181,7 +181,7 @@ def measure(bench: DataLoadingConfig) -> dict[str, Any]:
     """Run the interleaved rounds; the results as plain data."""
     import distopt.ps as ps
     from distopt.data.generate import write_criteo
-    from distopt.job.ps_setup import job_tables
+    from distopt.roles.ps_setup import job_tables
 
     out = Path(bench.output_dir)
     clicks = write_criteo(out / "clicks.tsv", num_samples=bench.samples, seed=0)

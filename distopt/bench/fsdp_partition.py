@@ -31,8 +31,8 @@ from torch import nn
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
+from distopt.dist.rendezvous import run_spawned
 from distopt.parallel.fsdp_schedule import peak_param_bytes
-from distopt.rendezvous import run_spawned
 
 VARIANTS = ("no_inner_units", "size_based", "per_block", "distopt")
 

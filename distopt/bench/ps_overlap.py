@@ -35,9 +35,10 @@ import distopt.ps as ps
 from distopt.bench import median, quantile
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
-from distopt.estimate import GainPrediction, predict_gain
+from distopt.estimate import GainPrediction
 from distopt.metrics import QpsLogWriter
 from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm_tables, make_batch
+from distopt.optimize.gain import predict_gain
 from distopt.pipeline import TrainPipeline
 
 VARIANTS = ("baseline", "optimized", "hand", "pipelined", "no_network")
@@ -446,15 +447,21 @@ def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
             v = p["variants"][name]
             cells.append(f"{v['qps_median']:.0f} [{v['qps_p10']:.0f}–{v['qps_p90']:.0f}]")
         table.add_row(
-            str(p["tables"]), f"{p['latency_ms']:g}", p["compute"], str(p["rounds"]), *cells,
+            str(p["tables"]),
+            f"{p['latency_ms']:g}",
+            p["compute"],
+            str(p["rounds"]),
+            *cells,
             _ratio_cell(p["hidden_fraction"], bench.target_h),
             _ratio_cell(p["opt_vs_hand_qps"], bench.target_ratio_vs_hand),
             _staleness_cell(p) if "pipelined" in bench.variants else "-",
             _ratio_cell(p["pipelined_vs_no_network_qps"], bench.target_pipelined_vs_no_network),
             _ratio_cell(p["pipelined_vs_optimized_qps"], bench.target_pipelined_vs_optimized),
-            _ms(p["predicted_saving_s"]), _ms(p["measured_saving_s"]),
-            _ms(p["predicted_pipelined_step_s"]), _ms(p["measured_pipelined_step_s"]),
-        )  # fmt: skip
+            _ms(p["predicted_saving_s"]),
+            _ms(p["measured_saving_s"]),
+            _ms(p["predicted_pipelined_step_s"]),
+            _ms(p["measured_pipelined_step_s"]),
+        )
     return table
 
 
@@ -463,12 +470,22 @@ def _verdicts(points: list[dict], bench: PSOverlapConfig) -> tuple[list[str], bo
     lines, ok = [], True
     for key, target, what in (
         ("hidden_fraction", bench.target_h, "H ≥ {t} at {n}/{m} points with hideable latency"),
-        ("opt_vs_hand_qps", bench.target_ratio_vs_hand, "optimized ≥ {t}× hand QPS at {n}/{m} points"),
-        ("pipelined_vs_no_network_qps", bench.target_pipelined_vs_no_network,
-         "pipelined ≥ {t}× no_network QPS at {n}/{m} points"),
-        ("pipelined_vs_optimized_qps", bench.target_pipelined_vs_optimized,
-         "pipelined ≥ {t}× optimized QPS at {n}/{m} points"),
-    ):  # fmt: skip
+        (
+            "opt_vs_hand_qps",
+            bench.target_ratio_vs_hand,
+            "optimized ≥ {t}× hand QPS at {n}/{m} points",
+        ),
+        (
+            "pipelined_vs_no_network_qps",
+            bench.target_pipelined_vs_no_network,
+            "pipelined ≥ {t}× no_network QPS at {n}/{m} points",
+        ),
+        (
+            "pipelined_vs_optimized_qps",
+            bench.target_pipelined_vs_optimized,
+            "pipelined ≥ {t}× optimized QPS at {n}/{m} points",
+        ),
+    ):
         scored = [p[key] for p in points if p[key] is not None]
         if not scored:
             continue

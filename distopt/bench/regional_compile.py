@@ -38,7 +38,7 @@ from torch import nn
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
-from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
+from distopt.dist.rendezvous import StorePlan, init_gloo, spawned_gloo
 
 VARIANTS = ("eager", "whole", "regional")
 

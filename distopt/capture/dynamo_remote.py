@@ -71,9 +71,11 @@ def _fake_output(site: Site, tensors: Sequence[torch.Tensor]) -> tuple[torch.Ten
             from torch._dynamo.exc import unimplemented
 
             unimplemented(
-                gb_type="distopt: remote call with unknown outputs", context=f"site {site.index}",
-                explanation=message, hints=["distopt learns them from the first call of each input shape"],
-            )  # fmt: skip
+                gb_type="distopt: remote call with unknown outputs",
+                context=f"site {site.index}",
+                explanation=message,
+                hints=["distopt learns them from the first call of each input shape"],
+            )
         except TypeError:  # another torch: an error instead, which the learning call handles
             raise UnknownRemoteOutput(message) from None
     return tuple(torch.empty(shape, dtype=dtype) for shape, dtype in out.metas)
@@ -178,9 +180,15 @@ def _batch_key(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
 
 
 registry.register_remote(
-    remote_call, issue=remote_call_async, wait=remote_call_wait, effect=_effect,  # type: ignore[arg-type]
-    resource=_resource, batched=remote_call_batched, batch_key=_batch_key,  # type: ignore[arg-type]
-)  # fmt: skip
+    remote_call,
+    # A Pending stands in for the Future the registry's signature names (it has wait()).
+    issue=remote_call_async,  # type: ignore[arg-type]
+    wait=remote_call_wait,  # type: ignore[arg-type]
+    effect=_effect,  # type: ignore[arg-type]
+    resource=_resource,
+    batched=remote_call_batched,  # type: ignore[arg-type]
+    batch_key=_batch_key,
+)
 
 
 # -------------------------------------------------------------------------------- polyfills

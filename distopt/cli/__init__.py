@@ -12,13 +12,13 @@ import sys
 from distopt.errors import DistoptError
 
 _SUBCOMMANDS = (
-    "distopt.cli.explain",
-    "distopt.cli.bench",
-    "distopt.cli.compare",
-    "distopt.cli.demo",
-    "distopt.cli.coverage",
-    "distopt.cli.train",
-    "distopt.cli.launch",
+    "distopt.cli.cmd_explain",
+    "distopt.cli.cmd_bench",
+    "distopt.cli.cmd_compare",
+    "distopt.cli.cmd_demo",
+    "distopt.cli.cmd_coverage",
+    "distopt.cli.cmd_train",
+    "distopt.cli.cmd_launch",
 )
 
 

@@ -38,7 +38,7 @@ class DataSource:
     batched: bool
     """Items are whole batches (synthetic data): loaders use ``batch_size=None``."""
     task: Task
-    """What :func:`distopt.job.evaluate.evaluate` computes."""
+    """What :func:`distopt.training.evaluate.evaluate` computes."""
     config: DataConfig
 
     def train_loader(self, *, rank: int, world_size: int, batch_size: int, seed: int) -> Loader:

@@ -40,10 +40,21 @@ MAX_BATCHES_PER_TASK = 16
 """At most this many training batches per worker task (of map-style data)."""
 
 # dtypes numpy shares with torch (tensor.numpy() and torch.from_numpy are exact for them).
-_NUMPY_DTYPES = frozenset({
-    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-    torch.float32, torch.float64, torch.complex64, torch.complex128,
-})  # fmt: skip
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    }
+)
 
 
 def _plain(value: Any) -> bool:

@@ -4,7 +4,9 @@
   untouched, remote reads timed or modeled, writes never sent);
 * :mod:`~distopt.estimate.timeline` — one clock over a graph: blocking calls vs overlapped waits;
 * :mod:`~distopt.estimate.predict` — before/after predictions of the remote-call scheduling
-  passes and the one helper the trainer, ``distopt explain`` and the benchmarks report from;
+  passes (the tools' ``predict_gain``, which captures the model first, is
+  :mod:`distopt.optimize.gain`, above this layer);
+* :mod:`~distopt.estimate.collectives` — the α–β model of FSDP's collectives.
 * :mod:`~distopt.estimate.step` — the whole training step phase by phase: what the trainer
   measures and what the model predicts, under the same names (docs/cost_model.md).
 """
@@ -14,7 +16,6 @@ from distopt.estimate.predict import (
     Prediction,
     measure_latency,
     predict,
-    predict_gain,
     staleness_to_hide,
 )
 from distopt.estimate.profile import profile_nodes
@@ -30,7 +31,6 @@ __all__ = [
     "Timeline",
     "measure_latency",
     "predict",
-    "predict_gain",
     "predict_step",
     "profile_nodes",
     "simulate",

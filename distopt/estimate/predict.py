@@ -8,11 +8,9 @@ own request took in that run, at the sizes the example inputs give — whatever 
 distopt's tables, the user's own ``rpc_sync`` functions, RRefs, Ray actors — unless the caller
 gives one latency for all.
 
-:func:`predict_gain` is what the tools call (the trainer's QPS-log header, ``distopt explain
---ps-latency-ms``, the ps_overlap benchmark): it captures the model as written, predicts the
-forward, and optionally measures a forward+backward of the model to turn the forward saving into
-a step gain. :meth:`GainPrediction.to_header` gives the QPS-log header keys
-(docs/qps_log_format.md).
+:class:`GainPrediction` is what the tools report (made by :func:`distopt.optimize.gain.predict_gain`,
+which sits above this cost model because it captures the model with ``distopt.optimize``);
+:meth:`GainPrediction.to_header` gives the QPS-log header keys (docs/qps_log_format.md).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.fx
@@ -28,13 +26,11 @@ from torch import nn
 
 from distopt.errors import CaptureError, ConfigError
 from distopt.estimate.profile import profile_nodes
-from distopt.estimate.step import forward_backward_times, median_time
+from distopt.estimate.step import median_time
 from distopt.estimate.timeline import RequestLatency, Timeline, simulate
-from distopt.remote.local import with_remote_calls
 from distopt.remote.ops import remote_ops
-from distopt.remote.record import CALL_INDEX, RemoteWriteRefused, recording
+from distopt.remote.record import CALL_INDEX
 from distopt.text import plural
-from distopt.verify import isolated, preserved_state
 
 
 def measure_latency(call: Callable[[], Any], *, repeats: int = 20) -> float:
@@ -97,7 +93,7 @@ class Prediction:
         )
 
 
-def _graphs(**modules: nn.Module) -> list[torch.fx.GraphModule]:
+def fx_graphs(**modules: nn.Module) -> list[torch.fx.GraphModule]:
     """The modules as torch.fx graphs, or a one-line error saying what they are instead (a model
     that fell back to eager or Dynamo has no nodes to cost)."""
     graphs = [m for m in modules.values() if isinstance(m, torch.fx.GraphModule)]
@@ -107,7 +103,7 @@ def _graphs(**modules: nn.Module) -> list[torch.fx.GraphModule]:
     return graphs
 
 
-def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+def input_tuple(example_inputs: Any) -> tuple[Any, ...]:
     if isinstance(example_inputs, tuple):
         return example_inputs
     return tuple(example_inputs) if isinstance(example_inputs, list) else (example_inputs,)
@@ -134,10 +130,10 @@ def predict(
 
     Both models must be torch.fx graphs: anything else is a one-line :class:`CaptureError`.
     """
-    gm_before, gm_after = _graphs(captured=gm_before, optimized=gm_after)
+    gm_before, gm_after = fx_graphs(captured=gm_before, optimized=gm_after)
     if rpc_latency_s is not None and not rpc_latency_s >= 0:
         raise ConfigError(f"rpc_latency_s: expected seconds >= 0, got {rpc_latency_s!r}")
-    example_inputs = _as_tuple(example_inputs)
+    example_inputs = input_tuple(example_inputs)
     costs = profile_nodes(gm_before, example_inputs, repeats=repeats)
     before_ops = remote_ops(gm_before.graph)
     measured: dict[int, float] = {}
@@ -265,103 +261,3 @@ def staleness_to_hide(forward: Prediction, measured_step_s: float | None, *, lim
         ):
             return staleness
     return limit
-
-
-def predict_pipelined(
-    optimized: torch.fx.GraphModule, forward: Prediction, window_s: float
-) -> Timeline:
-    """The optimized forward whose prefetchable reads were sent ``window_s`` earlier."""
-    from distopt.pipeline.split import prefetchable  # the pipeline builds on the passes, as we do
-
-    early = {issue.name: window_s for issue, _ in prefetchable(optimized)}
-    return simulate(optimized, forward.after_costs, forward.latency, head_start_s=early)
-
-
-def _measure_step(
-    model: nn.Module, example_inputs: tuple[Any, ...], runs: int = 3
-) -> tuple[float, float]:
-    """Median seconds of a forward and of a backward of ``model`` (timed apart); its grads,
-    buffers and RNG stream, and remote state such as fetched-row records, are as they were
-    afterwards. Remote reads are sent; a remote write (a push in backward) raises
-    :class:`RemoteWriteRefused` before it is sent."""
-    view = with_remote_calls(model)
-    with (
-        preserved_state(model),
-        isolated(),
-        torch.random.fork_rng(devices=[]),
-        recording(view, allow_writes=False),
-    ):
-        # Restored on exit; None now so that backward does not accumulate into the user's grads.
-        model.zero_grad(set_to_none=True)
-        return forward_backward_times(lambda: view(*example_inputs).float().sum(), repeats=runs)
-
-
-def predict_gain(
-    model: nn.Module,
-    optimized: nn.Module,
-    example_inputs: Any,
-    *,
-    latency_s: float | None = None,
-    measure_step: bool = False,
-    repeats: int = 5,
-    pipeline_staleness: int | Literal["auto"] | None = None,
-    max_staleness: int = 8,
-) -> GainPrediction:
-    """Predict the gain of ``optimized`` (a torch.fx graph distopt made) over ``model``.
-
-    Args:
-        model: the model as written; captured here without passes for the "before" graph.
-        optimized: the optimized GraphModule.
-        example_inputs: positional inputs of one forward call.
-        latency_s: seconds per remote request; default: each request of the model measured
-            (:func:`predict`), whatever serves it.
-        measure_step: also time a forward+backward of ``model`` (the trainer's step gain); not
-            done, and said in :attr:`GainPrediction.unmeasured_step`, when the step sends a
-            remote write (it is never sent twice).
-        repeats: timed profiling runs per graph.
-        pipeline_staleness: also predict the step of a pipeline (:mod:`distopt.pipeline`)
-            with this staleness; ``"auto"``: with the least that hides a request's latency
-            (:func:`staleness_to_hide`, at most ``max_staleness``), reported in the result.
-
-    A model or optimized model without a graph is a one-line :class:`CaptureError`, raised
-    before any request is sent.
-    """
-    # Not at module level: optimize imports the passes, and the partition pass this package.
-    from distopt.optimize import optimize
-
-    if latency_s is not None and not latency_s >= 0:
-        raise ConfigError(f"latency_s: expected seconds >= 0, got {latency_s!r}")
-    if not (
-        pipeline_staleness in (None, "auto")
-        or (isinstance(pipeline_staleness, int) and pipeline_staleness >= 0)
-    ):
-        raise ConfigError(
-            f"pipeline_staleness: expected an integer >= 0 or 'auto', got {pipeline_staleness!r}"
-        )
-    _graphs(optimized=optimized)
-    example_inputs = _as_tuple(example_inputs)
-    with torch.no_grad():
-        captured = optimize(model, passes=[], verify=False)
-    _graphs(captured=captured, optimized=optimized)
-    forward = predict(captured, optimized, example_inputs, latency_s, repeats=repeats)
-    step = backward = unmeasured = None
-    if measure_step:
-        try:
-            forward_s, backward = _measure_step(model, example_inputs, runs=repeats)
-            step = forward_s + backward
-        except RemoteWriteRefused as err:
-            unmeasured = f"the step sends a remote write ({err.write.describe()})"
-    pipelined = None
-    if pipeline_staleness == "auto":
-        pipeline_staleness = staleness_to_hide(forward, step, limit=max_staleness)
-    if pipeline_staleness is not None:
-        window = pipeline_window_s(forward, step, pipeline_staleness)
-        pipelined = predict_pipelined(optimized, forward, window)  # type: ignore[arg-type]
-    return GainPrediction(
-        forward=forward,
-        measured_step_s=step,
-        measured_backward_s=backward,
-        unmeasured_step=unmeasured,
-        pipelined=pipelined,
-        pipeline_staleness=pipeline_staleness,
-    )

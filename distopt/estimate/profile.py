@@ -7,8 +7,8 @@ One semantics for every caller (the cost model's prediction, the FSDP partition'
 * under ``torch.no_grad()`` unless ``grad=True``;
 * the user's random stream, the module's buffers (BatchNorm statistics) and ``.grad``, and
   remote-client state such as fetched-row records are the same afterwards
-  (``torch.random.fork_rng``, :func:`distopt.verify.preserved_state` and
-  :func:`distopt.verify.isolated`), so profiling a model does not change what training computes;
+  (``torch.random.fork_rng``, :func:`distopt.remote.isolation.preserved_state` and
+  :func:`distopt.remote.isolation.isolated`), so profiling a model does not change what training computes;
 * the node that starts a remote request (:func:`distopt.remote.ops.remote_ops`: a
   blocking call, an issue, a batched issue) costs the request's latency; its waits cost 0. By
   default the latency is measured: remote *reads* are sent in the warm-up and in every timed
@@ -32,9 +32,9 @@ import torch.fx
 from torch.fx import Node
 
 from distopt.errors import ConfigError
+from distopt.remote.isolation import isolated, preserved_state
 from distopt.remote.ops import RemoteOp, remote_ops
 from distopt.remote.record import awaited
-from distopt.verify import isolated, preserved_state
 
 
 class _Unavailable:

@@ -17,7 +17,7 @@ remainder (``other``: bookkeeping between them):
 the model as written and as optimized, from start-up measurements of that phase (forward,
 backward and each remote request profiled on the model; an optimizer step timed on copies of
 the parameters) or from a model of it (the all-reduce from the α–β fit of
-:mod:`distopt.collectives`; pushes as one request per trainer; data as a loader that keeps up).
+:mod:`distopt.estimate.collectives`; pushes as one request per trainer; data as a loader that keeps up).
 """
 
 from __future__ import annotations
@@ -28,13 +28,10 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
-
-if TYPE_CHECKING:
-    from distopt.estimate.predict import GainPrediction
 
 PHASES: tuple[str, ...] = ("data", "forward", "backward", "pushes", "optimizer")
 """The disjoint phases of a step, in order."""
@@ -252,7 +249,7 @@ def predict_step(
         "as the model sends it, walked with one clock (distopt.estimate.timeline)",
         "waits": "the same walk: request latency not hidden by local work",
         "backward": "median of timed backwards of the model as written, plus all_reduce",
-        "all_reduce": "alpha-beta fit of the trainers' group (distopt.collectives) for all dense "
+        "all_reduce": "alpha-beta fit of the trainers' group (distopt.estimate.collectives) for all dense "
         "gradient bytes in one bucket, not overlapped with backward",
         "pushes": (
             f"{num_trainers} trainers push one after the other, one request each at the "
@@ -289,33 +286,3 @@ def forward_backward_times(
             forwards.append(middle - start)
             backwards.append(end - middle)
     return statistics.median(forwards), statistics.median(backwards)
-
-
-def step_of(
-    gain: GainPrediction,
-    *,
-    optimizer_s: float,
-    all_reduce_s: float,
-    num_trainers: int,
-    blocking_pushes: bool,
-    barrier_s: float = 0.0,
-) -> StepPrediction | None:
-    """:func:`predict_step` from a :func:`~distopt.estimate.predict_gain` made with
-    ``measure_step=True`` (``None`` when its step was not measured); a pipelined prediction's
-    optimized forward is the pipelined one."""
-    if gain.measured_backward_s is None:
-        return None
-    after = gain.pipelined if gain.pipelined is not None else gain.forward.after
-    return predict_step(
-        forward_before_s=gain.forward.before_s,
-        forward_after_s=after.total_s,
-        waits_before_s=gain.forward.before.blocked_s,
-        waits_after_s=after.blocked_s,
-        backward_s=gain.measured_backward_s,
-        request_latency_s=gain.rpc_latency_s,
-        optimizer_s=optimizer_s,
-        all_reduce_s=all_reduce_s,
-        num_trainers=num_trainers,
-        blocking_pushes=blocking_pushes,
-        barrier_s=barrier_s,
-    )

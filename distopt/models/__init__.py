@@ -16,7 +16,7 @@ first time the registry is consulted, so adding a file is enough. A name of the 
 module, or ``(module, example_inputs)`` as ``distopt explain`` takes it. Every process of a job
 calls it, the parameter servers too (to ask ``ps_tables()``), so it makes no remote call itself;
 what a model that makes remote calls needs (``ps_tables()``, module-level functions sent to the
-servers) is checked by ``distopt launch`` before anything is scheduled (:mod:`distopt.job.preflight`).
+servers) is checked by ``distopt launch`` before anything is scheduled (:mod:`distopt.torchx.preflight`).
 
 Synthetic inputs: :func:`make_inputs` asks the registration's ``inputs`` function, else the
 example inputs the factory returned with the module, else the model's

@@ -120,13 +120,13 @@ def apply_ddp(
     ``fully_shard``; ``set_requires_gradient_sync(False)`` skips the all-reduce as on FSDP2.
 
     DDP itself is built at the first forward. Its process group is kept alive until exit
-    (:func:`distopt.rendezvous.keep_group`): a gloo group whose last reference is DDP's reducer can
+    (:func:`distopt.dist.rendezvous.keep_group`): a gloo group whose last reference is DDP's reducer can
     hang the process at ``destroy_process_group()`` or exit.
     """
     import torch.distributed as dist
     from torch.distributed._composable.replicate import replicate
 
-    from distopt.rendezvous import keep_group
+    from distopt.dist.rendezvous import keep_group
 
     kwargs: dict[str, Any] = {}
     if process_group is not None:

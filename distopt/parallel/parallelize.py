@@ -12,6 +12,7 @@ import torch.fx
 from torch import nn
 
 from distopt.config import from_dict
+from distopt.dist.rendezvous import collective
 from distopt.errors import ConfigError
 from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
 from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
@@ -19,7 +20,6 @@ from distopt.parallel.regions import compilable_regions
 from distopt.parallel.units import agree_across_ranks, materialize_units, plan_of, unit_modules
 from distopt.passes import resolve_pipeline
 from distopt.passes.local.channels_last import run_channels_last
-from distopt.rendezvous import collective
 from distopt.report import OptimizeReport, ParallelRecord, attach, report_of
 
 Strategy = Literal["ddp", "fsdp", "fsdp1"]
@@ -262,10 +262,10 @@ def _check_group(mesh: Any, process_group: Any) -> None:
 
 def _min_unit_bytes(cfg: ParallelizeConfig) -> int:
     """The configured minimum, else the one the measured α–β model of the group gives (every rank
-    agrees on one model: see :func:`distopt.collectives.alpha_beta`)."""
+    agrees on one model: see :func:`distopt.estimate.collectives.alpha_beta`)."""
     if cfg.min_unit_bytes is not None:
         return cfg.min_unit_bytes
-    from distopt.collectives import alpha_beta, min_unit_bytes
+    from distopt.estimate.collectives import alpha_beta, min_unit_bytes
 
     with collective("distopt.parallelize (timing all-gather and reduce-scatter for fuse_units)"):
         return min_unit_bytes(alpha_beta(cache_dir=cfg.cache_dir))

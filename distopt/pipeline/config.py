@@ -23,9 +23,13 @@ class PipelineConfig:
 
     def __post_init__(self) -> None:
         check(
-            isinstance(self.staleness, int) and not isinstance(self.staleness, bool) and self.staleness >= 0,
-            "pipeline.staleness", "an integer >= 0", self.staleness,
-        )  # fmt: skip
+            isinstance(self.staleness, int)
+            and not isinstance(self.staleness, bool)
+            and self.staleness >= 0,
+            "pipeline.staleness",
+            "an integer >= 0",
+            self.staleness,
+        )
         limit = self.max_staleness
         check(
             limit is None

@@ -49,9 +49,12 @@ def same_arguments(a: Any, b: Any) -> bool:
     """Equal call arguments: tensors by value (shape, dtype and elements), the rest by ``==``."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (
-            isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-            and a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu())
-        )  # fmt: skip
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a.cpu(), b.cpu())
+        )
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_arguments(x, y) for x, y in zip(a, b, strict=True))
     if isinstance(a, Mapping) and isinstance(b, Mapping):

@@ -61,7 +61,7 @@ from distopt.ps.cluster.session import (
 )
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
 
-# Bound for distopt.cli.explain, which reads ``distopt.ps.context.isolated_step``; issue 23's second
+# Bound for distopt.cli.cmd_explain, which reads ``distopt.ps.context.isolated_step``; issue 23's second
 # phase points it at distopt.ps.client.context and drops this name.
 from distopt.ps.client import context as context  # noqa: E402,F401  isort: skip
 

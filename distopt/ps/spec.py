@@ -149,7 +149,7 @@ class ServerOptions:
     interface: str = "auto"
     """Network interface TensorPipe and gloo bind to (``TP_SOCKET_IFNAME``/``GLOO_SOCKET_IFNAME``,
     which win when set). ``auto``: the interface of each process's route toward the RPC group's
-    host, ``lo`` when that is loopback (:mod:`distopt.netif`). A name is checked on each host: one
+    host, ``lo`` when that is loopback (:mod:`distopt.dist.netif`). A name is checked on each host: one
     that does not exist there, or loopback toward another host, is a one-line error."""
     num_worker_threads: int = 64
     """Handler threads per server (RPC thread pool; a Ray actor's ``max_concurrency``);
@@ -169,7 +169,7 @@ class ServerOptions:
     :func:`~distopt.ps.load_servers`; the seeded tables when there was none, said in a log line) and
     refuses fetches and pushes until a trainer calls :func:`distopt.ps.recover`, which reloads every
     server from that checkpoint (a ``distopt.train`` job does so itself, every trainer rolling back
-    with it, at most ``max_restarts`` times: :mod:`distopt.job.recovery`). 0 (default): calls to a
+    with it, at most ``max_restarts`` times: :mod:`distopt.training.recovery`). 0 (default): calls to a
     dead actor keep failing."""
     ray_state_dir: str | None = None
     """``ray`` backend: directory where the job records which checkpoint it saved or loaded last

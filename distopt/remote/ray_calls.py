@@ -260,9 +260,16 @@ def _install() -> None:
     _CANONICAL["issue"] = ray_remote
     torch.fx.node.has_side_effect(ray.get)  # an unused ray.get still waits (for a write)
     register_remote(
-        ray_call, issue=ray_remote, wait=cast(Callable[[Any], Any], ray.get), effect=ray_effect, resource=ray_resource,
-        batched=ray_remote_many, batch_key=ray_batch_key, aliases=[(vars(ray), "get")], runs=ray_runs,
-    )  # fmt: skip
+        ray_call,
+        issue=ray_remote,
+        wait=cast(Callable[[Any], Any], ray.get),
+        effect=ray_effect,
+        resource=ray_resource,
+        batched=ray_remote_many,
+        batch_key=ray_batch_key,
+        aliases=[(vars(ray), "get")],
+        runs=ray_runs,
+    )
     for cls in (ray.actor.ActorHandle, ray.remote_function.RemoteFunction, ray.ObjectRef):
         register_constant_type(cls)
     register_routed_method(ray.actor.ActorMethod, "_remote", _actor_call)

@@ -29,19 +29,31 @@ def options(scheduler: str) -> tuple[dict[str, str], dict[str, str]]:
     return dict(parser[scheduler]), dict(parser["component:distopt.ps_job"])
 
 
-def dryrun(scheduler: str, config: Path, out: Path) -> distopt.job.launch.Launched:
+def dryrun(scheduler: str, config: Path, out: Path) -> distopt.torchx.submit.Launched:
     clicks = write_criteo(out / "clicks.tsv", num_samples=1000, seed=0)  # a full first batch: the job is checked before it is submitted
     cfg, component = options(scheduler)
-    return distopt.launch(config, scheduler, overrides=[f"data.path={clicks}", f"output_dir={out}"],
-                          run_id=f"dryrun-{scheduler}", dryrun=True, component_args=component, **cfg)
+    return distopt.launch(
+        config,
+        scheduler,
+        overrides=[f"data.path={clicks}", f"output_dir={out}"],
+        run_id=f"dryrun-{scheduler}",
+        dryrun=True,
+        component_args=component,
+        **cfg,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("scheduler", choices=("slurm", "ray"))
-    parser.add_argument("--config", type=Path, default=ROOT / "configs" / "jobs" / "dlrm_criteo.yaml")
+    parser.add_argument(
+        "--config", type=Path, default=ROOT / "configs" / "jobs" / "dlrm_criteo.yaml"
+    )
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as out, dryrun(args.scheduler, args.config, Path(out)) as job:
+    with (
+        tempfile.TemporaryDirectory() as out,
+        dryrun(args.scheduler, args.config, Path(out)) as job,
+    ):
         print(job.dryrun)
     return 0
 

@@ -92,7 +92,9 @@ class RemoteClickModel(nn.Module):
         return []
 
 
-def make_model(dense_features: int = 4, hidden: int = 32, sparse_lr: float = 0.5) -> RemoteClickModel:
+def make_model(
+    dense_features: int = 4, hidden: int = 32, sparse_lr: float = 0.5
+) -> RemoteClickModel:
     return RemoteClickModel(dense_features, hidden, sparse_lr)
 
 
@@ -121,4 +123,6 @@ class Clicks(Dataset):
 
 def make_dataset(split: str, seed: int, size: int = 4096) -> Clicks:
     """``data.source`` factory: a training set, and a held-out set from another seed."""
-    return Clicks(size if split == "train" else size // 4, seed=seed if split == "train" else seed + 1)
+    return Clicks(
+        size if split == "train" else size // 4, seed=seed if split == "train" else seed + 1
+    )

@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import distopt
+from distopt.dist.rendezvous import free_port
 from distopt.metrics import load_run
-from distopt.rendezvous import free_port
 
 CONFIG = Path(__file__).resolve().with_name("job.yaml")
 

@@ -15,9 +15,9 @@ from torch import nn
 from distopt import models
 from distopt.data import DataConfig, build_data
 from distopt.data.generate import chain_entropy, unigram_entropy, write_criteo, write_tokens
-from distopt.job.evaluate import evaluate
-from distopt.job.optim import OptimConfig, ScheduleConfig, Stepper
 from distopt.models.dlrm import DLRM, DLRMConfig
+from distopt.training.evaluate import evaluate
+from distopt.training.optim import OptimConfig, ScheduleConfig, Stepper
 
 
 def _digest(path: Path) -> str:

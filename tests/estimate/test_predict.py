@@ -16,9 +16,9 @@ from distopt.estimate.predict import (
     Prediction,
     measure_latency,
     predict,
-    predict_gain,
 )
 from distopt.estimate.timeline import Timeline
+from distopt.optimize.gain import predict_gain
 from tests.estimate import remote_models
 from tests.estimate.remote_models import PushesInBackward, graphs, inputs
 from tests.passes.remote import inprocess_server as ps

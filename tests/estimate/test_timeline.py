@@ -56,8 +56,9 @@ def test_issues_sent_a_step_ahead_start_with_a_head_start() -> None:
 
 
 def test_the_pipelined_prediction_hides_what_the_window_covers() -> None:
-    from distopt.estimate.predict import Prediction, pipeline_window_s, predict_pipelined
+    from distopt.estimate.predict import Prediction, pipeline_window_s
     from distopt.estimate.timeline import Timeline
+    from distopt.optimize.gain import predict_pipelined
 
     _, before, after, _ = graphs()
     costs = _synthetic_costs(after, 0.001)

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from distopt.data.generate import write_criteo
+from distopt.dist.rendezvous import free_port
 from distopt.metrics import load_run
-from distopt.rendezvous import free_port
 from launchers._proc import alive
 
 REPO = Path(__file__).resolve().parents[2]

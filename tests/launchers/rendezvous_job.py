@@ -2,7 +2,7 @@
 
 ``python -m tests.launchers.rendezvous_job --config PATH [--set key=value ...]``: the ``ps`` and
 ``trainer`` replicas rendezvous over ``torch.distributed.rpc`` at ``MASTER_ADDR:MASTER_PORT``
-(through :mod:`distopt.rendezvous`, with the plan of ``distopt.train``'s roles);
+(through :mod:`distopt.dist.rendezvous`, with the plan of ``distopt.train``'s roles);
 trainers push a value to the server by RPC and all-reduce among themselves in a gloo group whose
 store the first server hosts on ``DISTOPT_DDP_PORT``. Each replica writes one JSON line to
 ``<output_dir>/<role>-<replica>.jsonl`` (config keys: ``output_dir``, ``fail_trainer``: the
@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 import yaml
 
-from distopt import rendezvous
+from distopt.dist import rendezvous
 from distopt.ps.spec import ServerOptions
 
 TIMEOUT_S = 10

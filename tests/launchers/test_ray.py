@@ -3,7 +3,7 @@
 ``distopt.ps_job`` runs through both scheduler names: ``ray`` with the torchx CLI (TorchX's own
 on torchx 0.7.0; distopt's from plugins/torchx-ray where TorchX has none, e.g. torchx-nightly:
 without it ``torchx run -s ray`` fails here) and ``distopt_ray`` with distopt's Runner
-(:mod:`distopt.launch.schedulers`, as ``distopt launch`` uses it). Either way every replica of
+(:mod:`distopt.torchx.schedulers`, as ``distopt launch`` uses it). Either way every replica of
 every role becomes one Ray actor running the role's command, and the job fails when any fails.
 """
 
@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from torchx.specs import AppState
 
-from distopt.launch.schedulers import get_runner
 from distopt.metrics.qps_log import load_run
+from distopt.torchx.schedulers import get_runner
 from launchers._proc import session_members
 from tests.launchers.conftest import (
     JOB_MODULE,

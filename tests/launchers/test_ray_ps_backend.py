@@ -20,10 +20,10 @@ from torchx.specs import AppState
 
 import distopt
 from distopt.data.generate import write_criteo
-from distopt.job.checkpoint import latest_complete
-from distopt.job.state import read_tensors
+from distopt.dist.rendezvous import free_port
 from distopt.metrics.qps_log import RunLog, load_run
-from distopt.rendezvous import free_port
+from distopt.training.checkpoint import latest_complete
+from distopt.training.state import read_tensors
 from tests.launchers.conftest import REPO, free_port_pair
 
 pytest.importorskip("ray")
@@ -159,7 +159,7 @@ def test_failing_trainers_fail_the_job_and_leave_no_actors(
 ) -> None:
     config = tmp_path / "job.yaml"
     config.write_text(
-        "model: 'tests.job.remote_model:remote_mlp'\nmodel_kwargs: {fail_after: 3}\nsteps: 8\n"
+        "model: 'tests.training.remote_model:remote_mlp'\nmodel_kwargs: {fail_after: 3}\nsteps: 8\n"
         "parallel: ddp\nps: {rpc_timeout_s: 20, start_timeout_s: 30}\n"
     )
     job = distopt.launch(config, "local_cwd", num_trainers=2, run_id="fails",

@@ -25,9 +25,9 @@ from torchx.specs import AppState
 
 import distopt
 from distopt.data.generate import write_criteo
-from distopt.job.checkpoint import latest_complete
-from distopt.job.state import read_tensors
 from distopt.metrics.qps_log import load_run
+from distopt.training.checkpoint import latest_complete
+from distopt.training.state import read_tensors
 from tests.launchers.conftest import REPO, free_port_pair
 
 pytest.importorskip("ray")
@@ -137,7 +137,7 @@ def test_a_killed_server_actor_rolls_every_trainer_back_and_the_job_ends_as_an_u
     lines = [
         ln
         for ln in logs.splitlines()
-        if "distopt.job.recovery: recovery 1 of 1: ps0 lost at step" in ln
+        if "distopt.training.recovery: recovery 1 of 1: ps0 lost at step" in ln
     ]
     assert len(lines) == 2, logs[-4000:]  # one line on each trainer
     back = "the seeded tables (step 0)" if kill_after == 0 else "checkpoint "

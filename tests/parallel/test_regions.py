@@ -10,10 +10,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import distopt
+from distopt.dist.rendezvous import StorePlan, init_gloo, spawned_gloo
 from distopt.models import build, make_inputs
 from distopt.parallel import timing_of
 from distopt.parallel.regions import compile_regions, repeated_blocks
-from distopt.rendezvous import StorePlan, init_gloo, spawned_gloo
 
 
 class Block(nn.Module):

@@ -1,5 +1,5 @@
 """The pipeline in a launched DLRM job on a Criteo-format file (2 trainers, 1 parameter server, the
-processes of ``python -m distopt.train`` started by ``distopt.supervise``)."""
+processes of ``python -m distopt.train`` started by ``distopt.roles.supervise``)."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         command = [
             sys.executable,
             "-m",
-            "distopt.supervise",
+            "distopt.roles.supervise",
             "--config",
             "configs/jobs/dlrm_criteo.yaml",
             "--num-ps",

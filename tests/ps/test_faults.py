@@ -10,11 +10,11 @@ import pytest
 import torch
 
 import distopt.ps as ps
+from distopt.dist.rendezvous import StorePlan
 from distopt.errors import RemoteCallError
 from distopt.ps import PSJob, stop_servers
 from distopt.ps.cluster.job import LAUNCHER
 from distopt.ps.spec import ServerOptions, TableSpec
-from distopt.rendezvous import StorePlan
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""Helpers for the fault tests: run a job under ``distopt.supervise``, kill one of its processes by
+"""Helpers for the fault tests: run a job under ``distopt.roles.supervise``, kill one of its processes by
 PID at a chosen step, read what happened."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from distopt.job.checkpoint import latest_complete
-from distopt.job.state import read_tensors
+from distopt.training.checkpoint import latest_complete
+from distopt.training.state import read_tensors
 
 ROOT = Path(__file__).resolve().parents[2]
 DLRM_TINY = ROOT / "configs" / "jobs" / "ps_dlrm_tiny.yaml"
@@ -100,11 +100,11 @@ def supervise(
     at_step: int = 0,
     timeout_s: float = 150.0,
 ) -> Supervised:
-    """Run ``distopt.supervise`` on the tiny DLRM job; with ``kill``, SIGKILL that process (by the
+    """Run ``distopt.roles.supervise`` on the tiny DLRM job; with ``kill``, SIGKILL that process (by the
     PID the supervisor recorded) once trainer 0 has logged step ``at_step`` of the first attempt."""
     args = [a for s in (f"output_dir={out}", *sets) for a in ("--set", s)]
     cmd = [
-        sys.executable, "-m", "distopt.supervise", "--config", str(DLRM_TINY),
+        sys.executable, "-m", "distopt.roles.supervise", "--config", str(DLRM_TINY),
         "--num-ps", str(num_ps), "--num-trainers", str(num_trainers),
         "--max-restarts", str(max_restarts), "--grace-s", str(grace_s), "--run-id", run_id, *args,
     ]  # fmt: skip

@@ -57,11 +57,11 @@ def test_slow_server_fails_the_call_within_rpc_timeout_naming_it() -> None:
 
 def test_supervisor_rejects_bad_arguments_in_one_line(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "distopt.supervise", "--config", str(DLRM_TINY),
+        [sys.executable, "-m", "distopt.roles.supervise", "--config", str(DLRM_TINY),
          "--num-trainers", "0", "--set", f"output_dir={tmp_path}"],
         capture_output=True, text=True, timeout=60, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        "distopt.supervise: error: --num-trainers: expected an integer >= 1, got 0"
+        "distopt.roles.supervise: error: --num-trainers: expected an integer >= 1, got 0"
     )

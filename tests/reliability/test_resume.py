@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from distopt.job.checkpoint import MANIFEST, latest_complete, step_dir
-from distopt.job.state import read_tensors
 from distopt.metrics.qps_log import load_run
 from distopt.train import main
+from distopt.training.checkpoint import MANIFEST, latest_complete, step_dir
+from distopt.training.state import read_tensors
 from tests.reliability.jobs import JOB_ENV, ROOT, assert_same_tensors, job_env
 
 MLP = str(ROOT / "configs" / "jobs" / "mlp.yaml")

@@ -9,9 +9,9 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from distopt.dist.rendezvous import free_port
 from distopt.metrics import load_run
 from distopt.metrics.records import RunLog
-from distopt.rendezvous import free_port
 from tests import shell
 
 HERE = Path(__file__).resolve().parent

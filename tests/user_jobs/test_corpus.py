@@ -74,8 +74,8 @@ def test_distopt_tables_and_an_iterable_dataset(tmp_path: Path) -> None:
     reason=(
         "a model that builds a RemoteModule (or an RRef) in its constructor needs the job's RPC group "
         "to be built, but distopt launch's pre-scheduling check builds it in the launching process "
-        "('RemoteModule only works in RPC.', part A: distopt/job/launch.py check_job), and the ps role "
-        "builds it to ask ps_tables() before joining the group (distopt/job/ps_roles.py job_tables)"
+        "('RemoteModule only works in RPC.', part A: distopt/torchx/submit.py check_job), and the ps role "
+        "builds it to ask ps_tables() before joining the group (distopt/roles/ps_roles.py job_tables)"
     ),
 )
 def test_remote_module_tables(tmp_path: Path) -> None:

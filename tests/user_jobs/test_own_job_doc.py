@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from distopt.dist.rendezvous import free_port
 from distopt.metrics import load_run
-from distopt.rendezvous import free_port
 from tests.user_jobs.as_user import HERE, distopt_cli, trainer_log
 
 DOC = HERE.parents[1] / "docs" / "own_job.md"
@@ -103,3 +103,17 @@ def test_every_command_on_the_page_runs_outside_the_repository(tmp_path: Path) -
     assert compared.returncode == 0, compared.stderr
     optimized = json.loads((work / "compare.json").read_text())["runs"][1]
     assert optimized["variant"] == "optimized" and optimized["gain_ci_low"] > 1.0, optimized
+
+
+README = HERE.parents[1] / "README.md"
+
+
+def test_the_readme_example_runs_quietly_outside_the_repository(tmp_path: Path) -> None:
+    """The README's Python block, as a user pastes it: it runs, and prints no warning."""
+    (snippet,) = [text for lang, _, text in _BLOCK.findall(README.read_text()) if lang == "python"]
+    proc = subprocess.run(
+        [sys.executable, "-c", snippet], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Warning" not in proc.stderr, proc.stderr
+    assert "verification passed" in proc.stdout, proc.stdout

@@ -3,7 +3,7 @@
 Each FSDP unit costs one all-gather (forward, again in backward) and one reduce-scatter; below a
 few hundred KiB on gloo those are pure latency. The pass takes the minimum as an option:
 :func:`distopt.parallelize` derives it from the measured α–β model of the process group
-(:func:`distopt.collectives.min_unit_bytes`) unless the user gives one.
+(:func:`distopt.estimate.collectives.min_unit_bytes`) unless the user gives one.
 """
 
 from __future__ import annotations

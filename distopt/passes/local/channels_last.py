@@ -24,6 +24,7 @@ from distopt.passes.core.base import PassContext, PassResult, PassSpec
 from distopt.passes.core.runner import REORDERS_FLOAT
 from distopt.passes.local.measured import keep_if_faster
 from distopt.passes.local.patterns import is_convolution
+from distopt.remote.isolation import preserved_state
 from distopt.remote.registry import register_leaf_function
 from distopt.text import plural
 
@@ -104,8 +105,6 @@ def _output_formats(
         return [format_name(v) for v in tensors]
     if example_inputs is None:
         return None
-    from distopt.verify import preserved_state
-
     try:
         with preserved_state(gm), torch.no_grad(), torch.random.fork_rng(devices=[]):
             out = gm(*example_inputs)

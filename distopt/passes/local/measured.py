@@ -26,8 +26,8 @@ import torch
 import torch.fx
 
 from distopt.passes.core.base import PassContext, PassResult
+from distopt.remote.isolation import isolated, preserved_state
 from distopt.remote.ops import remote_ops
-from distopt.verify import isolated, preserved_state
 
 Rewrite = Callable[[torch.fx.GraphModule], tuple[bool, str]]
 """Changes the graph in place; returns whether it changed anything and the report line."""
@@ -131,7 +131,7 @@ def _restored(inputs: tuple[Any, ...]) -> Iterator[None]:
     try:
         yield
     finally:
-        with torch.no_grad():  # compared by value: see distopt.verify.preserved_state
+        with torch.no_grad():  # compared by value: see distopt.remote.isolation.preserved_state
             for tensor, value in saved:
                 if not torch.equal(tensor, value):
                     tensor.copy_(value)

@@ -15,7 +15,7 @@ from typing import Any
 from distopt.ps.client import calls, context
 from distopt.ps.client.futures import FetchFuture
 from distopt.remote import register_remote
-from distopt.verify import register_isolation_hook
+from distopt.remote.isolation import register_isolation_hook
 
 
 def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], index: int, name: str) -> Any:

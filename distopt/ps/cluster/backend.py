@@ -25,13 +25,13 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol
 
-from distopt import rendezvous
+from distopt.dist import rendezvous
+from distopt.dist.rendezvous import HostedStores, StorePlan
 from distopt.errors import RemoteCallError
 from distopt.ps.client.calls import Client, Route
 from distopt.ps.cluster.job import PSJob
 from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.ps.transport.base import Transport
-from distopt.rendezvous import HostedStores, StorePlan
 
 
 class Beating(Protocol):
@@ -147,7 +147,7 @@ def not_recoverable(what: str) -> RemoteCallError:
     """The error of asking a job whose servers do not come back to recover them."""
     return RemoteCallError(
         f"distopt.ps.{what}: only a ps.backend=ray job's servers come back after a failure "
-        "(RPC jobs restart whole: distopt.supervise, docs/reliability.md)"
+        "(RPC jobs restart whole: distopt.roles.supervise, docs/reliability.md)"
     )
 
 

@@ -2,15 +2,15 @@
 
 A launcher gets one from :func:`distopt.ps.start_servers` and hands it to every trainer process
 (:func:`distopt.ps.init_trainer`); a ``distopt.train`` trainer builds its own from the environment
-TorchX set (:mod:`distopt.job.ps_roles`).
+TorchX set (:mod:`distopt.roles.ps_roles`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from distopt.dist.rendezvous import StorePlan
 from distopt.ps.spec import ServerOptions, server_name
-from distopt.rendezvous import StorePlan
 
 LAUNCHER = "launcher"
 """``StorePlan.hosted_by`` of jobs started by :func:`distopt.ps.start_servers`: the launching
@@ -22,7 +22,7 @@ class PSJob:
     """Where a job's members meet: all a trainer needs to join (plain, picklable data)."""
 
     plan: StorePlan
-    """The job's rendezvous stores and who hosts them (see :mod:`distopt.rendezvous`)."""
+    """The job's rendezvous stores and who hosts them (see :mod:`distopt.dist.rendezvous`)."""
     num_trainers: int
     options: ServerOptions
     pids: tuple[int, ...] = ()

@@ -15,7 +15,8 @@ import os
 import uuid
 from typing import Any, ClassVar
 
-from distopt import rendezvous
+from distopt.dist import rendezvous
+from distopt.dist.rendezvous import StorePlan
 from distopt.errors import RemoteCallError
 from distopt.ps.cluster import ray_placement, ray_recovery
 from distopt.ps.cluster.backend import Backend, Membership, Recovery, Servers, connect_client
@@ -24,7 +25,6 @@ from distopt.ps.server.checkpoint import record_path
 from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.ps.transport.ray import RayTransport, ray_message
 from distopt.ps.transport.ray_actor import PSServerActor
-from distopt.rendezvous import StorePlan
 
 
 def ensure_ray(address: str, options: ServerOptions) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from distopt import rendezvous
+from distopt.dist import rendezvous
 from distopt.errors import ConfigError
 from distopt.ps.spec import ServerOptions, ray_endpoint
 

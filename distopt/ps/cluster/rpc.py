@@ -24,7 +24,8 @@ from typing import Any, ClassVar
 
 import torch.distributed.rpc as rpc
 
-from distopt import rendezvous
+from distopt.dist import rendezvous
+from distopt.dist.rendezvous import StorePlan
 from distopt.errors import RemoteCallError
 from distopt.ps.cluster import rpc_process
 from distopt.ps.cluster.backend import (
@@ -37,7 +38,6 @@ from distopt.ps.cluster.backend import (
 from distopt.ps.cluster.job import LAUNCHER, PSJob
 from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.ps.transport.rpc import RpcTransport
-from distopt.rendezvous import StorePlan
 
 _ABORT_TIMEOUT_S = 5.0
 

@@ -2,9 +2,9 @@
 
 Run by :class:`~distopt.ps.cluster.rpc.RpcBackend` as ``python -m distopt.ps.cluster.rpc_process
 CONFIG_JSON`` (:func:`config` builds it), and by ``distopt.train``'s ``ps`` role
-(:mod:`distopt.job.ps_roles`) through :func:`serve`. Server ``i`` joins the RPC group as ``ps{i}``
+(:mod:`distopt.roles.ps_roles`) through :func:`serve`. Server ``i`` joins the RPC group as ``ps{i}``
 with rank ``num_trainers + i``; trainer ``j`` has rank ``j``. The config's store plan
-(:class:`distopt.rendezvous.StorePlan`) says who hosts the job's stores: the launcher for
+(:class:`distopt.dist.rendezvous.StorePlan`) says who hosts the job's stores: the launcher for
 ``start_servers``, ``ps0`` for ``distopt.train``; a hosting server keeps them until every trainer
 has left. The process exits with status 0 once every trainer has said it is done, with 1 when a
 trainer aborts the job or falls silent, with 3 when the launcher that started it dies.
@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from distopt import rendezvous
+from distopt.dist import rendezvous
+from distopt.dist.rendezvous import StorePlan
 from distopt.errors import ConfigError, RemoteCallError
 from distopt.ps.server.parameter_server import ParameterServer
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
 from distopt.ps.transport.rpc import serve_here
-from distopt.rendezvous import StorePlan
 
 
 def config(

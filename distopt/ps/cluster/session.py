@@ -24,7 +24,8 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from distopt import rendezvous
+from distopt.dist import rendezvous
+from distopt.dist.rendezvous import StorePlan
 from distopt.errors import RemoteCallError
 from distopt.ps.client import calls
 from distopt.ps.cluster.backend import (
@@ -39,7 +40,6 @@ from distopt.ps.cluster.job import LAUNCHER, PSJob
 from distopt.ps.cluster.ray import RayBackend
 from distopt.ps.cluster.rpc import RpcBackend
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables, trainer_name
-from distopt.rendezvous import StorePlan
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (RpcBackend(), RayBackend())}
 """Every ``ps.backend``, by name (:data:`distopt.ps.spec.BACKENDS` lists the names)."""

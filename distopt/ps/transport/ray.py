@@ -31,7 +31,7 @@ METHODS: frozenset[str] = frozenset(
 ACTOR_EXITED = "the actor process exited or was killed"
 ACTOR_UNAVAILABLE = "the actor is unreachable or restarting"
 """How :func:`ray_message` says an actor died or is being restarted (a job that can recover looks
-for them: :func:`distopt.job.recovery.lost_server`)."""
+for them: :func:`distopt.training.recovery.lost_server`)."""
 
 
 def ray_message(err: BaseException) -> str:

@@ -189,7 +189,7 @@ class RpcModel(nn.Module):
 
 @pytest.fixture(scope="module")
 def rpc_agent():
-    from distopt import rendezvous
+    from distopt.dist import rendezvous
     from distopt.ps.spec import ServerOptions
 
     # Our loopback store: init_rpc's own (tcp:// init) would listen on every interface.

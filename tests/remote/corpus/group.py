@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed.rpc as rpc
 
-from distopt import rendezvous
+from distopt.dist import rendezvous
 from distopt.ps.spec import ServerOptions
 from tests.remote.corpus import tables
 

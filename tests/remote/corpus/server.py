@@ -12,7 +12,7 @@ import sys
 
 import torch.distributed.rpc as rpc
 
-from distopt import rendezvous
+from distopt.dist import rendezvous
 from distopt.ps.spec import ServerOptions
 from tests.remote.corpus import tables
 

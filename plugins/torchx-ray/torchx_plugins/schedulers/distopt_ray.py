@@ -1,4 +1,4 @@
-"""TorchX's ``ray`` scheduler where TorchX has none: distopt's (``distopt.launch.ray_scheduler``).
+"""TorchX's ``ray`` scheduler where TorchX has none: distopt's (``distopt.torchx.ray_scheduler``).
 
 TorchX's plugin registry imports this module (it scans the ``torchx_plugins.schedulers`` namespace
 package) and collects the functions decorated with ``@register.scheduler``. Nothing is registered
@@ -18,6 +18,6 @@ if find_spec("torchx.schedulers.ray_scheduler") is None:
     def ray(session_name: str, **kwargs: Any) -> Any:
         """distopt's Ray scheduler under TorchX's name ``ray``."""
         # Imported when the scheduler is used, not when TorchX lists its schedulers.
-        from distopt.launch.ray_scheduler import create_ray_scheduler
+        from distopt.torchx.ray_scheduler import create_ray_scheduler
 
         return create_ray_scheduler(session_name, **kwargs)

@@ -1,0 +1,143 @@
+"""``distopt demo`` (what ``make demo`` runs): a parameter-server job, baseline vs optimized.
+
+Writes a Criteo-format click log with a signal to learn (``distopt.data.generate``) under
+``--out``, then launches ``configs/jobs/demo.yaml`` (a DLRM, 1 parameter server answering after
+5 ms, 2 DDP trainers) through TorchX on ``local_cwd``, as written (``variant=baseline``) and
+rewritten by ``distopt.optimize`` (``variant=optimized``), in ``--rounds`` alternated rounds
+(baseline, optimized; then optimized, baseline; ...): the host's speed drifts on a shared
+machine, and alternating shorter jobs keeps the drift from favouring either variant. It prints
+the held-out AUC and loss each reached (deterministic jobs: the same for both), then the
+``distopt compare`` table of the pooled jobs (its interval resamples blocks of each job's steps)
+with the cost model's per-phase prediction beside the measured phases, and writes the plot
+(with matplotlib: ``pip install 'distopt[plot]'``).
+Runs from any directory: the config is read relative to it, else from the copy shipped with
+distopt; logs go under ``--out`` there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from distopt.config import find_config_file, load_config
+from distopt.data.generate import write_criteo
+from distopt.dist.rendezvous import free_port
+from distopt.errors import ConfigError, DistoptError
+from distopt.metrics import load_run
+from distopt.metrics.compare import DEFAULT_WARMUP
+from distopt.training.config import JobConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("demo", help="run the PS workload baseline vs optimized and compare")
+    parser.add_argument("--config", default="configs/jobs/demo.yaml", help="job config")
+    parser.add_argument("--steps", type=int, default=150, help="training steps per job")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=2,
+        help="alternated rounds of one baseline and one optimized job (default 2: ABBA order)",
+    )
+    parser.add_argument("--out", default="runs/demo", help="where logs and the plot go")
+    parser.set_defaults(func=run)
+
+
+def _launch(config: Path, overrides: str, variant: str, run_id: str, out: Path) -> None:
+    overrides = f"variant={variant},{overrides}"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torchx.cli.main",
+        "run",
+        "-s",
+        "local_cwd",
+        "-cfg",
+        f"log_dir={out / 'torchx'}",
+        "distopt.ps_job",
+        "--config",
+        str(config),
+        "--set",
+        overrides,
+        "--run_id",
+        run_id,
+        "--master_port",
+        str(free_port(consecutive=2)),
+    ]
+    print(f"$ {' '.join(cmd[2:])}", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if proc.returncode != 0:
+        raise DistoptError(
+            f"demo: the {variant} job failed (exit {proc.returncode}); logs in {out / 'torchx'}"
+        )
+    print(f"{variant} job finished in {time.perf_counter() - start:.0f} s", flush=True)
+
+
+CLICKS = 12_000
+"""Lines of the demo's click log (a quarter held out)."""
+
+
+def _learned(run_dir: Path) -> str:
+    """What a run learned: its last held-out evaluation (AUC, loss) and its final training loss."""
+    rank = load_run(run_dir).ranks[0]
+    final = (
+        f"final training loss {rank.steps[-1].loss:.4f}"
+        if rank.steps and rank.steps[-1].loss is not None
+        else ""
+    )
+    if not rank.evals:
+        return final or "no loss recorded"
+    last = rank.evals[-1]
+    held = ", ".join(
+        f"{name.removeprefix('eval_')} {value:.4f}"
+        for name, value in sorted(last.metrics.items())
+        if name != "eval_samples"
+    )
+    return f"held-out {held} after {last.step} steps" + (f"; {final}" if final else "")
+
+
+def alternated(rounds: int) -> list[str]:
+    """The variants' job order: each round one of each, every other round the other first
+    (ABBA...), so that a host getting steadily faster or slower favours neither."""
+    pair = ["baseline", "optimized"]
+    return [v for i in range(rounds) for v in (pair if i % 2 == 0 else pair[::-1])]
+
+
+def run(args: argparse.Namespace) -> int:
+    from distopt.cli import main as distopt_main
+
+    if args.steps < 1:
+        raise ConfigError(f"--steps: expected an integer >= 1, got {args.steps}")
+    if args.rounds < 1:
+        raise ConfigError(f"--rounds: expected an integer >= 1, got {args.rounds}")
+    config = find_config_file(args.config)
+    if not config.is_file():
+        raise ConfigError(f"--config: config file not found: {args.config}")
+    out = Path(args.out).resolve()
+    overrides = f"steps={args.steps},output_dir={out}"
+    if load_config(JobConfig, config).data.source == "criteo":
+        clicks = out / "clicks.tsv"
+        if not clicks.is_file():
+            print(f"writing a click log to learn from: {clicks}", flush=True)
+            write_criteo(clicks, num_samples=CLICKS, seed=0)
+        overrides += f",data.path={clicks}"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    runs: dict[str, list[str]] = {"baseline": [], "optimized": []}
+    for variant in alternated(args.rounds):
+        run_id = f"demo-{stamp}-{variant}" + (f"-{len(runs[variant])}" if args.rounds > 1 else "")
+        _launch(config.resolve(), overrides, variant, run_id, out)
+        runs[variant].append(str(out / run_id))
+        print(f"{variant}: {_learned(out / run_id)}", flush=True)
+    # Short runs (--steps 3 in tests) still leave steps to compare after the warm-up.
+    compare = [",".join(jobs) for jobs in runs.values()]
+    compare += ["--warmup", str(min(DEFAULT_WARMUP, args.steps // 2))]
+    if importlib.util.find_spec("matplotlib") is not None:
+        compare += ["--plot", str(out / f"demo-{stamp}.png")]
+    else:
+        print("no plot: matplotlib is not installed (pip install 'distopt[plot]')", flush=True)
+    return distopt_main(["compare", *compare])

@@ -1,0 +1,67 @@
+"""Run a model for measurement or verification without leaving a trace on it.
+
+Verification and cost measurement run real forward and backward passes; the user's buffers,
+gradients and client-side remote state (e.g. the parameter-server client's record of fetched
+rows) must come out as they went in. :func:`preserved_state` restores what lives in the modules,
+:func:`isolated` enters every hook registered by a layer that keeps state of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+from torch import nn
+
+from distopt.remote.local import named_local_tensors
+
+_ISOLATION_HOOKS: list[Callable[[], AbstractContextManager[Any]]] = []
+
+
+def register_isolation_hook(factory: Callable[[], AbstractContextManager[Any]]) -> None:
+    """Wrap every verification run in ``factory()``.
+
+    For state outside the modules that a verification run must not leave behind, e.g. the
+    parameter-server client's record of fetched rows (they must not be pushed later).
+    """
+    if factory not in _ISOLATION_HOOKS:
+        _ISOLATION_HOOKS.append(factory)
+
+
+@contextlib.contextmanager
+def isolated() -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for factory in _ISOLATION_HOOKS:
+            stack.enter_context(factory())
+        yield
+
+
+@contextlib.contextmanager
+def preserved_state(*modules: nn.Module) -> Iterator[None]:
+    """Restore buffers (e.g. BatchNorm running stats) and ``.grad`` of ``modules`` on exit.
+
+    Verification runs real forward/backward passes; the user's model must come out unchanged.
+    Only local state counts (a ``RemoteModule`` lives on its owner).
+    """
+    tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+    for module in modules:
+        for _, buf in named_local_tensors(module, "_buffers"):
+            tensors.setdefault(id(buf), (buf, buf.detach().clone()))
+        for _, param in named_local_tensors(module, "_parameters"):
+            grads.setdefault(id(param), (param, param.grad))
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            # Only buffers whose values changed (BatchNorm's kernel writes its running statistics
+            # without bumping their version counters, so compare values): a needless copy would
+            # bump the counter and make values derived from the buffer (folded weights) stale.
+            for buf, saved in tensors.values():
+                if not torch.equal(buf, saved):
+                    buf.copy_(saved)
+        for param, grad in grads.values():
+            param.grad = grad

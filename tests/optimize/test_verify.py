@@ -1,0 +1,93 @@
+import torch
+from torch import nn
+
+from distopt.config import VerifyConfig
+from distopt.optimize.verify import compare_modules
+from distopt.remote.isolation import preserved_state
+
+
+def test_identical_modules_pass_and_count_outputs_and_grads() -> None:
+    model = nn.Sequential(nn.Linear(4, 3), nn.Dropout(0.5))  # dropout: same RNG state in both runs
+    record = compare_modules(model, model, (torch.randn(5, 4),), VerifyConfig())
+    assert record.passed and record.compared == 3 and record.max_abs_diff == 0.0
+
+
+def test_gradient_only_difference_is_detected() -> None:
+    class StopGrad(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            y = self.inner(x)
+            return y.detach() + (y - y.detach()) * 0.5  # same values, half the gradient
+
+    inner = nn.Linear(4, 3)
+    base = nn.Sequential()
+    base.add_module("inner", inner)
+    record = compare_modules(base, StopGrad(inner), (torch.randn(5, 4),), VerifyConfig())
+    assert not record.passed
+    assert "grad of inner.weight" in record.message
+
+
+def test_tolerances_are_applied() -> None:
+    a = nn.Linear(4, 3)
+    b = nn.Linear(4, 3)
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        b.bias += 1e-4
+    x = (torch.randn(2, 4),)
+    assert not compare_modules(a, b, x, VerifyConfig(check_grads=False)).passed
+    assert compare_modules(a, b, x, VerifyConfig(check_grads=False, atol=1e-3)).passed
+
+
+def test_buffers_and_grads_restored() -> None:
+    model = nn.BatchNorm1d(3)
+    model.weight.grad = torch.ones(3)
+    mean = model.running_mean.clone()
+    with preserved_state(model):
+        model(torch.randn(8, 3) + 5)
+        model.weight.grad = None
+    assert torch.equal(model.running_mean, mean)
+    assert torch.equal(model.weight.grad, torch.ones(3))
+
+
+def test_eval_mode_compares_outputs_only() -> None:
+    model = nn.Linear(4, 3).eval()
+    record = compare_modules(model, model, (torch.randn(5, 4),), VerifyConfig())
+    assert record.passed and record.compared == 1
+
+
+def _pushes_in_backward(config: dict | None = None):
+    """The user's own table pushed to from backward (a write outside the graph), optimized."""
+    import distopt
+    from distopt.report import report_of
+    from tests.estimate.remote_models import PushesInBackward, inputs
+    from tests.passes.remote.inprocess_server import STORE
+
+    STORE.reset()
+    optimized = distopt.optimize(
+        PushesInBackward(),
+        inputs(),
+        config=config,
+        passes=["split_remote", "hoist_issue", "sink_wait"],
+    )
+    record = report_of(optimized).verification
+    assert record is not None
+    return record, STORE.log
+
+
+def test_a_push_in_backward_is_never_sent_and_the_outputs_are_compared() -> None:
+    record, log = _pushes_in_backward()
+    assert record.passed and not record.gradients and record.compared == 1
+    assert record.partial is not None and record.partial.startswith(
+        "gradients not compared: backward sends push at "
+    )
+    assert [kind for kind, _, _ in log] == ["read", "read"]  # the two reference runs read; no push
+
+
+def test_with_remote_writes_a_push_in_backward_is_applied_once_and_gradients_compared() -> None:
+    record, log = _pushes_in_backward({"verify": {"remote_writes": True}})
+    assert record.passed and record.gradients and record.compared == 3 and record.partial is None
+    # The original's run sends the push once; the optimized run's backward is answered from it.
+    assert log == [("read", "t1", 0), ("write", "t1", 1)]

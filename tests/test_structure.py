@@ -1,0 +1,82 @@
+"""The shape of the code, read from distopt's source by ``tools/structure_counts.py`` (issue 23):
+no import cycle between files, folders importing only from the layers below them
+(docs/architecture.md), no module reading another's private names, no ``# fmt: skip`` packing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools"))
+
+import structure_counts  # noqa: E402
+
+# Bottom layer first, as docs/architecture.md's folder table lists them.
+LAYERS = [
+    "foundation",
+    "dist",
+    "remote",
+    "ps",
+    "models",
+    "data",
+    "capture",
+    "estimate",
+    "passes",
+    "pipeline",
+    "optimize",
+    "parallel",
+    "metrics",
+    "training",
+    "roles",
+    "torchx",
+    "api",
+    "coverage",
+    "bench",
+    "train",
+    "cli",
+]
+FOUNDATION = {"errors", "config", "where", "text", "atomic", "console", "user_code", "report"}
+# The two upward edges docs/architecture.md names.
+ALLOWED_UPWARD = {
+    ("distopt.dist.group", "distopt.ps.spec"),
+    ("distopt.training.trainer", "distopt"),
+}
+
+
+def _layer(module: str) -> str:
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "api"
+    if parts[1] == "__main__":  # ``python -m distopt`` runs the command line
+        return "cli"
+    return "foundation" if parts[1] in FOUNDATION else parts[1]
+
+
+def test_no_import_cycle_and_no_private_reads_or_fmt_skip() -> None:
+    numbers, details = structure_counts.counts(REPO)
+    assert numbers["import_cycles"] == 0, details["import_cycles"]
+    assert numbers["private_reads"] == 0, details["private_reads"]
+    assert numbers["fmt_skip"] <= 3, details["fmt_skip"]
+
+
+def test_imports_inside_functions_do_not_grow() -> None:
+    # Issue 23 asks for at most 15 (optional heavy dependencies only); 59 remain, most in
+    # torchx/preflight.py (building the user's job lazily) and bench/data_loading.py.
+    numbers, details = structure_counts.counts(REPO)
+    assert numbers["imports_in_functions"] <= 59, details["imports_in_functions"]
+
+
+def test_folders_import_only_from_layers_below() -> None:
+    modules = structure_counts.load(REPO)
+    structure_counts.analyse_imports(modules)
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    assert {_layer(name) for name in modules} <= set(rank), "a folder missing from LAYERS"
+    upward = sorted(
+        f"{module.name} -> {target}"
+        for module in modules.values()
+        for target, _, _ in module.imports
+        if rank[_layer(target)] > rank[_layer(module.name)]
+        and (module.name, target) not in ALLOWED_UPWARD
+    )
+    assert upward == []

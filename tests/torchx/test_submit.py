@@ -1,0 +1,185 @@
+"""``distopt.launch`` and ``distopt launch``: bad input is a one-line error before anything is
+scheduled (nothing written, no TorchX call); a dry run builds the component's request."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import distopt
+from distopt.cli import main as cli
+from distopt.data.generate import write_criteo
+from distopt.errors import ConfigError
+from distopt.torchx.submit import COMPONENTS
+from distopt.training.device import NO_GPU
+
+ROOT = Path(__file__).resolve().parents[2]
+DLRM = ROOT / "configs" / "jobs" / "dlrm_criteo.yaml"
+
+
+@pytest.fixture(scope="module")
+def clicks(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_criteo(tmp_path_factory.mktemp("data") / "clicks.tsv", num_samples=1200, seed=0)
+
+
+def _launch(tmp_path: Path, *overrides: str, scheduler: str = "local_cwd", **cfg: object):
+    sets = [f"output_dir={tmp_path / 'runs'}", *overrides]
+    return distopt.launch(DLRM, scheduler, overrides=sets, run_id="r", **cfg)
+
+
+def _refused(tmp_path: Path, *overrides: str, **kwargs: object) -> str:
+    with pytest.raises(ConfigError) as info:
+        _launch(tmp_path, *overrides, **kwargs)
+    assert not (tmp_path / "runs").exists()  # nothing written, so nothing was scheduled
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_a_data_factory_that_does_not_import(tmp_path: Path) -> None:
+    message = _refused(tmp_path, "data={source: 'nowhere.data:make', task: click}")
+    assert message == (
+        "data.source: cannot import 'nowhere.data:make' "
+        "(ModuleNotFoundError: No module named 'nowhere')"
+    )
+
+
+def test_a_missing_data_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.tsv"
+    assert _refused(tmp_path, f"data.path={missing}") == f"data.path: file not found: {missing}"
+
+
+def test_a_malformed_data_file_names_the_line(tmp_path: Path, clicks: Path) -> None:
+    bad = tmp_path / "bad.tsv"
+    lines = clicks.read_text().splitlines(keepends=True)
+    bad.write_text("".join(lines[:2]) + "1\t2\t3\n" + "".join(lines[2:5]))
+    assert _refused(tmp_path, f"data.path={bad}") == (
+        f"data.path: {bad}:3: expected 40 tab-separated fields, got 3"
+    )
+
+
+def test_an_unknown_optimizer(tmp_path: Path, clicks: Path) -> None:
+    message = _refused(tmp_path, f"data.path={clicks}", "optim.name=adamx")
+    assert message.startswith("optim.name: unknown optimizer 'adamx' (known: adadelta, adafactor")
+    assert "adamw" in message and "sgd" in message
+
+
+def test_an_optimizer_argument_it_does_not_take(tmp_path: Path, clicks: Path) -> None:
+    message = _refused(tmp_path, f"data.path={clicks}", "optim.kwargs={momentum: 0.9}")
+    assert message.startswith(
+        "optim.kwargs.momentum: Adam takes no argument 'momentum' (accepted: "
+    )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this host has a GPU")
+def test_device_cuda_without_a_gpu(tmp_path: Path, clicks: Path) -> None:
+    assert _refused(tmp_path, f"data.path={clicks}", "device=cuda") == NO_GPU
+    assert NO_GPU == (
+        "device: 'cuda' requested but torch.cuda.is_available() is False on this "
+        "host (no GPU, or a CPU-only build of torch); use device: cpu or auto"
+    )
+
+
+def test_unknown_scheduler_and_scheduler_option(tmp_path: Path, clicks: Path) -> None:
+    assert _refused(tmp_path, f"data.path={clicks}", scheduler="nope").startswith(
+        "scheduler: unknown TorchX scheduler 'nope' (known: "
+    )
+    assert _refused(tmp_path, f"data.path={clicks}", scheduler="slurm", account="ml").startswith(
+        "cfg.account: not an option of the slurm scheduler (known: comment, constraint"
+    )
+
+
+def test_the_cli_prints_one_line_and_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.tsv"
+    code = cli(
+        [
+            "launch",
+            str(DLRM),
+            "--set",
+            f"data.path={missing}",
+            "--set",
+            f"output_dir={tmp_path / 'runs'}",
+        ]
+    )
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == f"distopt launch: error: data.path: file not found: {missing}"
+
+
+def test_dryrun_resolves_the_config_and_picks_the_component(tmp_path: Path, clicks: Path) -> None:
+    with _launch(tmp_path, f"data.path={clicks}", "variant=optimized", dryrun=True) as job:
+        assert job.handle is None and job.component == COMPONENTS["ps"] == "distopt.ps_job"
+        written = job.run_dir / "job.yaml"
+        assert job.args[:2] == ["--config", str(written)]
+        assert job.args[2:] == ["--num_ps", "1", "--num_trainers", "2"]  # DLRM has ps_tables()
+        roles = {role.name: role for role in job.dryrun._app.roles}
+        assert sorted(roles) == ["ps", "trainer"] and roles["trainer"].num_replicas == 2
+    resolved = distopt.config.load_config(distopt.training.JobConfig, written)
+    assert resolved.run_id == "r" and resolved.variant == "optimized"
+    assert resolved.data.path == str(clicks) and resolved.optim.name == "adam"
+
+
+def test_a_job_without_servers_uses_torchrun(tmp_path: Path) -> None:
+    config = ROOT / "configs" / "jobs" / "mlp_ddp.yaml"
+    with distopt.launch(
+        config, overrides=[f"output_dir={tmp_path}"], num_trainers=3, dryrun=True
+    ) as job:
+        assert job.component == "distopt.spmd" and job.args[2:] == ["--nproc_per_node", "3"]
+
+
+def test_device_cuda_asks_the_scheduler_for_one_gpu_per_trainer(
+    tmp_path: Path, clicks: Path
+) -> None:
+    # Slurm: the GPU check is the cluster's, so this dry run works on a host without one.
+    with _launch(
+        tmp_path, f"data.path={clicks}", "device=cuda", scheduler="slurm", dryrun=True
+    ) as job:
+        assert job.args[-2:] == ["--gpu", "1"]
+        roles = {role.name: role for role in job.dryrun._app.roles}
+        assert (roles["ps"].resource.gpu, roles["trainer"].resource.gpu) == (0, 1)
+    config = ROOT / "configs" / "jobs" / "gpt_tokens.yaml"
+    sets = [f"output_dir={tmp_path}", "device=cuda", f"data.path={_tokens(tmp_path)}"]
+    with distopt.launch(config, "slurm", overrides=sets, num_trainers=4, dryrun=True) as job:
+        assert job.args[-4:] == ["--nproc_per_node", "4", "--gpu", "4"]
+    with distopt.launch(
+        config, "slurm", overrides=sets, component_args={"h": "gpu.small"}, dryrun=True
+    ) as job:
+        assert "--gpu" not in job.args and job.dryrun._app.roles[0].resource.gpu == 1
+
+
+def _tokens(tmp_path: Path) -> Path:
+    from distopt.data.generate import write_tokens
+
+    return write_tokens(tmp_path / "tokens.bin", num_tokens=5000, vocab_size=64, seed=0)
+
+
+def test_distopt_ray_on_any_torchx(
+    tmp_path: Path, clicks: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`distopt launch -s distopt_ray` needs no TorchX registration (distopt.torchx.schedulers)."""
+    pytest.importorskip("ray")
+    code = cli(
+        [
+            "launch",
+            str(DLRM),
+            "-s",
+            "distopt_ray",
+            "--cfg",
+            "dashboard_address=127.0.0.1:1",
+            "--set",
+            f"data.path={clicks}",
+            "--set",
+            f"output_dir={tmp_path / 'runs'}",
+            "--dryrun",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and '"dashboard_address": "127.0.0.1:1"' in out, out[-2000:]
+    assert [line.split('"')[3] for line in out.splitlines() if '"role":' in line] == [
+        "ps",
+        "trainer",
+        "trainer",
+    ]
