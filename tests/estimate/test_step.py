@@ -16,10 +16,10 @@ from distopt.estimate.step import (
     StepPrediction,
     gradient_bytes,
     predict_step,
-    step_of,
     time_optimizer_step,
 )
 from distopt.estimate.timeline import Timeline
+from distopt.optimize.gain import step_of
 
 
 class FakeWaits:
