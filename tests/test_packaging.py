@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.launchers.conftest import require
+from tests.noise import noise
 
 REPO = Path(__file__).resolve().parents[1]
 OURS = {"distopt.ps_job", "distopt.spmd"}
@@ -36,12 +37,18 @@ def test_pyproject_lists_every_package() -> None:
     assert setuptools["package-dir"] == {"distopt.configs": "configs"}
 
 
-def _run(*cmd: str | Path, cwd: Path, env: dict[str, str], timeout: float) -> str:
-    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)  # fmt: skip
+def _run(
+    *cmd: str | Path, cwd: Path, env: dict[str, str], timeout: float, quiet: bool = False
+) -> str:
+    """``cmd``'s stdout; it must succeed, and with ``quiet`` print no warning or traceback."""
+    proc = subprocess.run(
+        [str(c) for c in cmd], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, (
         f"{cmd}: exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
+    if quiet:
+        assert noise(proc.stderr) == [], proc.stderr[-3000:]
     return proc.stdout
 
 
@@ -114,18 +121,32 @@ def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
     # TorchX's Ray scheduler).
     assert _schedulers(venv, elsewhere, env) == schedulers and schedulers[0] == "local_docker"
 
-    out = _run("distopt", "demo", "--steps", "3", "--out", tmp_path / "runs",
-               cwd=elsewhere, env=env, timeout=600)  # fmt: skip
+    # A successful demo is quiet: no warning or traceback line on stderr (issue 22).
+    out = _run(
+        "distopt",
+        "demo",
+        "--steps",
+        "3",
+        "--out",
+        tmp_path / "runs",
+        cwd=elsewhere,
+        env=env,
+        timeout=600,
+        quiet=True,
+    )
     assert "baseline job finished" in out and "optimized job finished" in out, out
     assert "baseline: held-out auc " in out and "optimized: held-out auc " in out, (
         out
     )  # a click log
     for variant in ("baseline", "optimized"):
-        (run,) = (tmp_path / "runs").glob(f"demo-*-{variant}")
-        assert sorted(p.name for p in run.glob("qps-rank*.jsonl")) == [
-            "qps-rank0.jsonl",
-            "qps-rank1.jsonl",
-        ]
+        # demo --rounds (default 2) alternates the variants: one run per variant and round.
+        runs = sorted((tmp_path / "runs").glob(f"demo-*-{variant}-*"))
+        assert len(runs) == 2, runs
+        for run in runs:
+            assert sorted(p.name for p in run.glob("qps-rank*.jsonl")) == [
+                "qps-rank0.jsonl",
+                "qps-rank1.jsonl",
+            ]
     assert not any(elsewhere.iterdir())  # everything went under --out
     print(
         f"packaging: build {built - started:.0f}s, venv+install {installed - built:.0f}s, "

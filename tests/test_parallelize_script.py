@@ -66,7 +66,7 @@ def main(strategy):
         opt.step()
     # One write per line: print() writes the text and the newline apart, and the two ranks share
     # torchrun's stdout, so their lines could interleave.
-    sys.stdout.write(f"rank {dist.get_rank()}: trained with the original keys\n")
+    sys.stdout.write(f"rank {dist.get_rank()}: trained with the original keys\\n")
     sys.stdout.flush()
     dist.destroy_process_group()  # while `ours` is still alive: it goes when main returns
 

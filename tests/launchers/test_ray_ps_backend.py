@@ -198,7 +198,7 @@ def test_no_ray_cluster_fails_the_job_in_one_line_before_any_step(tmp_path: Path
     port = free_port()  # closed
     started = time.monotonic()
     job = distopt.launch(CRITEO, "local_cwd", num_trainers=2, run_id="unreachable",
-                         overrides=[f"data.path={write_criteo(tmp_path / 'c.tsv', num_samples=300)}",
+                         overrides=[f"data.path={write_criteo(tmp_path / 'c.tsv', num_samples=600)}",
                                     f"output_dir={tmp_path / 'runs'}", "ps.backend=ray",
                                     f"ps.ray_address=127.0.0.1:{port}", "ps.start_timeout_s=3"],
                          component_args={"master_port": free_port_pair()}, log_dir=str(tmp_path / "logs"))  # fmt: skip
