@@ -4,7 +4,6 @@ scheduled (nothing written, no TorchX call); a dry run builds the component's re
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ from distopt.data.generate import write_criteo
 from distopt.errors import ConfigError
 from distopt.torchx.submit import COMPONENTS
 from distopt.training.device import NO_GPU
+from tests.torchx.release import dryrun_app, slurm_options
 
 ROOT = Path(__file__).resolve().parents[2]
 DLRM = ROOT / "configs" / "jobs" / "dlrm_criteo.yaml"
@@ -89,20 +89,8 @@ def test_unknown_scheduler_and_scheduler_option(tmp_path: Path, clicks: Path) ->
     )
     # The options known differ between TorchX releases (torchx-nightly's Slurm has more).
     assert _refused(tmp_path, f"data.path={clicks}", scheduler="slurm", acount="ml").startswith(
-        f"cfg.acount: not an option of the slurm scheduler (known: {_slurm_options()})"
+        f"cfg.acount: not an option of the slurm scheduler (known: {slurm_options()})"
     )
-
-
-def _slurm_options() -> str:
-    from torchx.runner import get_runner
-
-    with get_runner() as runner:
-        return ", ".join(sorted(name for name, _ in runner.scheduler_run_opts("slurm")))
-
-
-def _app(dryrun: Any) -> Any:
-    """The AppDef of a TorchX dry run: ``app`` in torchx-nightly, ``_app`` in 0.7."""
-    return dryrun.app if hasattr(dryrun, "app") else dryrun._app
 
 
 def test_the_cli_prints_one_line_and_exits_2(
@@ -129,7 +117,7 @@ def test_dryrun_resolves_the_config_and_picks_the_component(tmp_path: Path, clic
         written = job.run_dir / "job.yaml"
         assert job.args[:2] == ["--config", str(written)]
         assert job.args[2:] == ["--num_ps", "1", "--num_trainers", "2"]  # DLRM has ps_tables()
-        roles = {role.name: role for role in _app(job.dryrun).roles}
+        roles = {role.name: role for role in dryrun_app(job.dryrun).roles}
         assert sorted(roles) == ["ps", "trainer"] and roles["trainer"].num_replicas == 2
     resolved = distopt.config.load_config(distopt.training.JobConfig, written)
     assert resolved.run_id == "r" and resolved.variant == "optimized"
@@ -152,7 +140,7 @@ def test_device_cuda_asks_the_scheduler_for_one_gpu_per_trainer(
         tmp_path, f"data.path={clicks}", "device=cuda", scheduler="slurm", dryrun=True
     ) as job:
         assert job.args[-2:] == ["--gpu", "1"]
-        roles = {role.name: role for role in _app(job.dryrun).roles}
+        roles = {role.name: role for role in dryrun_app(job.dryrun).roles}
         assert (roles["ps"].resource.gpu, roles["trainer"].resource.gpu) == (0, 1)
     config = ROOT / "configs" / "jobs" / "gpt_tokens.yaml"
     sets = [f"output_dir={tmp_path}", "device=cuda", f"data.path={_tokens(tmp_path)}"]
@@ -161,7 +149,7 @@ def test_device_cuda_asks_the_scheduler_for_one_gpu_per_trainer(
     with distopt.launch(
         config, "slurm", overrides=sets, component_args={"h": "gpu.small"}, dryrun=True
     ) as job:
-        assert "--gpu" not in job.args and _app(job.dryrun).roles[0].resource.gpu == 1
+        assert "--gpu" not in job.args and dryrun_app(job.dryrun).roles[0].resource.gpu == 1
 
 
 def _tokens(tmp_path: Path) -> Path:
