@@ -1,0 +1,3 @@
+"""Process groups and rendezvous: the stores a job meets through (:mod:`~distopt.dist.rendezvous`),
+the trainers' gloo group (:mod:`~distopt.dist.group`), the interface a process listens on
+(:mod:`~distopt.dist.netif`) and a process's place in its job (:mod:`~distopt.dist.env`)."""
