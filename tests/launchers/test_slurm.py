@@ -79,4 +79,18 @@ def test_failing_trainer_fails_the_slurm_job(slurm_cluster, tmp_path: Path) -> N
     logs = torchx(
         "log", "--streams", "stdout", f"{handle}/trainer/1", cwd=tmp_path, env=slurm_cluster.env()
     )
-    assert "trainer 1: failing on purpose" in logs.stdout, logs.stdout + logs.stderr[-2000:]
+    assert "trainer 1: failing on purpose" in logs.stdout, _every_stderr(
+        slurm_cluster, tmp_path, handle
+    )
+
+
+def _every_stderr(cluster, submit_dir: Path, handle: str) -> str:
+    """Every replica's stderr, for a failure message: what ended the job when the expected line is
+    missing (a replica that failed before the one meant to)."""
+    text = []
+    for replica in ("ps/0", "trainer/0", "trainer/1"):
+        log = torchx(
+            "log", "--streams", "stderr", f"{handle}/{replica}", cwd=submit_dir, env=cluster.env()
+        )
+        text.append(f"--- {replica} stderr ---\n{log.stdout[-1500:]}{log.stderr[-500:]}")
+    return "\n".join(text)
