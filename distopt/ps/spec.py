@@ -185,6 +185,11 @@ class ServerOptions:
     """``ray`` backend: strategy of the job's placement group, one bundle per server actor
     (``PACK``: as few nodes as possible; ``SPREAD``: one node each where possible; ``STRICT_*``:
     exactly so, or the job does not start)."""
+    ray_resources: dict[str, float] = dataclasses.field(default_factory=dict)
+    """``ray`` backend: further Ray resources each server actor reserves (Ray's ``resources``),
+    e.g. a custom resource the nodes meant for servers were started with (``ray start
+    --resources``), or ``{"node:10.0.0.2": 0.01}``: the resource Ray gives every node under its
+    address, which puts the actors on that node. Empty: CPUs and memory only."""
     transports: tuple[str, ...] = ("uv",)
     """TensorPipe transports, in preference order. ``uv`` (TCP, event-driven) by default: ``shm``
     dedicates a busy-polling reactor thread per process, which steals a whole core from the
@@ -240,6 +245,15 @@ class ServerOptions:
             "one of " + ", ".join(PLACEMENTS),
             self.ray_placement,
         )
+        for name, amount in self.ray_resources.items():
+            check(bool(name), "ps.ray_resources", "resource names that are not empty", name)
+            check(amount > 0, f"ps.ray_resources.{name}", "a number > 0", amount)
+            check(
+                name not in ("CPU", "GPU", "memory"),
+                f"ps.ray_resources.{name}",
+                "a resource other than CPU, GPU and memory (set ps.ray_num_cpus, ps.ray_memory_mb)",
+                amount,
+            )
         check(
             self.max_restarts >= -1,
             "ps.max_restarts",

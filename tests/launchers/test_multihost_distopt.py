@@ -224,3 +224,59 @@ def test_a_node_losing_its_link_mid_step_fails_the_job_in_one_line_naming_it(
     ), errors[0]
     assert failed_after < 10 + 20  # the timeout, then the process's exit
     print(f"node1's link cut: trainer 0 failed {failed_after:.1f}s later")
+
+
+def test_a_ray_ps_job_from_the_login_host_serves_from_actors_on_the_worker_node(
+    multihost_cluster, tmp_path
+) -> None:
+    """``distopt launch -s distopt_ray`` from the login host to the Ray head on node0 (the TorchX
+    Ray scheduler across the namespace boundary); ``ps.ray_resources`` puts the server actors on
+    node1, Ray's own ``node:ADDR`` resource naming it; a resource no node has fails the job in one
+    line naming the key."""
+    from ray.util.state import list_actors, list_nodes
+
+    cluster = multihost_cluster
+    node1 = cluster.addr("node1")
+    started = time.monotonic()
+    launched = distopt(
+        cluster, tmp_path, "launch", PS_TINY, "-s", "distopt_ray",
+        "--cfg", f"dashboard_address={cluster.ray_dashboard_address}",
+        *sets(tmp_path, steps=8, variant="optimized"),
+        "--set", "ps.backend=ray", "--set", "ps.ray_address=auto", "--set", "ps.ray_num_cpus=0.5",
+        "--set", f'ps.ray_resources={{"node:{node1}": 0.01}}', "--run-id", "ray", "--wait",
+        timeout=240,
+    )  # fmt: skip
+    code, out, err = finish(launched, timeout=240)
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    run = load_run(tmp_path / "runs/ray")
+    assert run.merged_steps()[-1].step == 7
+    dashboard = f"http://{cluster.ray_dashboard_address}"
+    addresses = {n.node_id: n.node_ip for n in list_nodes(address=dashboard)}
+    servers = [
+        a for a in list_actors(address=dashboard, detail=True, limit=1000)
+        if a.class_name == "PSServerActor"
+    ]  # fmt: skip
+    assert servers and {addresses[a.node_id] for a in servers} == {node1}, servers
+    # TorchX's Ray job spreads the two trainers over both nodes: node0's reaches node1's actors.
+    assert sorted(hosts(tmp_path / "runs/ray")) == list(NODES)
+    print(f"ray ps job with its servers on node1: {time.monotonic() - started:.1f}s")
+
+    nowhere = distopt(
+        cluster, tmp_path, "launch", PS_TINY, "-s", "distopt_ray",
+        "--cfg", f"dashboard_address={cluster.ray_dashboard_address}", *sets(tmp_path, steps=2),
+        "--set", "ps.backend=ray", "--set", "ps.ray_address=auto", "--set", "ps.start_timeout_s=5",
+        "--set", 'ps.ray_resources={"node:10.255.255.1": 0.01}', "--num-trainers", "1",
+        "--run-id", "nowhere", "--wait",
+    )  # fmt: skip
+    code, out, err = finish(nowhere, timeout=240)
+    assert code == 1, out[-2000:] + err[-3000:]
+    # The launcher's stderr starts with Ray's INFO lines about the uploaded workspace.
+    (failed,) = [line for line in err.splitlines() if ": FAILED: " in line]
+    assert re.search(
+        r": FAILED: trainer 0 failed first .*: distopt\.train: error: ps\.ray_resources: the Ray "
+        r"cluster could not place 1 server actor of 1 CPU, 0\.01 node:10\.255\.255\.1 each \(PACK\) "
+        r"within 5 s \(ps\.start_timeout_s\); no node has node:10\.255\.255\.1 \(nodes: "
+        + re.escape(", ".join(f"node:{cluster.addr(n)}" for n in NODES)),
+        failed,
+    ), err[-3000:]

@@ -232,3 +232,43 @@ def test_a_private_instance_stays_on_loopback_and_runs_actors_at_the_trainers_pr
     *_, niceness, nodes = done.stdout.strip().splitlines()
     assert nodes == "['127.0.0.1']"
     assert niceness == "0"
+
+
+def test_ray_resources_place_the_actors_and_a_resource_no_node_has_is_one_line(
+    ray_cluster,
+) -> None:
+    """``ps.ray_resources`` goes into every actor's bundle: Ray's ``node:ADDR`` resource puts the
+    actors on that node; a resource the cluster lacks fails within ``ps.start_timeout_s`` in one
+    line naming the key, the resource and the nodes there are."""
+    from ray.util import placement_group_table
+
+    options = _options("ray", ray_num_cpus=0.25, ray_resources={"node:127.0.0.1": 0.01})
+    with ps.local_job(TABLES, options), torch.no_grad():
+        assert ps.fetch("sgd", [0, 1]).shape == (2, 4)
+        (group,) = [g for g in placement_group_table().values() if g["state"] == "CREATED"]
+        assert list(group["bundles"].values()) == [{"CPU": 0.25, "node:127.0.0.1": 0.01}] * 2
+    missing = _options("ray", ray_resources={"node:10.9.9.9": 0.01}, start_timeout_s=2.0)
+    with pytest.raises(ConfigError) as err:
+        with ps.local_job(TABLES, missing):
+            pass
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(
+        "ps.ray_resources: the Ray cluster could not place 2 server actors of 1 CPU, "
+        "0.01 node:10.9.9.9 each (PACK) within 2 s (ps.start_timeout_s); no node has "
+        "node:10.9.9.9 (nodes: node:127.0.0.1); available now: "
+    ), message
+
+
+@pytest.mark.parametrize(
+    ("resources", "message"),
+    [
+        ({"CPU": 1}, "ps.ray_resources.CPU: expected a resource other than CPU, GPU and memory "
+                     "(set ps.ray_num_cpus, ps.ray_memory_mb), got 1.0"),
+        ({"ps": 0}, "ps.ray_resources.ps: expected a number > 0, got 0.0"),
+        ({"ps": "x"}, "ps.ray_resources.ps: expected a number, got 'x'"),
+    ],
+)  # fmt: skip
+def test_bad_ray_resources_are_one_line_errors(resources: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_dict(ServerOptions, {"ray_resources": resources}, prefix="ps")
+    assert str(err.value) == message

@@ -15,6 +15,7 @@ from typing import Any
 from distopt.dist import rendezvous
 from distopt.errors import ConfigError
 from distopt.ps.spec import ServerOptions, ray_endpoint
+from distopt.text import plural
 
 
 def gcs_endpoint(address: str) -> tuple[str, int] | None:
@@ -70,7 +71,7 @@ def reserve(options: ServerOptions) -> Any:
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    bundle: dict[str, float] = {"CPU": options.ray_num_cpus}
+    bundle: dict[str, float] = {"CPU": options.ray_num_cpus, **options.ray_resources}
     if options.ray_memory_mb:
         bundle["memory"] = options.ray_memory_mb * 2**20
     group = placement_group(
@@ -79,11 +80,19 @@ def reserve(options: ServerOptions) -> Any:
     ready, _ = ray.wait([group.ready()], timeout=options.start_timeout_s)
     if not ready:
         remove_placement_group(group)
-        available = {k: v for k, v in ray.available_resources().items() if k in ("CPU", "memory")}
+        asked = {"CPU", "memory", *options.ray_resources}
+        available = {k: v for k, v in ray.available_resources().items() if k in asked}
+        unknown = sorted(set(options.ray_resources) - set(ray.cluster_resources()))
+        key = "ps.ray_resources" if unknown else "ps.ray_num_cpus"
+        nodes = sorted(
+            k for k in ray.cluster_resources() if k.startswith("node:") and "__" not in k
+        )
+        have = f"; no node has {', '.join(unknown)} (nodes: {', '.join(nodes)})" if unknown else ""
         raise ConfigError(
-            f"ps.ray_num_cpus: the Ray cluster could not place {options.num_servers} server actors of "
+            f"{key}: the Ray cluster could not place "
+            f"{plural(options.num_servers, 'server actor')} of "
             f"{_bundle_text(options)} ({options.ray_placement}) within {options.start_timeout_s:g} s "
-            f"(ps.start_timeout_s); available now: {available}"
+            f"(ps.start_timeout_s){have}; available now: {available}"
         )
     return group
 
@@ -93,6 +102,8 @@ def placed(options: ServerOptions, group: Any, index: int) -> dict[str, Any]:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     resources: dict[str, Any] = {"num_cpus": options.ray_num_cpus}
+    if options.ray_resources:
+        resources["resources"] = dict(options.ray_resources)
     if options.ray_memory_mb:
         resources["memory"] = options.ray_memory_mb * 2**20
     strategy = PlacementGroupSchedulingStrategy(
@@ -110,4 +121,5 @@ def release(group: Any) -> None:
 
 def _bundle_text(options: ServerOptions) -> str:
     memory = f" and {options.ray_memory_mb} MB" if options.ray_memory_mb else ""
-    return f"{options.ray_num_cpus:g} CPU{memory} each"
+    extra = "".join(f", {amount:g} {name}" for name, amount in options.ray_resources.items())
+    return f"{options.ray_num_cpus:g} CPU{memory}{extra} each"
