@@ -133,13 +133,19 @@ class QpsLogWriter:
         extra: Mapping[str, Any] | None = None,
         start_time: float | None = None,
     ) -> QpsLogWriter:
-        """Open ``<output_dir>/<run_id>/qps-rank<rank>.jsonl`` (truncating) and write the header.
+        """Open ``<output_dir>/<run_id>/qps-rank<rank>.jsonl`` and write the header.
+
+        A log already there (an earlier attempt of a restarted or requeued job, or a rerun of the
+        same run id) is kept as ``qps-rank<rank>.jsonl.1`` (older ones shift to ``.2``, ...), as
+        :class:`logging.handlers.RotatingFileHandler` names them; readers of the run see only the
+        newest.
 
         ``extra`` adds header keys, e.g. the cost model's ``predicted_step_time_s`` or
         ``predicted_gain``; it may not override the standard keys.
         """
         path = log_path(output_dir, run_id, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
+        _keep_earlier(path)
         header: dict[str, Any] = {
             "type": "header",
             "format_version": FORMAT_VERSION,
@@ -259,6 +265,20 @@ class QpsLogWriter:
             self.close()
         else:
             self.close(status="failed", error=f"{type(exc).__name__}: {exc}")
+
+
+def _keep_earlier(path: Path) -> None:
+    """Shift ``path`` (if it has content) to ``path.1``, an existing ``.1`` to ``.2``, and so on."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    kept = sorted(
+        (int(p.name.rsplit(".", 1)[1]), p)
+        for p in path.parent.glob(f"{path.name}.*")
+        if p.name.rsplit(".", 1)[1].isdigit()
+    )
+    for number, older in reversed(kept):
+        older.rename(path.with_name(f"{path.name}.{number + 1}"))
+    path.rename(path.with_name(f"{path.name}.1"))
 
 
 # --- reader --------------------------------------------------------------------------------------

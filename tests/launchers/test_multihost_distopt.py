@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from distopt.metrics import load_run
+from distopt.metrics.qps_log import read_log
 from tests.launchers.conftest import REPO
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -280,3 +281,53 @@ def test_a_ray_ps_job_from_the_login_host_serves_from_actors_on_the_worker_node(
         + re.escape(", ".join(f"node:{cluster.addr(n)}" for n in NODES)),
         failed,
     ), err[-3000:]
+
+
+def _header_pid(log: Path) -> int | None:
+    """The PID in a QPS log's header (the trainer that writes it), once the log has steps."""
+    if not log.exists():
+        return None
+    lines = log.read_text().splitlines()
+    steps = [json.loads(ln) for ln in lines[1:] if ln.endswith("}")]
+    if not any(r.get("type") == "step" and r["step"] >= 5 for r in steps):
+        return None
+    return int(json.loads(lines[0])["host"]["pid"])
+
+
+def test_a_ps_job_that_loses_its_trainer_node_mid_run_is_requeued_and_ends_as_an_uninterrupted_one(
+    multihost_cluster, tmp_path
+) -> None:
+    """Slurm requeue across hosts: the trainer on one node is killed after step 5; the batch
+    script requeues the job (``max_retries=1``), which resumes from the newest complete checkpoint
+    (``SLURM_RESTART_COUNT``) and ends with the losses and tables of a job never interrupted."""
+    values = {"steps": 12, "checkpoint_every": 4, "deterministic": "true", "ps.latency_ms": 20}
+    common = [PS_TINY, "-s", "slurm", "--num-ps", "1", "--num-trainers", "1", *WHOLE_NODE]
+    started = time.monotonic()
+    whole = distopt(
+        multihost_cluster, tmp_path, "launch", *common, *sets(tmp_path, **values),
+        "--run-id", "whole", "--wait",
+    )  # fmt: skip
+    code, out, err = finish(whole, timeout=240)
+    assert code == 0, out[-2000:] + err[-3000:]
+    killed = distopt(
+        multihost_cluster, tmp_path, "launch", *common, *sets(tmp_path, **values),
+        "--arg", "max_retries=1", "--run-id", "killed", "--wait",
+    )  # fmt: skip
+    log = tmp_path / "runs/killed/qps-rank0.jsonl"
+    deadline = time.monotonic() + 180
+    while (pid := _header_pid(log)) is None:
+        assert time.monotonic() < deadline and killed.poll() is None, "no step 5 within 180 s"
+        time.sleep(0.2)
+    os.kill(pid, 9)
+    code, out, err = finish(killed, timeout=300)
+    assert code == 0, out[-2000:] + err[-3000:]
+    # The first attempt's log is kept as .1; the requeued attempt's log starts at its checkpoint
+    # and from there repeats the uninterrupted job's losses bit for bit (deterministic: true).
+    run = tmp_path / "runs/killed"
+    first = [(s.step, s.loss) for s in read_log(run / "qps-rank0.jsonl.1").steps]
+    second = [(s.step, s.loss) for s in read_log(run / "qps-rank0.jsonl").steps]
+    reference = [(s.step, s.loss) for s in load_run(tmp_path / "runs/whole").ranks[0].steps]
+    assert first[-1][0] >= 5 and first == reference[: len(first)]
+    resumed = second[0][0]
+    assert resumed in (4, 8) and resumed <= first[-1][0] and second == reference[resumed:]
+    print(f"trainer killed at step 5, requeued, resumed: {time.monotonic() - started:.1f}s")

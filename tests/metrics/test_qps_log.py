@@ -177,3 +177,14 @@ def test_step_phases_round_trip_and_bad_phases_are_named(tmp_path: Path) -> None
     writer.path.write_text("\n".join(lines) + "\n")
     with pytest.raises(QpsLogError, match=r":2: step field 'phases' has bad value"):
         read_log(writer.path)
+
+
+def test_a_rerun_keeps_the_earlier_attempts_logs(tmp_path: Path) -> None:
+    """A restarted or requeued job writes its log anew; earlier attempts stay beside it as
+    ``.1``, ``.2`` (newest first) and the run reads only the newest."""
+    for times in ([0.5, 0.5, 0.5], [0.25, 0.25], [0.125]):
+        write_rank(tmp_path, 0, times, world_size=1)
+    path = log_path(tmp_path, "r1", 0)
+    kept = [path, path.with_name("qps-rank0.jsonl.1"), path.with_name("qps-rank0.jsonl.2")]
+    assert [len(read_log(p).steps) for p in kept] == [1, 2, 3]
+    assert [s.step_time_s for s in load_run(tmp_path / "r1").merged_steps()] == [0.125]
