@@ -227,41 +227,75 @@ def test_a_node_losing_its_link_mid_step_fails_the_job_in_one_line_naming_it(
     print(f"node1's link cut: trainer 0 failed {failed_after:.1f}s later")
 
 
-def test_a_ray_ps_job_from_the_login_host_serves_from_actors_on_the_worker_node(
+def _ray_job(cluster: Any, tmp_path: Path, run_id: str, *args: str) -> subprocess.Popen[str]:
+    """``distopt launch -s distopt_ray`` of the tiny PS job from the login host, to the Ray head
+    on node0, its server actors on node1 (Ray's own ``node:ADDR`` resource), a checkpoint every 4
+    steps that a restarted actor reloads."""
+    return distopt(
+        cluster, tmp_path, "launch", PS_TINY, "-s", "distopt_ray",
+        "--cfg", f"dashboard_address={cluster.ray_dashboard_address}",
+        *sets(tmp_path, steps=12, checkpoint_every=4, deterministic="true", variant="optimized"),
+        "--set", "ps.backend=ray", "--set", "ps.ray_address=auto", "--set", "ps.ray_num_cpus=0.5",
+        "--set", f"ps.ray_state_dir={tmp_path / 'ray-state'}", "--set", "ps.latency_ms=20",
+        "--set", f'ps.ray_resources={{"node:{cluster.addr("node1")}": 0.01}}',
+        "--run-id", run_id, "--wait", *args,
+    )  # fmt: skip
+
+
+def _ray_servers(cluster: Any) -> list[Any]:
+    """Every server actor the cluster has run (alive, dead or restarted)."""
+    from ray.util.state import list_actors
+
+    dashboard = f"http://{cluster.ray_dashboard_address}"
+    actors = list_actors(address=dashboard, detail=True, limit=1000)
+    return [a for a in actors if a.class_name == "PSServerActor"]
+
+
+def test_a_ray_ps_job_from_the_login_host_on_actors_of_the_worker_node_survives_their_loss(
     multihost_cluster, tmp_path
 ) -> None:
-    """``distopt launch -s distopt_ray`` from the login host to the Ray head on node0 (the TorchX
-    Ray scheduler across the namespace boundary); ``ps.ray_resources`` puts the server actors on
-    node1, Ray's own ``node:ADDR`` resource naming it; a resource no node has fails the job in one
-    line naming the key."""
-    from ray.util.state import list_actors, list_nodes
+    """The TorchX Ray scheduler submits across the namespace boundary; ``ps.ray_resources`` puts
+    the server actors on node1; with ``ps.max_restarts: 1`` a killed actor is restarted there,
+    every trainer rolls back to the last checkpoint and the job ends with the losses of the
+    uninterrupted one; a resource no node has fails the job in one line naming the key."""
+    from ray.util.state import list_nodes
 
     cluster = multihost_cluster
     node1 = cluster.addr("node1")
     started = time.monotonic()
-    launched = distopt(
-        cluster, tmp_path, "launch", PS_TINY, "-s", "distopt_ray",
-        "--cfg", f"dashboard_address={cluster.ray_dashboard_address}",
-        *sets(tmp_path, steps=8, variant="optimized"),
-        "--set", "ps.backend=ray", "--set", "ps.ray_address=auto", "--set", "ps.ray_num_cpus=0.5",
-        "--set", f'ps.ray_resources={{"node:{node1}": 0.01}}', "--run-id", "ray", "--wait",
-        timeout=240,
-    )  # fmt: skip
-    code, out, err = finish(launched, timeout=240)
+    code, out, err = finish(_ray_job(cluster, tmp_path, "whole", "--set", "ps.max_restarts=1"))
     assert code == 0, out[-2000:] + err[-3000:]
     assert "Traceback" not in err, err[-3000:]
-    run = load_run(tmp_path / "runs/ray")
-    assert run.merged_steps()[-1].step == 7
-    dashboard = f"http://{cluster.ray_dashboard_address}"
-    addresses = {n.node_id: n.node_ip for n in list_nodes(address=dashboard)}
-    servers = [
-        a for a in list_actors(address=dashboard, detail=True, limit=1000)
-        if a.class_name == "PSServerActor"
-    ]  # fmt: skip
-    assert servers and {addresses[a.node_id] for a in servers} == {node1}, servers
+    reference = load_run(tmp_path / "runs/whole")
+    assert reference.merged_steps()[-1].step == 11
     # TorchX's Ray job spreads the two trainers over both nodes: node0's reaches node1's actors.
-    assert sorted(hosts(tmp_path / "runs/ray")) == list(NODES)
+    assert sorted(hosts(tmp_path / "runs/whole")) == list(NODES)
     print(f"ray ps job with its servers on node1: {time.monotonic() - started:.1f}s")
+
+    killed = _ray_job(cluster, tmp_path, "killed", "--set", "ps.max_restarts=1")
+    log = tmp_path / "runs/killed/qps-rank0.jsonl"
+    deadline = time.monotonic() + 180
+    while _header_pid(log) is None:
+        assert time.monotonic() < deadline and killed.poll() is None, "no step 5 within 180 s"
+        time.sleep(0.2)
+    (actor,) = [a for a in _ray_servers(cluster) if a.state == "ALIVE"]
+    os.kill(actor.pid, 9)  # every namespace shares this machine's PIDs
+    code, out, err = finish(killed, timeout=240)
+    assert code == 0, out[-2000:] + err[-3000:]
+    run = load_run(tmp_path / "runs/killed")
+    for rank in (0, 1):
+        (recovery,) = run.ranks[rank].footer["recoveries"]
+        assert recovery["server"] == "ps0" and recovery["resumed_from"] in (4, 8)
+        assert [(s.step, s.loss) for s in run.ranks[rank].steps] == [
+            (s.step, s.loss) for s in reference.ranks[rank].steps
+        ]
+    addresses = {
+        n.node_id: n.node_ip for n in list_nodes(address=f"http://{cluster.ray_dashboard_address}")
+    }
+    assert {addresses[a.node_id] for a in _ray_servers(cluster)} == {node1}
+    print(
+        f"ps0 killed on node1 at step 5, restarted there, recovered: {time.monotonic() - started:.1f}s"
+    )
 
     nowhere = distopt(
         cluster, tmp_path, "launch", PS_TINY, "-s", "distopt_ray",

@@ -57,7 +57,10 @@ class Replica:
         if self.stopped.is_set():
             yield -signal.SIGTERM
             return
-        env = {**os.environ, **self.env, RANK0_ENV: rank0_host}
+        # RAY_ADDRESS: a replica that joins Ray (ps.ray_address: auto) joins the cluster it runs
+        # on; without it Ray's "auto" takes the cluster started last on that machine.
+        cluster = {"RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+        env = {**os.environ, **cluster, **self.env, RANK0_ENV: rank0_host}
         # Its own process group: stop() reaches the command's children too (bash -c "a; b").
         self.proc = subprocess.Popen(
             self.command,
