@@ -28,10 +28,12 @@ import torch.distributed as dist
 from rich.table import Table
 from torch import nn
 
+import distopt
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist.rendezvous import run_spawned
+from distopt.models.gpt import GPT
 from distopt.parallel.fsdp_schedule import peak_param_bytes
 
 VARIANTS = ("no_inner_units", "size_based", "per_block", "distopt")
@@ -71,8 +73,6 @@ class FsdpPartitionConfig:
 
 
 def _build(cfg: FsdpPartitionConfig) -> nn.Module:
-    from distopt.models.gpt import GPT
-
     with torch.device("meta"):
         return GPT(cfg.vocab_size, cfg.dim, cfg.heads, cfg.layers, cfg.seq_len, dropout=0.0)
 
@@ -99,8 +99,6 @@ def _size_based(model: nn.Module, min_params: int) -> None:
 
 def _wrap(variant: str, model: nn.Module, cfg: FsdpPartitionConfig) -> tuple[nn.Module, float]:
     from torch.distributed.fsdp import fully_shard
-
-    import distopt
 
     start = time.perf_counter()
     if variant == "no_inner_units":

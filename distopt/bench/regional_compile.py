@@ -35,10 +35,12 @@ import torch
 from rich.table import Table
 from torch import nn
 
+import distopt
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist.rendezvous import StorePlan, init_gloo, spawned_gloo
+from distopt.models import build
 
 VARIANTS = ("eager", "whole", "regional")
 
@@ -110,8 +112,6 @@ def _build(cfg: RegionalCompileConfig, name: str) -> tuple[nn.Module, torch.Tens
     gen = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
     if name == "gpt":
-        from distopt.models import build
-
         g = cfg.gpt
         gpt = build(
             "gpt",
@@ -161,8 +161,6 @@ def _worker(
     rank: int, cfg_dict: dict[str, Any], name: str, variant: str, plan: StorePlan, out: str
 ) -> None:
     import torch.distributed as dist
-
-    import distopt
 
     cfg = from_dict(RegionalCompileConfig, cfg_dict)
     if cfg.threads:

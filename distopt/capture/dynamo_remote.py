@@ -52,7 +52,7 @@ from distopt.capture.sites import (
 )
 from distopt.errors import DistoptFallbackWarning
 from distopt.remote import registry
-from distopt.remote.record import Recording
+from distopt.remote.record import Recording, recording
 from distopt.where import describe_failure
 
 _STATE = threading.local()
@@ -306,8 +306,6 @@ class CapturedCall:
             return self.module._call_impl(*args, **kwargs)
         signature = input_signature(args, kwargs) if self.learns else None
         if self.learns and signature not in self.known:
-            from distopt.remote.record import recording
-
             with recording(self.module) as record:
                 out = self.module._call_impl(*args, **kwargs)
             learn(record)

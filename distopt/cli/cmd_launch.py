@@ -13,6 +13,7 @@ import argparse
 import sys
 
 from distopt.errors import ConfigError
+from distopt.torchx.submit import LOCAL_SCHEDULERS, launch
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -83,8 +84,6 @@ def _cfg(text: str) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> int:
     from torchx.specs import AppState
-
-    from distopt.torchx.submit import LOCAL_SCHEDULERS, launch
 
     cfg = _cfg(args.cfg)
     job = launch(

@@ -16,6 +16,7 @@ from rich.text import Text
 from torch import nn
 
 from distopt.errors import DistoptError
+from distopt.optimize.backend import compiled_report
 from distopt.report import OptimizeReport, ParallelRecord, VerifyRecord, report_of
 from distopt.text import plural
 
@@ -195,8 +196,6 @@ def _report(module: nn.Module) -> OptimizeReport:
     report = report_of(module)
     if report is not None:
         return report
-    from distopt.optimize.backend import compiled_report
-
     report = compiled_report(module)
     if report is None:
         raise DistoptError(

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from distopt.dist.rendezvous import keep_group
 from distopt.parallel.fsdp_schedule import FsdpSchedule
+from distopt.parallel.regions import compile_regions
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -31,8 +33,6 @@ def apply_compile(
     compiled instead, once per distinct structure, and only the units holding no region are
     compiled as a whole.
     """
-    from distopt.parallel.regions import compile_regions
-
     compile_regions(regions, backend=backend)
     held = {id(block) for block in regions}
     for unit in units:
@@ -125,8 +125,6 @@ def apply_ddp(
     """
     import torch.distributed as dist
     from torch.distributed._composable.replicate import replicate
-
-    from distopt.dist.rendezvous import keep_group
 
     kwargs: dict[str, Any] = {}
     if process_group is not None:

@@ -14,6 +14,8 @@ from torch import nn
 from distopt.config import from_dict
 from distopt.dist.rendezvous import collective
 from distopt.errors import ConfigError
+from distopt.estimate.collectives import alpha_beta, min_unit_bytes
+from distopt.optimize import optimize
 from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
 from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
 from distopt.parallel.regions import compilable_regions
@@ -148,8 +150,6 @@ def parallelize(
         mesh: FSDP2 device mesh (default: the world).
         process_group: FSDP1/DDP process group (default: the world).
     """
-    from distopt.optimize import optimize
-
     cfg = _config(strategy, config, overrides)
     _check_group(mesh, process_group)
     timing = ParallelRecord(strategy=cfg.strategy)
@@ -265,8 +265,6 @@ def _min_unit_bytes(cfg: ParallelizeConfig) -> int:
     agrees on one model: see :func:`distopt.estimate.collectives.alpha_beta`)."""
     if cfg.min_unit_bytes is not None:
         return cfg.min_unit_bytes
-    from distopt.estimate.collectives import alpha_beta, min_unit_bytes
-
     with collective("distopt.parallelize (timing all-gather and reduce-scatter for fuse_units)"):
         return min_unit_bytes(alpha_beta(cache_dir=cfg.cache_dir))
 
