@@ -14,6 +14,9 @@ What is counted, over every ``.py`` file under ``distopt/``:
   them). ``files_in_cycles`` is how many files those components hold.
 - ``imports_in_functions``: distopt modules (or names of one) imported inside a function body,
   one per imported name: ``from distopt.x import a, b`` in a function counts 2, as issue 23 does.
+- ``deferred_imports``: other modules (third-party, torch, the standard library) imported inside
+  a function body, counted the same way; ``modules_deferring_imports`` is how many distopt
+  modules hold one. Issue 23 keeps these for optional or slow-to-import dependencies only.
 - ``private_reads``: one module using another distopt module's ``_private`` name:
   ``from distopt.x import _name`` or ``alias._name`` where ``alias`` is an imported distopt
   module (dotted chains such as ``ps.client._CLIENT`` resolved).
@@ -144,6 +147,26 @@ def _targets(
         if found:
             out.append(found)
     return out
+
+
+def _external(module: Module, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules outside distopt an import statement names, one per imported name."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] != PACKAGE]
+    base = _absolute(module, node)
+    return [] if base.split(".")[0] == PACKAGE else [base] * len(node.names)
+
+
+def deferred_imports(modules: dict[str, Module]) -> list[tuple[str, int, str]]:
+    """``(module, line, imported module)`` of every name from outside distopt imported inside a
+    function."""
+    out = []
+    for module in modules.values():
+        parents = _parents(module.tree)
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Import | ast.ImportFrom) and _in_function(node, parents):
+                out.extend((module.name, node.lineno, name) for name in _external(module, node))
+    return sorted(out)
 
 
 def analyse_imports(modules: dict[str, Module]) -> list[tuple[str, int]]:
@@ -310,6 +333,7 @@ def singletons(modules: dict[str, Module]) -> tuple[list[tuple[str, str]], list[
 def counts(root: Path = ROOT) -> tuple[dict[str, int], dict[str, list[str]]]:
     modules = load(root)
     in_functions = analyse_imports(modules)
+    deferred = deferred_imports(modules)
     found = cycles(modules)
     reads = private_reads(modules)
     skips = fmt_skips(modules)
@@ -319,6 +343,8 @@ def counts(root: Path = ROOT) -> tuple[dict[str, int], dict[str, list[str]]]:
         "import_cycles": len(found),
         "files_in_cycles": sum(len(c) for c in found),
         "imports_in_functions": len(in_functions),
+        "deferred_imports": len(deferred),
+        "modules_deferring_imports": len({m for m, _, _ in deferred}),
         "private_reads": len(reads),
         "fmt_skip": len(skips),
         "mutable_singletons": len(shared),
@@ -333,6 +359,7 @@ def counts(root: Path = ROOT) -> tuple[dict[str, int], dict[str, list[str]]]:
         "imports_in_functions": [
             f"{m}: {n}" for m, n in sorted(by_module.items(), key=lambda x: (-x[1], x[0]))
         ],
+        "deferred_imports": [f"{m}:{line}: {what}" for m, line, what in deferred],
         "private_reads": [f"{m}:{line}: {what}" for m, line, what in reads],
         "fmt_skip": [f"{m}:{line}" for m, line in skips],
         "mutable_singletons": [f"{m}.{n}" for m, n in shared],

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import distopt
 from distopt.bench import median
@@ -79,8 +80,6 @@ def _build(cfg: FsdpPartitionConfig) -> nn.Module:
 
 def _size_based(model: nn.Module, min_params: int) -> None:
     """FSDP1's size-based policy, for FSDP2: post-order, shard when unwrapped params ≥ min."""
-    from torch.distributed.fsdp import fully_shard
-
     wrapped: set[int] = set()
 
     def visit(module: nn.Module) -> int:
@@ -98,8 +97,6 @@ def _size_based(model: nn.Module, min_params: int) -> None:
 
 
 def _wrap(variant: str, model: nn.Module, cfg: FsdpPartitionConfig) -> tuple[nn.Module, float]:
-    from torch.distributed.fsdp import fully_shard
-
     start = time.perf_counter()
     if variant == "no_inner_units":
         fully_shard(model)
@@ -128,8 +125,6 @@ def _kept_after_forward(module: nn.Module) -> bool:
 def _groups(model: nn.Module) -> tuple[int, list[int], list[bool]]:
     """Parameter bytes of the root FSDP group and of each inner group (module order), and which
     inner groups stay unsharded after forward."""
-    from torch.distributed.fsdp import FSDPModule
-
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
     inner_ids: dict[int, set[int]] = {}
     for m in fsdp:

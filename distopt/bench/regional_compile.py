@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from rich.table import Table
 from torch import nn
 
@@ -124,7 +126,7 @@ def _build(cfg: RegionalCompileConfig, name: str) -> tuple[nn.Module, torch.Tens
         )
         idx = torch.randint(0, g.vocab_size, (g.batch_size, g.seq_len), generator=gen)
         return gpt, idx, idx
-    import transformers
+    import transformers  # optional (distopt[coverage]): only the convnet arm needs it
 
     c = cfg.convnet
     labels: dict[str, Any] = {"num_labels": c.num_labels}  # a PretrainedConfig keyword
@@ -160,8 +162,6 @@ def _loss(name: str, out: Any, target: torch.Tensor) -> torch.Tensor:
 def _worker(
     rank: int, cfg_dict: dict[str, Any], name: str, variant: str, plan: StorePlan, out: str
 ) -> None:
-    import torch.distributed as dist
-
     cfg = from_dict(RegionalCompileConfig, cfg_dict)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -208,8 +208,6 @@ def _worker(
 
 
 def _run(cfg: RegionalCompileConfig, name: str, variant: str) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp, spawned_gloo() as plan:
         out = os.path.join(tmp, "result.json")
         mp.spawn(_worker, args=(to_dict(cfg), name, variant, plan, out), nprocs=1, join=True)

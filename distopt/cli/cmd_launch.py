@@ -12,6 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from torchx.specs import AppState
+from torchx.specs.api import to_dict
+
 from distopt.errors import ConfigError
 from distopt.torchx.submit import LOCAL_SCHEDULERS, launch
 
@@ -74,8 +77,6 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 def _cfg(text: str) -> dict[str, str]:
     """``--cfg k=v,...`` split as TorchX splits it (list values keep their commas); the options are
     checked and typed by :func:`distopt.torchx.submit.scheduler_options`, as for the Python API."""
-    from torchx.specs.api import to_dict
-
     try:
         return to_dict(text)
     except ValueError as err:
@@ -83,8 +84,6 @@ def _cfg(text: str) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchx.specs import AppState
-
     cfg = _cfg(args.cfg)
     job = launch(
         args.config,

@@ -10,7 +10,7 @@ from distopt.metrics.compare import Comparison
 
 def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     """Write a PNG (or any format matplotlib infers from the suffix) and return its path."""
-    try:
+    try:  # matplotlib is optional (distopt[plot]) and slow to import: only when plotting
         import matplotlib
 
         matplotlib.use("Agg")  # no display on servers and CI

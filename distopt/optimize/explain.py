@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 from torch import nn
+from torch.fx.passes.graph_drawer import FxGraphDrawer
 
 from distopt.errors import DistoptError
 from distopt.optimize.backend import compiled_report
@@ -28,8 +29,6 @@ def draw_graph(gm: torch.fx.GraphModule, path: str | Path) -> list[str]:
     if suffix not in ("svg", "png", "dot"):
         return [f"graph picture {path}: unsupported format {suffix!r} (use .svg, .png or .dot)"]
     try:
-        from torch.fx.passes.graph_drawer import FxGraphDrawer
-
         dot = FxGraphDrawer(gm, type(gm).__name__).get_dot_graph()
     except (ImportError, RuntimeError) as err:
         return [f"graph picture {path}: needs pydot (pip install pydot): {err}"]

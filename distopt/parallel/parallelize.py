@@ -8,8 +8,11 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import torch
+import torch.distributed as dist
 import torch.fx
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from distopt.config import from_dict
 from distopt.dist.rendezvous import collective
@@ -84,8 +87,6 @@ class ParallelizeConfig:
         """FSDP2 ``MixedPrecisionPolicy`` of ``param_dtype``/``reduce_dtype`` (``None``: neither)."""
         if self.param_dtype is None and self.reduce_dtype is None:
             return None
-        import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         def dtype(name: str | None) -> Any:
             return None if name is None else getattr(torch, name)
@@ -248,8 +249,6 @@ def parallelize(
 
 def _check_group(mesh: Any, process_group: Any) -> None:
     """Without a group, DDP and FSDP fail deep inside with torch's ``env://`` rendezvous error."""
-    import torch.distributed as dist
-
     if mesh is not None or process_group is not None:
         return
     if not (dist.is_available() and dist.is_initialized()):
@@ -272,6 +271,4 @@ def _min_unit_bytes(cfg: ParallelizeConfig) -> int:
 def _world_size(mesh: Any) -> int:
     if mesh is not None and hasattr(mesh, "size"):
         return int(mesh.size())
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -16,13 +16,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.nn.api.remote_module import RemoteModule
 
 from distopt.remote.rpc import RemoteModuleHandle, remote_module_call, remote_module_call_async
 
 
 def is_remote_module(module: Any) -> bool:
-    from torch.distributed.nn.api.remote_module import RemoteModule
-
     return isinstance(module, RemoteModule)
 
 

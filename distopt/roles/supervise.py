@@ -24,6 +24,7 @@ Exit status: 0 when an attempt succeeds, 1 when the restarts are used up, 2 on a
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -95,8 +96,6 @@ def _die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the supervisor dies (Linux), so a killed
     supervisor never leaves a job behind."""
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass

@@ -49,6 +49,7 @@ from distopt.torchx import preflight, watch
 from distopt.torchx.schedulers import apply_torchxconfig, get_runner
 from distopt.training.config import JobConfig
 from distopt.training.device import resolve_device
+from distopt.training.telemetry import summary_writer_class
 
 COMPONENTS = {"ps": "distopt.ps_job", "spmd": "distopt.spmd"}
 """The TorchX component that runs each shape of job: with parameter servers, or trainers only
@@ -154,13 +155,7 @@ def check_job(
     calls = preflight.remote_calls(model, config)
     preflight.check_remote_calls(model, config, calls, num_ps=num_ps, num_trainers=num_trainers)
     if config.tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError as err:
-            raise ConfigError(
-                f"tensorboard: torch.utils.tensorboard is unavailable ({err}); "
-                "install the tensorboard package or set tensorboard: false"
-            ) from None
+        summary_writer_class()
     roots = preflight.import_roots(preflight.user_modules(model, config, calls or ()))
     return CheckedJob(model=model, num_ps=num_ps, python_path=roots)
 

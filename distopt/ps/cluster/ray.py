@@ -26,6 +26,9 @@ from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.ps.transport.ray import RayTransport, ray_message
 from distopt.ps.transport.ray_actor import PSServerActor
 
+# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
+# use it, so that `import distopt` does not.
+
 
 def ensure_ray(address: str, options: ServerOptions) -> bool:
     """Connect this process to Ray at ``address`` unless it already is; whether it connected now.

@@ -16,6 +16,9 @@ from distopt.dist import rendezvous
 from distopt.errors import ConfigError
 from distopt.ps.spec import ServerOptions, ray_endpoint
 
+# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
+# use it, so that `import distopt` does not.
+
 
 def gcs_endpoint(address: str) -> tuple[str, int] | None:
     """``(host, port)`` that ``address`` names, ``None`` for ``auto`` without ``$RAY_ADDRESS`` and for

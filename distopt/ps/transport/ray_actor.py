@@ -30,6 +30,9 @@ from distopt.ps.server.parameter_server import OPERATIONS, ParameterServer
 from distopt.ps.spec import ServerOptions, TableSpec
 from distopt.ps.transport.ray_wire import from_wire, to_wire
 
+# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
+# use it, so that `import distopt` does not.
+
 
 class PSServerActor:
     """One parameter server (wrapped by ``ray.remote``); its methods are the server's operations.
