@@ -1,7 +1,7 @@
 """The shape of the code, read from distopt's source by ``tools/structure_counts.py`` (issue 23):
 no import cycle between files, folders importing only from the layers below them
 (docs/architecture.md), imports inside functions only for optional or slow dependencies, no
-module reading another's private names, no ``# fmt: skip`` packing."""
+module reading another's private names, no ``# fmt: skip`` packing, one module per name."""
 
 from __future__ import annotations
 
@@ -56,6 +56,13 @@ def test_no_import_cycle_and_no_private_reads_or_fmt_skip() -> None:
     assert numbers["import_cycles"] == 0, details["import_cycles"]
     assert numbers["private_reads"] == 0, details["private_reads"]
     assert numbers["fmt_skip"] <= 3, details["fmt_skip"]
+
+
+def test_one_module_per_name() -> None:
+    # Issue 23: "one module per name" (``__init__``, ``__main__`` and each package's
+    # ``config.py`` apart: structure_counts.SHARED_BY_CONVENTION).
+    numbers, details = structure_counts.counts(REPO)
+    assert numbers["shared_names"] == 0, details["shared_names"]
 
 
 # What distopt may import inside a function, and why (each such import says so where it is).

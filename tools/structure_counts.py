@@ -21,6 +21,8 @@ What is counted, over every ``.py`` file under ``distopt/``:
   ``from distopt.x import _name`` or ``alias._name`` where ``alias`` is an imported distopt
   module (dotted chains such as ``ps.client._CLIENT`` resolved).
 - ``fmt_skip``: lines holding ``# fmt: skip``.
+- ``shared_names``: file names that more than one module under ``distopt/`` has (one module per
+  name, so that a name means one thing), apart from :data:`SHARED_BY_CONVENTION`.
 - ``mutable_singletons``: module-level names holding process-wide mutable state: rebound with
   ``global`` in a function, or a container (``{}``, ``[]``, ``dict()``, ``Counter()``, ...) that the
   module mutates (item assignment, ``.append``/``.pop``/``.update``/...). ``threading.local()``
@@ -68,6 +70,11 @@ _MUTATORS = {
     "appendleft",
     "popleft",
 }
+
+
+SHARED_BY_CONVENTION = {"__init__", "__main__", "config"}
+"""File names every package may have: Python's own, and ``config.py``, a package's section of the
+job config (``data:``, ``pipeline:``, ...), which is one kind of thing wherever it is."""
 
 
 @dataclass
@@ -278,6 +285,18 @@ def fmt_skips(modules: dict[str, Module]) -> list[tuple[str, int]]:
     ]
 
 
+def shared_names(modules: dict[str, Module]) -> dict[str, list[str]]:
+    """Each file name (without ``.py``) more than one module has, with those modules."""
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for module in modules.values():
+        by_name[module.path.stem].append(module.name)
+    return {
+        name: sorted(found)
+        for name, found in sorted(by_name.items())
+        if len(found) > 1 and name not in SHARED_BY_CONVENTION
+    }
+
+
 def _call_name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Call):
         func = node.func
@@ -337,6 +356,7 @@ def counts(root: Path = ROOT) -> tuple[dict[str, int], dict[str, list[str]]]:
     found = cycles(modules)
     reads = private_reads(modules)
     skips = fmt_skips(modules)
+    same_name = shared_names(modules)
     shared, per_thread = singletons(modules)
     numbers = {
         "modules": len(modules),
@@ -347,6 +367,7 @@ def counts(root: Path = ROOT) -> tuple[dict[str, int], dict[str, list[str]]]:
         "modules_deferring_imports": len({m for m, _, _ in deferred}),
         "private_reads": len(reads),
         "fmt_skip": len(skips),
+        "shared_names": len(same_name),
         "mutable_singletons": len(shared),
         "mutable_singletons_ps": sum(1 for m, _ in shared if m.startswith("distopt.ps")),
         "thread_locals": len(per_thread),
@@ -362,6 +383,7 @@ def counts(root: Path = ROOT) -> tuple[dict[str, int], dict[str, list[str]]]:
         "deferred_imports": [f"{m}:{line}: {what}" for m, line, what in deferred],
         "private_reads": [f"{m}:{line}: {what}" for m, line, what in reads],
         "fmt_skip": [f"{m}:{line}" for m, line in skips],
+        "shared_names": [f"{name}: {', '.join(found)}" for name, found in same_name.items()],
         "mutable_singletons": [f"{m}.{n}" for m, n in shared],
         "thread_locals": [f"{m}.{n}" for m, n in per_thread],
     }

@@ -187,7 +187,7 @@ def remote_calls(model: nn.Module, config: JobConfig) -> list[RemoteCall] | None
     return found
 
 
-_RPC_MODULES = ("torch.distributed.rpc.api", "distopt.remote.rpc", "distopt.ps.client")
+_RPC_MODULES = ("torch.distributed.rpc.api", "distopt.remote.rpc_calls", "distopt.ps.client")
 """Modules (and packages) of the remote calls that need the job's RPC group."""
 
 
