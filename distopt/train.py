@@ -25,7 +25,7 @@ from distopt.dist.env import JobEnv
 from distopt.dist.group import trainer_group
 from distopt.errors import DistoptError, RemoteCallError
 from distopt.roles.ps_roles import run_ps_role
-from distopt.training.config import JobConfig
+from distopt.training.config import JobConfig, add_job_arguments
 from distopt.training.device import resolve_device
 from distopt.training.logs import configure, record_failure
 from distopt.training.trainer import train
@@ -37,15 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m distopt.train", description="Run one distopt training job process."
     )
-    parser.add_argument("--config", required=True, help="job config YAML (see configs/jobs/)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (dotted for nested keys; value parsed as YAML); repeatable",
-    )
+    add_job_arguments(parser)
     return parser
 
 
