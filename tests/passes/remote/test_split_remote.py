@@ -90,7 +90,7 @@ def test_server_error_surfaces_at_the_wait_with_message_and_source_line() -> Non
         gm(*_inputs())
     message = str(caught.value)
     assert "table t0 is being resharded" in message
-    assert "test_split.py" in message and 'rows = fetch("t0", ids)' in message
+    assert "test_split_remote.py" in message and 'rows = fetch("t0", ids)' in message
     assert isinstance(caught.value.__cause__, ValueError)
 
 
