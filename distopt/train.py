@@ -18,10 +18,17 @@ import faulthandler
 import logging
 import sys
 
+import torch
+
 from distopt.config import load_config
 from distopt.dist.env import JobEnv
+from distopt.dist.group import trainer_group
 from distopt.errors import DistoptError, RemoteCallError
-from distopt.training.config import JobConfig
+from distopt.roles.ps_roles import run_ps_role
+from distopt.training.config import JobConfig, add_job_arguments
+from distopt.training.device import resolve_device
+from distopt.training.logs import configure, record_failure
+from distopt.training.trainer import train
 
 logger = logging.getLogger("distopt.train")
 
@@ -30,35 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m distopt.train", description="Run one distopt training job process."
     )
-    parser.add_argument("--config", required=True, help="job config YAML (see configs/jobs/)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (dotted for nested keys; value parsed as YAML); repeatable",
-    )
+    add_job_arguments(parser)
     return parser
 
 
 def run(config: JobConfig, env: JobEnv) -> int:
     """Run this process's role of the job."""
-    import torch
-
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     if env.role == "trainer":
-        from distopt.training.device import resolve_device
-
         resolve_device(config.device, local_rank=env.local_rank)  # no GPU: fail before any group
     if env.role == "ps" or env.num_ps > 0:
-        from distopt.roles.ps_roles import run_ps_role  # imports torch.distributed.rpc
-
         return run_ps_role(config, env)
-    from distopt.dist.group import trainer_group
-    from distopt.training.trainer import train
-
     needs_group = env.num_trainers > 1 or config.parallel != "none"
     group = trainer_group(env, timeout_s=config.collective_timeout_s)
     with group if needs_group else contextlib.nullcontext(()) as hosts:
@@ -76,8 +66,6 @@ def main(argv: list[str] | None = None, *, prog: str = "distopt.train") -> int:
     status and ``distopt launch`` name the process that failed first and why. Faults (SIGABRT,
     SIGSEGV) print every thread's stack (``faulthandler``), so an abort names its cause.
     """
-    from distopt.training.logs import configure, record_failure
-
     # torchelastic's ErrorHandler.initialize() does this too, but warns where sys.stderr has no
     # file descriptor (a notebook, captured output): there is nothing to print a fault to then.
     with contextlib.suppress(ValueError, OSError):

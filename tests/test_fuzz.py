@@ -12,7 +12,7 @@ from torch import nn
 import distopt
 from distopt.config import from_dict
 from distopt.errors import ConfigError
-from distopt.passes.core.base import resolve_pipeline
+from distopt.passes.core.pass_base import resolve_pipeline
 from distopt.report import report_of
 from distopt.training.config import JobConfig
 

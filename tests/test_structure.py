@@ -1,6 +1,7 @@
 """The shape of the code, read from distopt's source by ``tools/structure_counts.py`` (issue 23):
 no import cycle between files, folders importing only from the layers below them
-(docs/architecture.md), no module reading another's private names, no ``# fmt: skip`` packing."""
+(docs/architecture.md), imports inside functions only for optional or slow dependencies, no
+module reading another's private names, no ``# fmt: skip`` packing, one module per name."""
 
 from __future__ import annotations
 
@@ -37,11 +38,8 @@ LAYERS = [
     "cli",
 ]
 FOUNDATION = {"errors", "config", "where", "text", "atomic", "console", "user_code", "report"}
-# The two upward edges docs/architecture.md names.
-ALLOWED_UPWARD = {
-    ("distopt.dist.group", "distopt.ps.spec"),
-    ("distopt.training.trainer", "distopt"),
-}
+# The upward edge docs/architecture.md names.
+ALLOWED_UPWARD = {("distopt.dist.group", "distopt.ps.spec")}
 
 
 def _layer(module: str) -> str:
@@ -60,11 +58,41 @@ def test_no_import_cycle_and_no_private_reads_or_fmt_skip() -> None:
     assert numbers["fmt_skip"] <= 3, details["fmt_skip"]
 
 
-def test_imports_inside_functions_do_not_grow() -> None:
-    # Issue 23 asks for at most 15 (optional heavy dependencies only); 59 remain, most in
-    # torchx/preflight.py (building the user's job lazily) and bench/data_loading.py.
+def test_one_module_per_name() -> None:
+    # Issue 23: "one module per name" (``__init__``, ``__main__`` and each package's
+    # ``config.py`` apart: structure_counts.SHARED_BY_CONVENTION).
     numbers, details = structure_counts.counts(REPO)
-    assert numbers["imports_in_functions"] <= 59, details["imports_in_functions"]
+    assert numbers["shared_names"] == 0, details["shared_names"]
+
+
+# What distopt may import inside a function, and why (each such import says so where it is).
+DEFERRED = {
+    "ray": "optional (distopt[ray]), slow to import",
+    "transformers": "optional (distopt[coverage])",
+    "deepctr_torch": "optional (distopt[coverage])",
+    "matplotlib": "optional (distopt[plot])",
+    "torch.utils.tensorboard": "0.15 s to import; only jobs that log to TensorBoard",
+    "torcheval": "0.13 s to import, and warns; only jobs that evaluate",
+    "torch._inductor.compile_fx": "a second to import; only graphs compiled with Inductor",
+    "torch._dynamo.symbolic_convert": "a private API that may move: guarded where used",
+    "torch.fx.experimental.optimization": "warns on import; one benchmark uses it",
+}
+
+
+def _deferred(module: str) -> bool:
+    return any(module == name or module.startswith(name + ".") for name in DEFERRED)
+
+
+def test_imports_inside_functions_only_for_optional_heavy_dependencies() -> None:
+    # Issue 23: "distopt imports inside functions only for optional heavy dependencies (at most
+    # 15)": none of distopt's own modules, and other modules only those of DEFERRED.
+    numbers, details = structure_counts.counts(REPO)
+    assert numbers["imports_in_functions"] == 0, details["imports_in_functions"]
+    unexplained = [
+        line for line in details["deferred_imports"] if not _deferred(line.rsplit(": ", 1)[1])
+    ]
+    assert unexplained == [], "import these at module level, or say in DEFERRED why not"
+    assert numbers["modules_deferring_imports"] <= 14, details["deferred_imports"]
 
 
 def test_folders_import_only_from_layers_below() -> None:

@@ -14,10 +14,15 @@ What is counted, over every ``.py`` file under ``distopt/``:
   them). ``files_in_cycles`` is how many files those components hold.
 - ``imports_in_functions``: distopt modules (or names of one) imported inside a function body,
   one per imported name: ``from distopt.x import a, b`` in a function counts 2, as issue 23 does.
+- ``deferred_imports``: other modules (third-party, torch, the standard library) imported inside
+  a function body, counted the same way; ``modules_deferring_imports`` is how many distopt
+  modules hold one. Issue 23 keeps these for optional or slow-to-import dependencies only.
 - ``private_reads``: one module using another distopt module's ``_private`` name:
   ``from distopt.x import _name`` or ``alias._name`` where ``alias`` is an imported distopt
   module (dotted chains such as ``ps.client._CLIENT`` resolved).
 - ``fmt_skip``: lines holding ``# fmt: skip``.
+- ``shared_names``: file names that more than one module under ``distopt/`` has (one module per
+  name, so that a name means one thing), apart from :data:`SHARED_BY_CONVENTION`.
 - ``mutable_singletons``: module-level names holding process-wide mutable state: rebound with
   ``global`` in a function, or a container (``{}``, ``[]``, ``dict()``, ``Counter()``, ...) that the
   module mutates (item assignment, ``.append``/``.pop``/``.update``/...). ``threading.local()``
@@ -65,6 +70,11 @@ _MUTATORS = {
     "appendleft",
     "popleft",
 }
+
+
+SHARED_BY_CONVENTION = {"__init__", "__main__", "config"}
+"""File names every package may have: Python's own, and ``config.py``, a package's section of the
+job config (``data:``, ``pipeline:``, ...), which is one kind of thing wherever it is."""
 
 
 @dataclass
@@ -144,6 +154,26 @@ def _targets(
         if found:
             out.append(found)
     return out
+
+
+def _external(module: Module, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The modules outside distopt an import statement names, one per imported name."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.split(".")[0] != PACKAGE]
+    base = _absolute(module, node)
+    return [] if base.split(".")[0] == PACKAGE else [base] * len(node.names)
+
+
+def deferred_imports(modules: dict[str, Module]) -> list[tuple[str, int, str]]:
+    """``(module, line, imported module)`` of every name from outside distopt imported inside a
+    function."""
+    out = []
+    for module in modules.values():
+        parents = _parents(module.tree)
+        for node in ast.walk(module.tree):
+            if isinstance(node, ast.Import | ast.ImportFrom) and _in_function(node, parents):
+                out.extend((module.name, node.lineno, name) for name in _external(module, node))
+    return sorted(out)
 
 
 def analyse_imports(modules: dict[str, Module]) -> list[tuple[str, int]]:
@@ -255,6 +285,18 @@ def fmt_skips(modules: dict[str, Module]) -> list[tuple[str, int]]:
     ]
 
 
+def shared_names(modules: dict[str, Module]) -> dict[str, list[str]]:
+    """Each file name (without ``.py``) more than one module has, with those modules."""
+    by_name: dict[str, list[str]] = defaultdict(list)
+    for module in modules.values():
+        by_name[module.path.stem].append(module.name)
+    return {
+        name: sorted(found)
+        for name, found in sorted(by_name.items())
+        if len(found) > 1 and name not in SHARED_BY_CONVENTION
+    }
+
+
 def _call_name(node: ast.AST) -> str | None:
     if isinstance(node, ast.Call):
         func = node.func
@@ -310,17 +352,22 @@ def singletons(modules: dict[str, Module]) -> tuple[list[tuple[str, str]], list[
 def counts(root: Path = ROOT) -> tuple[dict[str, int], dict[str, list[str]]]:
     modules = load(root)
     in_functions = analyse_imports(modules)
+    deferred = deferred_imports(modules)
     found = cycles(modules)
     reads = private_reads(modules)
     skips = fmt_skips(modules)
+    same_name = shared_names(modules)
     shared, per_thread = singletons(modules)
     numbers = {
         "modules": len(modules),
         "import_cycles": len(found),
         "files_in_cycles": sum(len(c) for c in found),
         "imports_in_functions": len(in_functions),
+        "deferred_imports": len(deferred),
+        "modules_deferring_imports": len({m for m, _, _ in deferred}),
         "private_reads": len(reads),
         "fmt_skip": len(skips),
+        "shared_names": len(same_name),
         "mutable_singletons": len(shared),
         "mutable_singletons_ps": sum(1 for m, _ in shared if m.startswith("distopt.ps")),
         "thread_locals": len(per_thread),
@@ -333,8 +380,10 @@ def counts(root: Path = ROOT) -> tuple[dict[str, int], dict[str, list[str]]]:
         "imports_in_functions": [
             f"{m}: {n}" for m, n in sorted(by_module.items(), key=lambda x: (-x[1], x[0]))
         ],
+        "deferred_imports": [f"{m}:{line}: {what}" for m, line, what in deferred],
         "private_reads": [f"{m}:{line}: {what}" for m, line, what in reads],
         "fmt_skip": [f"{m}:{line}" for m, line in skips],
+        "shared_names": [f"{name}: {', '.join(found)}" for name, found in same_name.items()],
         "mutable_singletons": [f"{m}.{n}" for m, n in shared],
         "thread_locals": [f"{m}.{n}" for m, n in per_thread],
     }

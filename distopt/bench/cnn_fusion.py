@@ -81,6 +81,7 @@ def _model(cfg: CnnFusionConfig) -> ResNet:
 def _eval_variants(
     cfg: CnnFusionConfig, console: Console
 ) -> tuple[dict[str, float], dict[str, float]]:
+    # Imported here: importing it warns that torch.jit.script_method is deprecated.
     from torch.fx.experimental.optimization import fuse
 
     model = _model(cfg).eval()

@@ -43,11 +43,17 @@ from typing import Any
 import torch
 from rich.table import Table
 
+import distopt.ps as ps
+from distopt import models
 from distopt.config import check, from_dict, load_config
 from distopt.console import console as make_console
 from distopt.data import Batch, DataSource, IndexedStream, Loader, build_data, to_batch
+from distopt.data.generate import write_criteo
 from distopt.dist.env import JobEnv
+from distopt.metrics import load_run
+from distopt.roles.ps_setup import job_tables
 from distopt.training.config import JobConfig
+from distopt.training.trainer import Hooks, train
 
 ARMS = ("loader", "prebuilt")
 
@@ -129,8 +135,6 @@ class OneJobData(DataSource):
 
 
 def _sources(job: JobConfig, bench: DataLoadingConfig) -> dict[str, DataSource]:
-    from distopt import models
-
     model = models.build(job.model_name, **job.model_kwargs)
     built = build_data(
         dataclasses.replace(job.data, num_workers=bench.num_workers),
@@ -163,9 +167,6 @@ def _sources(job: JobConfig, bench: DataLoadingConfig) -> dict[str, DataSource]:
 
 def _chunk(job: JobConfig, source: DataSource, run_id: str, warmup: int) -> list[float]:
     """Step times of one chunk (after warm-up), read back from its QPS log."""
-    import distopt.ps as ps
-    from distopt.metrics import load_run
-    from distopt.training.trainer import Hooks, train
 
     def push(_model: Any) -> None:
         ps.push_gradients(lr=job.lr)  # async, as a job pushes without deterministic
@@ -179,10 +180,6 @@ def _chunk(job: JobConfig, source: DataSource, run_id: str, warmup: int) -> list
 
 def measure(bench: DataLoadingConfig) -> dict[str, Any]:
     """Run the interleaved rounds; the results as plain data."""
-    import distopt.ps as ps
-    from distopt.data.generate import write_criteo
-    from distopt.roles.ps_setup import job_tables
-
     out = Path(bench.output_dir)
     clicks = write_criteo(out / "clicks.tsv", num_samples=bench.samples, seed=0)
     job = load_config(

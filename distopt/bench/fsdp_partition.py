@@ -27,11 +27,14 @@ import torch
 import torch.distributed as dist
 from rich.table import Table
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
+import distopt
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist.rendezvous import run_spawned
+from distopt.models.gpt import GPT
 from distopt.parallel.fsdp_schedule import peak_param_bytes
 
 VARIANTS = ("no_inner_units", "size_based", "per_block", "distopt")
@@ -71,16 +74,12 @@ class FsdpPartitionConfig:
 
 
 def _build(cfg: FsdpPartitionConfig) -> nn.Module:
-    from distopt.models.gpt import GPT
-
     with torch.device("meta"):
         return GPT(cfg.vocab_size, cfg.dim, cfg.heads, cfg.layers, cfg.seq_len, dropout=0.0)
 
 
 def _size_based(model: nn.Module, min_params: int) -> None:
     """FSDP1's size-based policy, for FSDP2: post-order, shard when unwrapped params ≥ min."""
-    from torch.distributed.fsdp import fully_shard
-
     wrapped: set[int] = set()
 
     def visit(module: nn.Module) -> int:
@@ -98,10 +97,6 @@ def _size_based(model: nn.Module, min_params: int) -> None:
 
 
 def _wrap(variant: str, model: nn.Module, cfg: FsdpPartitionConfig) -> tuple[nn.Module, float]:
-    from torch.distributed.fsdp import fully_shard
-
-    import distopt
-
     start = time.perf_counter()
     if variant == "no_inner_units":
         fully_shard(model)
@@ -130,8 +125,6 @@ def _kept_after_forward(module: nn.Module) -> bool:
 def _groups(model: nn.Module) -> tuple[int, list[int], list[bool]]:
     """Parameter bytes of the root FSDP group and of each inner group (module order), and which
     inner groups stay unsharded after forward."""
-    from torch.distributed.fsdp import FSDPModule
-
     fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
     inner_ids: dict[int, set[int]] = {}
     for m in fsdp:

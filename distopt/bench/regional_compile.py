@@ -32,13 +32,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from rich.table import Table
 from torch import nn
 
+import distopt
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist.rendezvous import StorePlan, init_gloo, spawned_gloo
+from distopt.models import build
 
 VARIANTS = ("eager", "whole", "regional")
 
@@ -110,8 +114,6 @@ def _build(cfg: RegionalCompileConfig, name: str) -> tuple[nn.Module, torch.Tens
     gen = torch.Generator().manual_seed(1)
     torch.manual_seed(0)
     if name == "gpt":
-        from distopt.models import build
-
         g = cfg.gpt
         gpt = build(
             "gpt",
@@ -124,7 +126,7 @@ def _build(cfg: RegionalCompileConfig, name: str) -> tuple[nn.Module, torch.Tens
         )
         idx = torch.randint(0, g.vocab_size, (g.batch_size, g.seq_len), generator=gen)
         return gpt, idx, idx
-    import transformers
+    import transformers  # optional (distopt[coverage]): only the convnet arm needs it
 
     c = cfg.convnet
     labels: dict[str, Any] = {"num_labels": c.num_labels}  # a PretrainedConfig keyword
@@ -160,10 +162,6 @@ def _loss(name: str, out: Any, target: torch.Tensor) -> torch.Tensor:
 def _worker(
     rank: int, cfg_dict: dict[str, Any], name: str, variant: str, plan: StorePlan, out: str
 ) -> None:
-    import torch.distributed as dist
-
-    import distopt
-
     cfg = from_dict(RegionalCompileConfig, cfg_dict)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -210,8 +208,6 @@ def _worker(
 
 
 def _run(cfg: RegionalCompileConfig, name: str, variant: str) -> dict[str, Any]:
-    import torch.multiprocessing as mp
-
     with tempfile.TemporaryDirectory() as tmp, spawned_gloo() as plan:
         out = os.path.join(tmp, "result.json")
         mp.spawn(_worker, args=(to_dict(cfg), name, variant, plan, out), nprocs=1, join=True)

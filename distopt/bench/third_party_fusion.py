@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch._dynamo
 from rich.table import Table
 from torch import nn
 
@@ -69,7 +70,7 @@ class ThirdPartyFusionConfig:
 
 def build(name: str, image_size: int = 224) -> nn.Module:
     """A transformers model from its config, random weights, eval mode."""
-    import transformers
+    import transformers  # optional (distopt[coverage])
 
     torch.manual_seed(0)
     if name == "resnet50":
@@ -117,8 +118,6 @@ def _kept_passes(module: nn.Module) -> list[str]:
 
 
 def _one(cfg: ThirdPartyFusionConfig, name: str, threads: int, console: Any) -> dict[str, Any]:
-    import torch._dynamo
-
     # Nothing compiled for an earlier row may serve this one (Dynamo reuses code across model
     # instances); within the row, distopt's capture and torch.compile keep separate entries.
     torch._dynamo.reset()

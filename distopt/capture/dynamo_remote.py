@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 import torch._dynamo
+from torch._dynamo.exc import unimplemented
+from torch._subclasses.fake_tensor import is_fake
 
 from distopt.capture.sites import (
     ORACLE,
@@ -52,7 +54,7 @@ from distopt.capture.sites import (
 )
 from distopt.errors import DistoptFallbackWarning
 from distopt.remote import registry
-from distopt.remote.record import Recording
+from distopt.remote.record import Recording, recording
 from distopt.where import describe_failure
 
 _STATE = threading.local()
@@ -68,8 +70,6 @@ def _fake_output(site: Site, tensors: Sequence[torch.Tensor]) -> tuple[torch.Ten
             f"no run of the original model has shown the outputs of remote call site {site.index}"
         )
         try:
-            from torch._dynamo.exc import unimplemented
-
             unimplemented(
                 gb_type="distopt: remote call with unknown outputs",
                 context=f"site {site.index}",
@@ -93,8 +93,6 @@ def _fresh(value: Any) -> Any:
 def remote_call(site: int, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """One blocking remote call of ``site`` with these tensors; its output tensors, flattened."""
     s = SITES[site]
-    from torch._subclasses.fake_tensor import is_fake
-
     if any(is_fake(t) for t in tensors) or torch._guards.detect_fake_mode(tensors) is not None:
         return _fake_output(s, tensors)
     replay = replayer()
@@ -306,8 +304,6 @@ class CapturedCall:
             return self.module._call_impl(*args, **kwargs)
         signature = input_signature(args, kwargs) if self.learns else None
         if self.learns and signature not in self.known:
-            from distopt.remote.record import recording
-
             with recording(self.module) as record:
                 out = self.module._call_impl(*args, **kwargs)
             learn(record)

@@ -16,6 +16,7 @@ from distopt.capture.tracer import DistoptTracer, check_leaves
 from distopt.config import CaptureConfig
 from distopt.remote.intercept import makes_remote_calls
 from distopt.remote.local import with_remote_calls
+from distopt.remote.ops import remote_ops
 from distopt.remote.record import CALL_INDEX
 from distopt.where import describe_failure, user_frame
 
@@ -48,8 +49,6 @@ class CaptureResult:
 
 def number_remote_calls(gm: torch.fx.GraphModule) -> int:
     """Write :data:`CALL_INDEX` on every remote call and issue of a freshly captured graph."""
-    from distopt.remote.ops import remote_ops
-
     count = 0
     for node, op in remote_ops(gm.graph).items():
         if node is op.start:

@@ -16,7 +16,7 @@ import torch.fx
 from torch import nn
 
 from distopt.errors import ConfigError
-from distopt.remote import rpc
+from distopt.remote import rpc_calls
 from distopt.remote.intercept import call_frame, intercepted
 from distopt.remote.registry import constant_types
 from distopt.where import caller_stack
@@ -172,6 +172,8 @@ class DistoptTracer(torch.fx.Tracer):
 
 def _is_opaque(value: Any) -> bool:
     """Values FX cannot put in generated code and that are not module state: remote handles."""
-    if rpc.is_rref(value) or isinstance(value, (rpc_api.WorkerInfo, rpc.RemoteModuleHandle)):
+    if rpc_calls.is_rref(value) or isinstance(
+        value, (rpc_api.WorkerInfo, rpc_calls.RemoteModuleHandle)
+    ):
         return True
     return isinstance(value, constant_types())  # other libraries' handles (Ray actors, ObjectRefs)

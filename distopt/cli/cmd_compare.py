@@ -25,6 +25,7 @@ from distopt.metrics.compare import (
     compare_runs,
     failed_gains,
 )
+from distopt.metrics.plot import plot_comparison
 from distopt.metrics.qps_log import load_run
 
 
@@ -196,8 +197,6 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(comparison.to_json(), indent=2) + "\n")
     if args.plot:
-        from distopt.metrics.plot import plot_comparison  # matplotlib is optional
-
         print(f"plot: {plot_comparison(comparison, args.plot)}")
     if args.assert_gain is not None:
         failed = failed_gains(comparison, args.assert_gain, stat=args.assert_stat)

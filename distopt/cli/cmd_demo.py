@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+from distopt.cli import main as distopt_main
 from distopt.config import find_config_file, load_config
 from distopt.data.generate import write_criteo
 from distopt.dist.rendezvous import free_port
@@ -109,8 +110,6 @@ def alternated(rounds: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from distopt.cli import main as distopt_main
-
     if args.steps < 1:
         raise ConfigError(f"--steps: expected an integer >= 1, got {args.steps}")
     if args.rounds < 1:

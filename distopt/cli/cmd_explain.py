@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 import distopt
+import distopt.ps as ps
 from distopt import models
 from distopt.errors import ConfigError
 from distopt.optimize.gain import predict_gain
+from distopt.pipeline import pipeline_split
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,8 +74,6 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"--ps-latency-ms: {args.model!r} is not a parameter-server model (no ps_tables())"
         )
-    import distopt.ps as ps
-
     with ps.local_job(tables(), ps.ServerOptions(latency_ms=args.ps_latency_ms)):
         optimized = _explain(args, model, inputs)
         _predict_and_measure(model, optimized, inputs)
@@ -92,8 +92,6 @@ def _explain(
         strict=args.strict,
     )
     if args.pipeline:
-        from distopt.pipeline import pipeline_split
-
         distopt.explain(
             pipeline_split(optimized).main, show_code=not args.no_code, graph_path=args.graph
         )
@@ -106,8 +104,6 @@ def _predict_and_measure(
     model: nn.Module, optimized: nn.Module, inputs: tuple[Any, ...], rounds: int = 5, steps: int = 5
 ) -> None:
     """Cost-model prediction of the forward time before/after, next to measured medians."""
-    import distopt.ps as ps
-
     prediction = predict_gain(model, optimized, inputs).forward
     times: dict[str, list[float]] = {"before": [], "after": []}
     with torch.no_grad(), ps.context.isolated_step():

@@ -12,7 +12,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from torchx.specs import AppState
+from torchx.specs.api import to_dict
+
 from distopt.errors import ConfigError
+from distopt.torchx.submit import LOCAL_SCHEDULERS, launch
+from distopt.training.config import add_job_arguments, add_process_arguments
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="submit a training job through TorchX",
         description=(__doc__ or "").split("\n\n")[0],
     )
-    parser.add_argument("config", help="job config YAML (see configs/jobs/)")
+    add_job_arguments(parser, positional=True)
     parser.add_argument(
         "-s", "--scheduler", default="local_cwd", help="TorchX scheduler (default local_cwd)"
     )
@@ -31,22 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="K=V,...",
         help="scheduler options, e.g. partition=gpu,account=ml (over .torchxconfig)",
     )
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (repeatable)",
-    )
-    parser.add_argument("--num-trainers", type=int, default=2, help="trainer processes (default 2)")
-    parser.add_argument(
-        "--num-ps",
-        type=int,
-        default=None,
-        help="parameter servers (default: 1 for models with ps_tables(), else 0)",
-    )
-    parser.add_argument("--run-id", default=None, help="run id (default: chosen here)")
+    add_process_arguments(parser, num_ps=None, num_trainers=2)
     parser.add_argument(
         "--arg",
         dest="component_args",
@@ -73,8 +63,6 @@ def _pairs(items: list[str], flag: str) -> dict[str, str]:
 def _cfg(text: str) -> dict[str, str]:
     """``--cfg k=v,...`` split as TorchX splits it (list values keep their commas); the options are
     checked and typed by :func:`distopt.torchx.submit.scheduler_options`, as for the Python API."""
-    from torchx.specs.api import to_dict
-
     try:
         return to_dict(text)
     except ValueError as err:
@@ -82,10 +70,6 @@ def _cfg(text: str) -> dict[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchx.specs import AppState
-
-    from distopt.torchx.submit import LOCAL_SCHEDULERS, launch
-
     cfg = _cfg(args.cfg)
     job = launch(
         args.config,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from distopt import train
+from distopt.training.config import add_job_arguments
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -17,15 +18,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="run a training job process here (python -m distopt.train)",
         description=train.__doc__.splitlines()[0] if train.__doc__ else None,
     )
-    parser.add_argument("--config", required=True, help="job config YAML (see configs/jobs/)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key (dotted for nested keys; value parsed as YAML)",
-    )
+    add_job_arguments(parser)
     parser.set_defaults(func=run)
 
 

@@ -46,7 +46,7 @@ def _image(batch: int = 2, size: int = 32) -> torch.Tensor:
 
 def _hf(model_cls: str, config_cls: str, inputs: Callable[[], tuple[Any, ...]], **config: Any):
     def build() -> Built:
-        import transformers
+        import transformers  # optional (distopt[coverage]), as is deepctr_torch below
 
         cfg = getattr(transformers, config_cls)(**config)
         return getattr(transformers, model_cls)(cfg), inputs()
@@ -93,7 +93,7 @@ def _import_deepctr() -> ModuleType:
 
 def _ctr(model_name: str) -> Callable[[], Built]:
     def build() -> Built:
-        _import_deepctr()
+        _import_deepctr()  # optional (distopt[coverage])
         from deepctr_torch import models
         from deepctr_torch.inputs import DenseFeat, SparseFeat
 

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import numpy as np
@@ -142,8 +143,6 @@ def chain_entropy(vocab_size: int, branching: int, seed: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     """``python -m distopt.data.generate {criteo,tokens} PATH [--samples N] [--seed S]``: write a
     file for an example job (prints the unigram entropy of a token file)."""
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="python -m distopt.data.generate", description=main.__doc__
     )

@@ -34,6 +34,8 @@ connects, because its client retries with a random back-off of up to a few secon
 
 from __future__ import annotations
 
+import torch.multiprocessing as mp
+import errno
 import atexit
 import contextlib
 import dataclasses
@@ -410,8 +412,6 @@ def run_spawned(
     printed above)``, one that raises the last line of its traceback. ``fn`` and ``args`` must be
     picklable (module-level).
     """
-    import torch.multiprocessing as mp
-
     with spawned_gloo(timeout_s=timeout_s) as plan:
         try:
             mp.spawn(
@@ -454,8 +454,6 @@ def _interface_key(interface: str) -> str:
 
 def _not_here(host: str, err: OSError) -> str:
     """Why a store cannot listen on ``host``, when it is no address of this host."""
-    import errno
-
     if err.errno != errno.EADDRNOTAVAIL:
         return ""
     return (

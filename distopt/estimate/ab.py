@@ -26,6 +26,8 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
 Clock = Callable[[str, Callable[[], object]], float]
 """Seconds one call of the function takes; the label is ``"baseline"`` or ``"candidate"``."""
 
@@ -50,8 +52,6 @@ def default_clock(label: str, fn: Callable[[], object]) -> float:
     time the OS gave the core to other processes: on a shared host that noise dwarfs the
     differences being measured. With more threads only wall time sees parallel efficiency.
     """
-    import torch
-
     if torch.get_num_threads() != 1:
         return wall_clock(label, fn)
     start = time.thread_time()

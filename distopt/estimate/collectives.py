@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import statistics
+import tempfile
 import time
 from pathlib import Path
 from typing import cast
@@ -110,8 +111,6 @@ def _local_worker(rank: int, out: str) -> None:
 
 def measure_local(world_size: int = 2) -> AlphaBeta:
     """Measure on a fresh ``world_size``-rank gloo group of local processes (127.0.0.1)."""
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "alpha_beta.json")
         run_spawned(_local_worker, out, world_size=world_size, what="alpha_beta", timeout_s=60.0)

@@ -10,20 +10,17 @@ from distopt.metrics.compare import Comparison
 
 def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     """Write a PNG (or any format matplotlib infers from the suffix) and return its path."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # no display on servers and CI
-        import matplotlib.pyplot as plt
+    try:  # matplotlib is optional (distopt[plot]) and slow to import: only when plotting
+        # A Figure without pyplot draws with Agg and leaves the process's backend as it was.
+        from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator
     except ImportError:
         raise DistoptError("--plot needs matplotlib: pip install 'distopt[plot]'") from None
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, (ax_line, ax_box) = plt.subplots(
-        1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]}, constrained_layout=True
-    )
+    fig = Figure(figsize=(12, 4.5), constrained_layout=True)
+    ax_line, ax_box = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
     names = [
         f"{i + 1}: {run.variant} ({Path(run.label).name})" for i, run in enumerate(comparison.runs)
     ]
@@ -64,5 +61,4 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     ax_box.grid(True, axis="y", alpha=0.3)
     fig.suptitle("distopt compare: " + " vs ".join(run.variant for run in comparison.runs))
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

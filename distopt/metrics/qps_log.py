@@ -28,9 +28,12 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator, Mapping
+from importlib.metadata import version
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TextIO
+
+import torch
 
 from distopt.metrics.records import (
     FORMAT_VERSION,
@@ -66,11 +69,7 @@ def git_revision(cwd: str | Path | None = None) -> str | None:
 
 def environment_info() -> dict[str, Any]:
     """Versions and host facts recorded in every header."""
-    import torch  # imported here: reading logs must not require torch
-
     try:
-        from importlib.metadata import version
-
         distopt_version: str | None = version("distopt")
     except Exception:  # not installed as a distribution (e.g. a bare source tree)
         distopt_version = None

@@ -24,6 +24,8 @@ from distopt.errors import (
     VerificationError,
 )
 from distopt.estimate.ab import Measurer
+from distopt.optimize.backend import make_backend
+from distopt.optimize.explain import draw_graph
 from distopt.optimize.verify import Reference, compare_modules, run_reference
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
 from distopt.remote.intercept import makes_remote_calls
@@ -156,8 +158,6 @@ def optimize(
     if optimized is not model and inputs is not None and not model.training and cfg.measure.enabled:
         optimized = _keep_if_not_slower(model, optimized, inputs, cfg, report, warm=verify)
     if optimized is not model and cfg.dump_graph and isinstance(optimized, torch.fx.GraphModule):
-        from distopt.optimize.explain import draw_graph
-
         report.warnings.extend(draw_graph(optimized, cfg.dump_graph))
     report.total_seconds = time.perf_counter() - start
     attach(optimized, report)
@@ -207,8 +207,6 @@ def _capture_and_transform(
         if strict:
             raise CaptureError(f"{report.model}: {report.reason}; Dynamo capture is disabled")
         return _fall_back(model, report, report.reason or "capture failed")
-    from distopt.optimize.backend import make_backend
-
     backend = make_backend(
         pipeline,
         pass_options=cfg.pass_options,

@@ -112,7 +112,7 @@ def _inner_backend(
     if inner == "eager":
         return None
     if inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
+        from torch._inductor.compile_fx import compile_fx  # a second to import: only if used
 
         # torch private API: compile_fx is a Dynamo backend, but its annotations are wider
         return compile_fx  # type: ignore[return-value]
@@ -138,7 +138,7 @@ a ``torch.compile(backend="distopt")`` module."""
 def _frame_code() -> types.CodeType | None:
     """The code object Dynamo is compiling right now (None if this torch does not say)."""
     try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
+        from torch._dynamo.symbolic_convert import InstructionTranslator  # private: may move
 
         return InstructionTranslator.current_tx().f_code
     except Exception:  # a private API: explain then reports on every graph it compiled

@@ -14,8 +14,10 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 from torch import nn
+from torch.fx.passes.graph_drawer import FxGraphDrawer
 
 from distopt.errors import DistoptError
+from distopt.optimize.backend import compiled_report
 from distopt.report import OptimizeReport, ParallelRecord, VerifyRecord, report_of
 from distopt.text import plural
 
@@ -27,8 +29,6 @@ def draw_graph(gm: torch.fx.GraphModule, path: str | Path) -> list[str]:
     if suffix not in ("svg", "png", "dot"):
         return [f"graph picture {path}: unsupported format {suffix!r} (use .svg, .png or .dot)"]
     try:
-        from torch.fx.passes.graph_drawer import FxGraphDrawer
-
         dot = FxGraphDrawer(gm, type(gm).__name__).get_dot_graph()
     except (ImportError, RuntimeError) as err:
         return [f"graph picture {path}: needs pydot (pip install pydot): {err}"]
@@ -195,8 +195,6 @@ def _report(module: nn.Module) -> OptimizeReport:
     report = report_of(module)
     if report is not None:
         return report
-    from distopt.optimize.backend import compiled_report
-
     report = compiled_report(module)
     if report is None:
         raise DistoptError(

@@ -19,7 +19,9 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from distopt.capture.dynamo_remote import checking
 from distopt.config import VerifyConfig
+from distopt.estimate.ab import default_clock
 from distopt.remote.isolation import isolated, preserved_state
 from distopt.remote.local import named_local_tensors, with_remote_calls
 from distopt.remote.record import Recording, RemoteWriteRefused, recording
@@ -102,8 +104,6 @@ def run_reference(
     # gradients of parameters folded away are meaningless.
     check_grads = config.check_grads and original.training
     view = with_remote_calls(original)
-    from distopt.estimate.ab import default_clock
-
     results: list[RunResult] = []
     with preserved_state(view), isolated(), recording(view, allow_writes=allow_writes) as record:
         seconds = default_clock(
@@ -137,8 +137,6 @@ def compare_modules(
         replayer = Replay(optimized, ref.recording)
         forward, replay = replayer.run, replayer.outside()
     else:  # Dynamo: the compiled graphs' remote calls answer from the recording
-        from distopt.capture.dynamo_remote import checking
-
         replay = checking(optimized, example_inputs, ref.recording)
     with preserved_state(optimized), isolated(), replay:
         got = _run(optimized, forward, example_inputs, ref.seed_state, ref.check_grads)

@@ -12,9 +12,15 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
+from distopt.dist.rendezvous import keep_group
 from distopt.parallel.fsdp_schedule import FsdpSchedule
+from distopt.parallel.regions import compile_regions
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -31,8 +37,6 @@ def apply_compile(
     compiled instead, once per distinct structure, and only the units holding no region are
     compiled as a whole.
     """
-    from distopt.parallel.regions import compile_regions
-
     compile_regions(regions, backend=backend)
     held = {id(block) for block in regions}
     for unit in units:
@@ -63,8 +67,6 @@ def apply_fsdp(
     changes numerics; ``mp_policy`` does (e.g. bf16 parameters for compute, fp32 gradient
     reduction), the same policy on every unit and the root.
     """
-    from torch.distributed.fsdp import fully_shard
-
     precision: dict[str, Any] = {} if mp_policy is None else {"mp_policy": mp_policy}
 
     held = schedule.root_held if schedule is not None else frozenset()
@@ -93,9 +95,6 @@ def apply_fsdp1(
     process_group: ProcessGroup | tuple[ProcessGroup, ProcessGroup] | None = None,
 ) -> nn.Module:
     """FSDP1: ``FullyShardedDataParallel`` whose auto-wrap policy wraps exactly the units."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
-
     ids = {id(u) for u in units}
     policy = functools.partial(lambda_auto_wrap_policy, lambda_fn=lambda m: id(m) in ids)
     return FullyShardedDataParallel(
@@ -123,11 +122,6 @@ def apply_ddp(
     (:func:`distopt.dist.rendezvous.keep_group`): a gloo group whose last reference is DDP's reducer can
     hang the process at ``destroy_process_group()`` or exit.
     """
-    import torch.distributed as dist
-    from torch.distributed._composable.replicate import replicate
-
-    from distopt.dist.rendezvous import keep_group
-
     kwargs: dict[str, Any] = {}
     if process_group is not None:
         kwargs["process_group"] = process_group

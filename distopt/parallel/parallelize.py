@@ -8,12 +8,17 @@ import warnings
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import torch
+import torch.distributed as dist
 import torch.fx
 from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from distopt.config import from_dict
 from distopt.dist.rendezvous import collective
 from distopt.errors import ConfigError
+from distopt.estimate.collectives import alpha_beta, min_unit_bytes
+from distopt.optimize import optimize
 from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
 from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
 from distopt.parallel.regions import compilable_regions
@@ -82,8 +87,6 @@ class ParallelizeConfig:
         """FSDP2 ``MixedPrecisionPolicy`` of ``param_dtype``/``reduce_dtype`` (``None``: neither)."""
         if self.param_dtype is None and self.reduce_dtype is None:
             return None
-        import torch
-        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         def dtype(name: str | None) -> Any:
             return None if name is None else getattr(torch, name)
@@ -148,8 +151,6 @@ def parallelize(
         mesh: FSDP2 device mesh (default: the world).
         process_group: FSDP1/DDP process group (default: the world).
     """
-    from distopt.optimize import optimize
-
     cfg = _config(strategy, config, overrides)
     _check_group(mesh, process_group)
     timing = ParallelRecord(strategy=cfg.strategy)
@@ -248,8 +249,6 @@ def parallelize(
 
 def _check_group(mesh: Any, process_group: Any) -> None:
     """Without a group, DDP and FSDP fail deep inside with torch's ``env://`` rendezvous error."""
-    import torch.distributed as dist
-
     if mesh is not None or process_group is not None:
         return
     if not (dist.is_available() and dist.is_initialized()):
@@ -265,8 +264,6 @@ def _min_unit_bytes(cfg: ParallelizeConfig) -> int:
     agrees on one model: see :func:`distopt.estimate.collectives.alpha_beta`)."""
     if cfg.min_unit_bytes is not None:
         return cfg.min_unit_bytes
-    from distopt.estimate.collectives import alpha_beta, min_unit_bytes
-
     with collective("distopt.parallelize (timing all-gather and reduce-scatter for fuse_units)"):
         return min_unit_bytes(alpha_beta(cache_dir=cfg.cache_dir))
 
@@ -274,6 +271,4 @@ def _min_unit_bytes(cfg: ParallelizeConfig) -> int:
 def _world_size(mesh: Any) -> int:
     if mesh is not None and hasattr(mesh, "size"):
         return int(mesh.size())
-    import torch.distributed as dist
-
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

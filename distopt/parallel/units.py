@@ -18,6 +18,7 @@ import operator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
@@ -42,8 +43,6 @@ def agree_across_ranks(gm: torch.fx.GraphModule) -> None:
     Profiled costs differ slightly between processes, and a rank-local plan could deadlock FSDP.
     Every rank traced the same model, so node names (which the plan refers to) agree.
     """
-    import torch.distributed as dist
-
     plan = plan_of(gm)
     if plan is None or not (dist.is_available() and dist.is_initialized()):
         return

@@ -4,7 +4,7 @@ The built-ins are listed here as a set: the order they run in comes from the con
 pass module declares with its ``PASS`` (ties by name), never from this listing.
 """
 
-from distopt.passes.core.base import (
+from distopt.passes.core.pass_base import (
     PassContext,
     PassFn,
     PassResult,
@@ -19,12 +19,12 @@ from distopt.passes.core.base import (
 from distopt.passes.core.runner import run_passes
 from distopt.passes.fsdp import fuse_units, partition
 from distopt.passes.local import channels_last, fold_conv_bn, mkldnn_fusion, remove_identity
-from distopt.passes.remote import batch, hoist, pair, sink, split
+from distopt.passes.remote import batch_fetch, hoist, pair, sink, split_remote
 from distopt.remote.side_effects import eliminate_dead_code, is_impure, mark_side_effectful
 
 BUILTIN_PASSES: frozenset[PassSpec] = frozenset(
     {
-        batch.PASS,
+        batch_fetch.PASS,
         channels_last.PASS,
         fold_conv_bn.PASS,
         fuse_units.PASS,
@@ -34,7 +34,7 @@ BUILTIN_PASSES: frozenset[PassSpec] = frozenset(
         partition.PASS,
         remove_identity.PASS,
         sink.PASS,
-        split.PASS,
+        split_remote.PASS,
     }
 )
 """distopt's own passes (:func:`registered_passes` also holds those users register)."""

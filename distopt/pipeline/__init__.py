@@ -4,7 +4,7 @@ step trains (:class:`TrainPipeline`; ``pipeline:`` in a job config)."""
 from distopt.pipeline.prefetch import PipelineStats, Prefetcher
 from distopt.pipeline.slots import PipelineError, provided
 from distopt.pipeline.split import PrefetchSplit, prefetchable, split_prefetch
-from distopt.pipeline.train import (
+from distopt.pipeline.train_pipeline import (
     StepOutput,
     TrainPipeline,
     check_pipelined,

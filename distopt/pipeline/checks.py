@@ -20,6 +20,7 @@ A model ``distopt.optimize`` compiled with Dynamo or returned as written has no 
 from __future__ import annotations
 
 import torch
+import torch.distributed.autograd as dist_autograd
 import torch.fx
 from torch import nn
 from torch.fx import Node
@@ -117,8 +118,6 @@ def in_dist_autograd() -> bool:
     """True inside ``torch.distributed.autograd.context()`` on this thread: the RPC tutorials'
     training loop, which the pipeline cannot drive (it would send the next batch's reads in this
     step's context, and it trains with ``loss.backward()``)."""
-    import torch.distributed.autograd as dist_autograd
-
     if not dist_autograd.is_available():
         return False
     try:

@@ -46,8 +46,8 @@ from distopt.ps.cluster.admin import (
     set_latency_ms,
     state_dict,
 )
-from distopt.ps.cluster.backend import Recovery
 from distopt.ps.cluster.job import PSJob
+from distopt.ps.cluster.lifecycle import Recovery
 from distopt.ps.cluster.session import (
     abort,
     init_trainer,

@@ -133,7 +133,7 @@ class ServerOptions:
 
     backend: str = "rpc"
     """Transport and host of the servers: ``rpc`` (server processes in a ``torch.distributed.rpc``
-    group, TensorPipe) or ``ray`` (one Ray actor per server, :mod:`distopt.ps.cluster.ray`). Same
+    group, TensorPipe) or ``ray`` (one Ray actor per server, :mod:`distopt.ps.cluster.ray_backend`). Same
     client API, ordering, errors and checkpoint files on both."""
     num_servers: int = 1
     """Number of server processes (``ps0 .. ps{n-1}``)."""

@@ -19,7 +19,7 @@ from distopt.remote.registry import (
 from distopt.remote.wait import is_wait, source_line
 
 # Declares torch.distributed.rpc's idioms (rpc_sync, RRef calls, rpc.remote, RemoteModule).
-from distopt.remote import rpc as rpc  # noqa: E402  isort: skip
+from distopt.remote import rpc_calls as rpc_calls  # noqa: E402  isort: skip
 
 # Declares Ray's idioms (handle.method.remote, fn.remote, ray.get) once a model imports Ray.
 from distopt.remote import ray_calls as ray_calls  # noqa: E402  isort: skip

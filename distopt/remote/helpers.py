@@ -31,7 +31,7 @@ import torch.distributed.rpc as rpc
 
 from distopt.remote import registry
 from distopt.remote.registry import Effect
-from distopt.remote.rpc import default_effect, is_rref
+from distopt.remote.rpc_calls import default_effect, is_rref
 
 # Functions seen, by id (each kept alive here, so an id is never reused while recorded).
 _DECLARED: dict[int, Any] = {}

@@ -5,7 +5,7 @@ records its result. Both need the same thing: every place the model's code can r
 remote function (or another leaf: an issue, a wait helper) answers with a wrapper. The places are
 the globals of the modules the model's code lives in (its classes', their helpers'), the aliases
 the registry knows (``torch.distributed.rpc.rpc_sync``), and ``RRefProxy``'s ``_invoke_rpc``
-(``rref.rpc_sync().forward(x)``), which is rewritten to :func:`~distopt.remote.rpc.rref_call`.
+(``rref.rpc_sync().forward(x)``), which is rewritten to :func:`~distopt.remote.rpc_calls.rref_call`.
 
 Only the thread that entered the block is routed: a parameter-server heartbeat thread calling
 ``rpc.rpc_async`` meanwhile gets the original function.
@@ -22,7 +22,7 @@ from typing import Any
 
 from torch import nn
 
-from distopt.remote import registry, rpc
+from distopt.remote import registry, rpc_calls
 from distopt.remote.helpers import declare_helpers
 from distopt.remote.local import RemoteModuleCall, local_modules
 
@@ -58,7 +58,7 @@ def intercepted(root: Any, handler: Handler) -> Iterator[None]:
     leaves = {id(fn): fn for fn in registry.leaf_callables()}
     places = [(ns, name) for ns in namespaces for name, v in list(ns.items()) if id(v) in leaves]
     places += [(ns, name) for ns, name in registry.leaf_aliases() if id(ns.get(name)) in leaves]
-    places.append((rpc.RREF_PROXY_NAMESPACE, "_invoke_rpc"))
+    places.append((rpc_calls.RREF_PROXY_NAMESPACE, "_invoke_rpc"))
     thread = threading.get_ident()
     patched: list[tuple[dict[str, Any], str, Any]] = []
     methods: list[tuple[type, str, Any]] = []
@@ -111,7 +111,7 @@ def _route(
         if threading.get_ident() != thread or getattr(_STATE, "through", False):
             return fn(*args, **kwargs)
         if proxy:  # RRefProxy: _invoke_rpc(rref, rpc_api, method, timeout, *args, **kwargs)
-            canonical, call_args = rpc.rref_proxy_call(*args, **kwargs)
+            canonical, call_args = rpc_calls.rref_proxy_call(*args, **kwargs)
             return handler(canonical, call_args, {})
         return handler(fn, args, kwargs)
 

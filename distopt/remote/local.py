@@ -4,7 +4,7 @@ A ``torch.distributed.nn.RemoteModule`` lives on another worker and refuses most
 methods (``named_modules``, ``parameters``, ``state_dict``, ``extra_repr``...), so a model holding
 one cannot be walked with the usual APIs. These helpers walk ``_modules`` themselves and stop at a
 remote module; :func:`with_remote_calls` gives a view of the model in which each remote module is
-a local stand-in whose forward is one :func:`~distopt.remote.rpc.remote_module_call`, which every
+a local stand-in whose forward is one :func:`~distopt.remote.rpc_calls.remote_module_call`, which every
 ``nn.Module`` API, the tracer and Dynamo handle.
 """
 
@@ -16,13 +16,16 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.nn.api.remote_module import RemoteModule
 
-from distopt.remote.rpc import RemoteModuleHandle, remote_module_call, remote_module_call_async
+from distopt.remote.rpc_calls import (
+    RemoteModuleHandle,
+    remote_module_call,
+    remote_module_call_async,
+)
 
 
 def is_remote_module(module: Any) -> bool:
-    from torch.distributed.nn.api.remote_module import RemoteModule
-
     return isinstance(module, RemoteModule)
 
 

@@ -5,7 +5,7 @@ never executes it while tracing. The scheduling passes use the spec to split the
 asynchronous issue plus a wait, and the declared effect to decide how far the issue may move.
 
 The ``torch.distributed.rpc`` idioms (``rpc_sync``, RRef helpers, ``rref.rpc_sync().m(...)``,
-``rpc.remote(...).to_here()``, ``RemoteModule``) are registered by :mod:`distopt.remote.rpc`. Whether
+``rpc.remote(...).to_here()``, ``RemoteModule``) are registered by :mod:`distopt.remote.rpc_calls`. Whether
 the function such a call runs on the server only reads is declared with :func:`register_read` (or
 :func:`register_write` to overrule a default).
 """

@@ -1,7 +1,7 @@
 """The roles of a ``distopt.train`` job with parameter servers: ``ps`` serves tables, ``trainer``
 trains against them.
 
-The same job as :mod:`distopt.ps.cluster.rpc` starts from Python, launched by TorchX (``ps_job``)
+The same job as :mod:`distopt.ps.cluster.rpc_backend` starts from Python, launched by TorchX (``ps_job``)
 or ``distopt.roles.supervise`` instead: one RPC group holds trainers ``trainer0..`` (RPC ranks
 ``0..T-1``) and servers ``ps0..ps{S-1}`` (ranks ``T..T+S-1``). With no launching process to
 outlive the job, server 0 hosts both rendezvous stores (:func:`~distopt.roles.ps_setup.store_plan`):

@@ -24,6 +24,7 @@ Exit status: 0 when an attempt succeeds, 1 when the restarts are used up, 2 on a
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
@@ -39,7 +40,7 @@ from distopt.config import load_config
 from distopt.dist.rendezvous import free_port
 from distopt.errors import ConfigError, DistoptError
 from distopt.training.checkpoint import latest_complete
-from distopt.training.config import JobConfig
+from distopt.training.config import JobConfig, add_job_arguments, add_process_arguments
 
 _JOB_ENV = (
     "RANK",
@@ -95,8 +96,6 @@ def _die_with_parent() -> None:
     """In the child before exec: get SIGKILL when the supervisor dies (Linux), so a killed
     supervisor never leaves a job behind."""
     try:
-        import ctypes
-
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
@@ -276,17 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m distopt.roles.supervise",
         description="Run a distopt job's processes on this host; restart the job on failure.",
     )
-    parser.add_argument("--config", required=True, help="job config YAML (see configs/jobs/)")
-    parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config key; repeatable",
-    )
-    parser.add_argument("--num-ps", type=int, default=1, help="parameter servers (0: none)")
-    parser.add_argument("--num-trainers", type=int, default=1, help="trainer processes")
+    add_job_arguments(parser)
+    add_process_arguments(parser, num_ps=1, num_trainers=1)
     parser.add_argument("--max-restarts", type=int, default=3, help="restarts after failures")
     parser.add_argument(
         "--grace-s",
@@ -296,7 +286,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address the job listens on")
     parser.add_argument("--iface", default="lo", help="interface of gloo and TensorPipe")
-    parser.add_argument("--run-id", default=None, help="run id (default: config's, else new)")
     return parser
 
 

@@ -32,7 +32,7 @@ the process where it stands through the environment (the contract with ``distopt
 Overrides (``--set a.b=1,c=x``) are passed on as ``--set a.b=1 --set c=x``; ``--output_dir DIR``
 is ``--set output_dir=DIR``; list values keep their commas
 (``--set optimize_config.passes=[a,b],steps=5``). The config file and the overrides are checked on
-the submitting machine (:mod:`.checks`), merged and built as a
+the submitting machine (:mod:`.component_checks`), merged and built as a
 :class:`~distopt.training.config.JobConfig` when the module is ``distopt.train``, so an unknown key or a
 wrong type fails before anything is scheduled.
 """
@@ -47,7 +47,12 @@ from typing import Any, Dict, List, Optional
 import torchx.specs as specs
 
 from distopt.dist.netif import AUTO
-from distopt.torchx.checks import ComponentArgError, check_port, check_positive, checked_config
+from distopt.torchx.component_checks import (
+    ComponentArgError,
+    check_port,
+    check_positive,
+    checked_config,
+)
 from distopt.training.config import JobConfig
 
 TRAIN_MODULE = "distopt.train"

@@ -40,11 +40,20 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.distributed.rpc as rpc
 from torch import nn
 
+import distopt.ps as ps
 from distopt import models
-from distopt.data import Batch, DataSource
+from distopt.capture.frontend import symbolic_capture
+from distopt.config import CaptureConfig, from_dict
+from distopt.data import Batch, DataSource, to_batch
 from distopt.errors import ConfigError, DistoptError
+from distopt.remote import registry
+from distopt.remote.graph_args import concrete_args
+from distopt.remote.helpers import declare_helpers, is_rpc_helper
+from distopt.remote.intercept import namespaces_of
+from distopt.remote.local import has_remote_modules
 from distopt.training.config import JobConfig
 from distopt.where import describe_failure, frames_of
 
@@ -84,8 +93,6 @@ def check_first_batch(
 ) -> Batch:
     """The first training batch of trainer 0, through the job's loader (no worker processes)
     and collate function; its inputs must fit ``model.forward``. Returns the batch."""
-    from distopt.data import to_batch
-
     what = (
         config.data.source if ":" in config.data.source else f"data.source {config.data.source!r}"
     )
@@ -150,12 +157,6 @@ class RemoteCall:
 def remote_calls(model: nn.Module, config: JobConfig) -> list[RemoteCall] | None:
     """The remote calls ``model``'s forward makes, traced without running any (``None`` when the
     model does not trace: only whether its code can reach one is known then)."""
-    from distopt.capture.frontend import symbolic_capture
-    from distopt.config import CaptureConfig, from_dict
-    from distopt.remote import registry
-    from distopt.remote.graph_args import concrete_args
-    from distopt.remote.helpers import is_rpc_helper
-
     capture = from_dict(
         CaptureConfig,
         dict(config.optimize_config.get("capture") or {}),
@@ -186,7 +187,7 @@ def remote_calls(model: nn.Module, config: JobConfig) -> list[RemoteCall] | None
     return found
 
 
-_RPC_MODULES = ("torch.distributed.rpc.api", "distopt.remote.rpc", "distopt.ps.client")
+_RPC_MODULES = ("torch.distributed.rpc.api", "distopt.remote.rpc_calls", "distopt.ps.client")
 """Modules (and packages) of the remote calls that need the job's RPC group."""
 
 
@@ -194,13 +195,6 @@ def reaches_rpc(model: nn.Module) -> bool:
     """Whether code that runs ``model`` can reach the RPC group (for a model that does not trace):
     ``torch.distributed.rpc`` or ``distopt.ps`` in its modules' globals, a ``RemoteModule``, or an
     RPC helper (see :func:`distopt.remote.intercept.makes_remote_calls`, which counts Ray too)."""
-    import torch.distributed.rpc as rpc
-
-    import distopt.ps as ps
-    from distopt.remote.helpers import declare_helpers
-    from distopt.remote.intercept import namespaces_of
-    from distopt.remote.local import has_remote_modules
-
     if has_remote_modules(model):
         return True
     namespaces = namespaces_of(model, with_leaf_modules=False)

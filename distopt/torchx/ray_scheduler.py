@@ -131,7 +131,7 @@ def dashboard_netloc(address: str) -> str:
 
 
 def _client(netloc: str) -> Any:
-    from ray.job_submission import JobSubmissionClient
+    from ray.job_submission import JobSubmissionClient  # optional (distopt[ray])
 
     try:
         return JobSubmissionClient(f"http://{netloc}")

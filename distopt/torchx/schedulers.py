@@ -28,6 +28,7 @@ import configparser
 from collections.abc import Mapping, MutableMapping, Sequence
 
 from torchx.runner import Runner
+from torchx.runner import config as torchx_config
 from torchx.schedulers import SchedulerFactory, get_scheduler_factories
 
 from distopt.torchx.ray_scheduler import create_ray_scheduler, create_scheduler
@@ -68,8 +69,6 @@ def apply_torchxconfig(
     TorchX's loader looks the scheduler up in TorchX's own registry to type the values, so it
     refuses ``distopt_ray`` (and ``ray`` where TorchX has none); their options are read here.
     """
-    from torchx.runner import config as torchx_config
-
     if scheduler in get_scheduler_factories():
         torchx_config.apply(scheduler=scheduler, cfg=cfg, dirs=list(dirs))
         return

@@ -31,20 +31,25 @@ import dataclasses
 import difflib
 import os
 import secrets
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, TextIO
 
 import yaml
+from torchx.runner import config as torchx_config
+from torchx.specs import AppState
 
 from distopt.config import load_config, to_dict
+from distopt.data import build_data
 from distopt.errors import ConfigError
+from distopt.torchx import preflight, watch
+from distopt.torchx.schedulers import apply_torchxconfig, get_runner
 from distopt.training.config import JobConfig
-
-if TYPE_CHECKING:
-    from distopt.torchx.watch import Failure
+from distopt.training.device import resolve_device
+from distopt.training.telemetry import summary_writer_class
 
 COMPONENTS = {"ps": "distopt.ps_job", "spmd": "distopt.spmd"}
 """The TorchX component that runs each shape of job: with parameter servers, or trainers only
@@ -86,23 +91,17 @@ class Launched:
     ) -> threading.Thread:
         """Print the log of ``role``'s replica ``replica`` as it comes (default: trainer 0's
         progress) on a thread that ends with the job: join it after :meth:`wait`."""
-        from distopt.torchx.watch import stream
-
         if self.handle is None:
             raise ConfigError("stream: a dry run has no logs")
-        return stream(self.runner, self.handle, role=role, replica=replica, file=file)
+        return watch.stream(self.runner, self.handle, role=role, replica=replica, file=file)
 
-    def failure(self, status: Any = None) -> Failure | None:
+    def failure(self, status: Any = None) -> watch.Failure | None:
         """Which process of a failed job failed first, its exit code, its error and the end of
         its log (:mod:`distopt.torchx.watch`); ``None`` for a job that did not fail."""
-        from torchx.specs import AppState
-
-        from distopt.torchx.watch import failure
-
         status = status if status is not None else self.status()
         if self.handle is None or status is None or status.state != AppState.FAILED:
             return None
-        return failure(self.runner, self.handle, status)
+        return watch.failure(self.runner, self.handle, status)
 
     def close(self) -> None:
         if self.runner is not None:
@@ -136,16 +135,11 @@ def check_job(
     model's remote calls have servers to go to, TensorBoard is importable when on, and
     (``local``) a GPU for ``device: cuda``. ``num_ps`` ``None``: 1 when the model has
     ``ps_tables()``, else 0."""
-    from distopt.data import build_data
-    from distopt.torchx import preflight
-
     if num_trainers < 1:
         raise ConfigError(f"num_trainers: expected an integer >= 1, got {num_trainers!r}")
     if num_ps is not None and num_ps < 0:
         raise ConfigError(f"num_ps: expected an integer >= 0, got {num_ps!r}")
     if local:
-        from distopt.training.device import resolve_device
-
         resolve_device(config.device)
     model = preflight.build_model(config)
     if num_ps is None:
@@ -161,13 +155,7 @@ def check_job(
     calls = preflight.remote_calls(model, config)
     preflight.check_remote_calls(model, config, calls, num_ps=num_ps, num_trainers=num_trainers)
     if config.tensorboard:
-        try:
-            import torch.utils.tensorboard  # noqa: F401
-        except ImportError as err:
-            raise ConfigError(
-                f"tensorboard: torch.utils.tensorboard is unavailable ({err}); "
-                "install the tensorboard package or set tensorboard: false"
-            ) from None
+        summary_writer_class()
     roots = preflight.import_roots(preflight.user_modules(model, config, calls or ()))
     return CheckedJob(model=model, num_ps=num_ps, python_path=roots)
 
@@ -239,10 +227,6 @@ def launch(
         job = load_config(JobConfig, _scratch_yaml(config), list(overrides))
     else:
         job = load_config(JobConfig, Path(config), list(overrides))
-    from torchx.runner import config as torchx_config
-
-    from distopt.torchx.schedulers import apply_torchxconfig, get_runner
-
     runner = get_runner(component_defaults=torchx_config.load_sections("component", [os.getcwd()]))
     try:
         options = scheduler_options(runner, scheduler, cfg)  # what the caller gave
@@ -324,8 +308,6 @@ def scheduler_options(runner: Any, scheduler: str, cfg: Mapping[str, Any]) -> di
 
 def _scratch_yaml(config: JobConfig) -> Path:
     """A config object as a file, so it is validated (and written) the same way as YAML."""
-    import tempfile
-
     path = Path(tempfile.mkdtemp(prefix="distopt-job-")) / "job.yaml"
     path.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     return path

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import Any, Literal
 
@@ -171,3 +172,44 @@ class JobConfig:
     def model_name(self) -> str:
         """The registry name actually built for this variant."""
         return self.hand_model if self.variant == "hand" and self.hand_model else self.model
+
+
+def add_job_arguments(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    """A job config as every command that runs or submits a job takes it: ``--config JOB.yaml``
+    (``positional``: a ``config`` argument) and ``--set KEY=VALUE`` overrides, repeatable
+    (``args.config``, ``args.overrides``; :func:`distopt.config.load_config` takes both)."""
+    config_help = "job config YAML (see configs/jobs/)"
+    if positional:
+        parser.add_argument("config", help=config_help)
+    else:
+        parser.add_argument("--config", required=True, help=config_help)
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted for nested keys; value parsed as YAML); repeatable",
+    )
+
+
+def add_process_arguments(
+    parser: argparse.ArgumentParser, *, num_ps: int | None, num_trainers: int
+) -> None:
+    """The processes of a job and its run id, as ``distopt launch`` and the supervisor take them:
+    ``--num-ps`` (default ``num_ps``; ``None``: 1 for a model with ``ps_tables()``, else 0),
+    ``--num-trainers`` and ``--run-id``."""
+    if num_ps is None:
+        ps_help = "parameter servers (default: 1 for models with ps_tables(), else 0)"
+    else:
+        ps_help = f"parameter servers (default {num_ps}; 0: none)"
+    parser.add_argument("--num-ps", type=int, default=num_ps, help=ps_help)
+    parser.add_argument(
+        "--num-trainers",
+        type=int,
+        default=num_trainers,
+        help=f"trainer processes (default {num_trainers})",
+    )
+    parser.add_argument(
+        "--run-id", default=None, help="run id (default: the config's, else a new one)"
+    )

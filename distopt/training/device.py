@@ -22,6 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from distopt.data.batch import Batch
 from distopt.errors import ConfigError
@@ -64,8 +66,6 @@ def device_mesh(device: torch.device, group: Any) -> Any:
     """A 1-D FSDP2 mesh of every trainer over ``group`` (``None``: FSDP2's default mesh)."""
     if group is None:
         return None
-    from torch.distributed.device_mesh import DeviceMesh
-
     return DeviceMesh.from_group(group, device.type)
 
 
@@ -105,8 +105,6 @@ def mixed_precision(precision: str) -> Any:
     """FSDP2's ``MixedPrecisionPolicy`` for ``precision`` (``None`` for fp32)."""
     if precision != "bf16":
         return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 

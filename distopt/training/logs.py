@@ -14,6 +14,8 @@ import logging
 import os
 import sys
 
+from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
 from distopt.errors import ConfigError
 
 LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -60,8 +62,6 @@ def record_failure(err: BaseException) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path or os.path.exists(path):
         return
-    from torch.distributed.elastic.multiprocessing.errors import get_error_handler
-
     get_error_handler().record_exception(err)
 
 

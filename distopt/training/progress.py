@@ -7,6 +7,8 @@ import sys
 import time
 from typing import TextIO
 
+from tqdm import tqdm
+
 logger = logging.getLogger(__name__)
 
 
@@ -34,8 +36,6 @@ class Progress:
         self._started = time.perf_counter()
         self._bar = None
         if self.enabled and self.stream.isatty():
-            from tqdm import tqdm
-
             self._bar = tqdm(
                 total=total, initial=start, file=self.stream, desc=f"trainer {rank}", unit="step"
             )

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from distopt.atomic import atomic_torch_save
@@ -234,8 +235,6 @@ def read_tensors(found: Checkpoint) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint, flat, for inspection and comparison: dense state as
     ``dense/model/<name>`` (``dense-rank<r>/...`` for per-trainer models), optimizer tensors under
     ``dense/optimizer/...``, tables as ``ps<i>/<table>/weight`` and ``.../accum`` (Adagrad)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     flat: dict[str, torch.Tensor] = {}
 
     def walk(prefix: str, value: Any) -> None:

@@ -29,7 +29,7 @@ from distopt import models
 from distopt.config import to_dict
 from distopt.data import Batch, DataSource, build_data, to_batch
 from distopt.dist.env import JobEnv
-from distopt.dist.rendezvous import collective
+from distopt.dist.rendezvous import collective, collective_error
 from distopt.errors import CaptureError, ConfigError, RemoteCallError
 from distopt.estimate.collectives import alpha_beta
 from distopt.estimate.step import (
@@ -40,8 +40,10 @@ from distopt.estimate.step import (
 )
 from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
+from distopt.optimize import optimize
 from distopt.optimize.explain import summary
 from distopt.optimize.gain import predict_gain, step_of
+from distopt.parallel import apply_fsdp, parallelize
 from distopt.pipeline import Prefetcher, check_pipelined, provided
 from distopt.ps.client import calls as ps_calls
 from distopt.remote.ops import remote_ops
@@ -112,10 +114,6 @@ def resolve_run_id(config: JobConfig, env: JobEnv) -> str:
 
 
 def _optimize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> nn.Module:
-    try:
-        from distopt.optimize import optimize
-    except ImportError as err:
-        raise ConfigError(f"optimize: distopt.optimize is unavailable ({err})") from None
     return optimize(model, example, config=config.optimize_config or None)
 
 
@@ -205,8 +203,6 @@ def _parallelize(
     if config.parallel == "fsdp":
         mesh = job_device.device_mesh(device, group)
         if config.runs_optimize:
-            from distopt import parallelize
-
             dtypes: dict[str, Any] = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
             return parallelize(
                 model,
@@ -215,8 +211,6 @@ def _parallelize(
                 mesh=mesh,
                 config=dtypes if config.precision == "bf16" else None,
             )
-        from distopt.parallel.apply import apply_fsdp
-
         # Plain FSDP2 without inner units: the baseline.
         return apply_fsdp(
             model, [], mesh=mesh, mp_policy=job_device.mixed_precision(config.precision)
@@ -506,8 +500,6 @@ def train(
 def peer_lost(err: RuntimeError, env: JobEnv, *, step: int | None = None) -> RemoteCallError | None:
     """gloo's error when another trainer died mid-collective, or did not reach it within the
     trainers' group timeout, as a one-line error naming it (``None``: another error)."""
-    from distopt.dist.rendezvous import collective_error
-
     who = f"trainer {1 - env.rank}" if env.num_trainers == 2 else "another trainer"
     if env.num_trainers == 2 and len(env.hosts) == 2 and len(set(env.hosts)) == 2:
         who += f" (on {env.hosts[1 - env.rank]})"  # a job across hosts: which host was lost

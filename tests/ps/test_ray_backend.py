@@ -209,7 +209,7 @@ def test_a_private_instance_stays_on_loopback_and_runs_actors_at_the_trainers_pr
 
     script = (
         "import ray\n"
-        "from distopt.ps.cluster.ray import ensure_ray\n"
+        "from distopt.ps.cluster.ray_backend import ensure_ray\n"
         "from distopt.ps.spec import ServerOptions\n"
         "ensure_ray('local', ServerOptions(backend='ray'))\n"
         "@ray.remote\n"

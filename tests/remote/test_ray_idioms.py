@@ -145,7 +145,7 @@ class SameActorModel(ActorModel):
 
 @pytest.fixture(scope="module")
 def servers():
-    from distopt.ps.cluster.ray import ensure_ray
+    from distopt.ps.cluster.ray_backend import ensure_ray
     from distopt.ps.spec import ServerOptions
 
     ensure_ray("local", ServerOptions(backend="ray"))  # as a job's private instance: on 127.0.0.1

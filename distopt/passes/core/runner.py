@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch.fx
 
 from distopt.errors import PassError
-from distopt.passes.core.base import PassContext, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassSpec
 from distopt.remote.side_effects import eliminate_dead_code
 from distopt.report import GraphRecord, PassRecord
 

@@ -15,7 +15,7 @@ import torch.fx
 
 from distopt.config import from_dict
 from distopt.errors import ConfigError
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.passes.fsdp.partition import PLAN_META, PartitionPlan, Unit, apply_plan
 from distopt.text import plural
 

@@ -27,7 +27,7 @@ from torch import nn
 from distopt.config import from_dict
 from distopt.errors import ConfigError
 from distopt.estimate.profile import profile_nodes
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.remote.ops import remote_ops
 
 UNIT_META = "distopt_unit"

@@ -20,7 +20,7 @@ import torch.fx
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.passes.core.runner import REORDERS_FLOAT
 from distopt.passes.local.measured import keep_if_faster
 from distopt.passes.local.patterns import is_convolution

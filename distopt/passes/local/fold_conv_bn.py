@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.passes.core.runner import REORDERS_FLOAT
 from distopt.passes.local.fused import Epilogue, FusedConv2d
 from distopt.passes.local.measured import add_fused

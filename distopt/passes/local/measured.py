@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from distopt.passes.core.base import PassContext, PassResult
+from distopt.passes.core.pass_base import PassContext, PassResult
 from distopt.remote.isolation import isolated, preserved_state
 from distopt.remote.ops import remote_ops
 

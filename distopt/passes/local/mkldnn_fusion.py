@@ -25,7 +25,7 @@ import torch
 import torch.fx
 from torch.fx import Node
 
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.passes.core.runner import REORDERS_FLOAT
 from distopt.passes.local.channels_last import convert_layout, has_convolutions, is_converted
 from distopt.passes.local.fused import Epilogue, FusedConv2d, FusedLinear

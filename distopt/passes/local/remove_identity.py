@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch.fx
 from torch import nn
 
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.text import plural
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.fx
 from torch.fx import Node
 
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.remote.ops import (
     RemoteOp,
     issue_cone,

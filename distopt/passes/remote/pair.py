@@ -6,14 +6,14 @@ import torch.futures
 import torch.fx
 from torch.fx import Node
 
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
-from distopt.remote import registry, rpc
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
+from distopt.remote import registry, rpc_calls
 from distopt.remote.ops import remote_ops
 from distopt.remote.registry import RemoteCallSpec
 from distopt.remote.wait import source_line
 from distopt.text import plural
 
-_WAIT_METHODS = {id(registry.wait_future): "wait", id(rpc.wait_rref): "to_here"}
+_WAIT_METHODS = {id(registry.wait_future): "wait", id(rpc_calls.wait_rref): "to_here"}
 """The method a user calls on an issue's result to wait for it, by the spec's ``wait``."""
 
 

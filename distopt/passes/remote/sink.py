@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch.fx
 from torch.fx import Node
 
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.remote.ops import issue_cone, must_keep_order, remote_ops
 from distopt.remote.wait import is_wait
 from distopt.text import plural

@@ -30,7 +30,7 @@ class PSJob:
     logs: tuple[str, ...] = ()
     """Server log files (stdout + stderr), same order as ``pids``."""
     ray_address: str | None = None
-    """``ps.backend: ray``: the Ray cluster holding the server actors (:mod:`distopt.ps.cluster.ray`)."""
+    """``ps.backend: ray``: the Ray cluster holding the server actors (:mod:`distopt.ps.cluster.ray_backend`)."""
     ray_namespace: str | None = None
     """``ps.backend: ray``: the Ray namespace of this job's actors ``ps0 ..``."""
 

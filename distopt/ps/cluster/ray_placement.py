@@ -17,6 +17,9 @@ from distopt.errors import ConfigError
 from distopt.ps.spec import ServerOptions, ray_endpoint
 from distopt.text import plural
 
+# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
+# use it, so that `import distopt` does not.
+
 
 def gcs_endpoint(address: str) -> tuple[str, int] | None:
     """``(host, port)`` that ``address`` names, ``None`` for ``auto`` without ``$RAY_ADDRESS`` and for

@@ -17,9 +17,9 @@ from typing import Any
 
 from distopt.errors import RemoteCallError
 from distopt.ps.client import context
-from distopt.ps.cluster.backend import Membership, Recovery
 from distopt.ps.cluster.job import PSJob
-from distopt.ps.server.checkpoint import read_record, record_path, write_record
+from distopt.ps.cluster.lifecycle import Membership, Recovery
+from distopt.ps.server.shard_files import read_record, record_path, write_record
 from distopt.ps.spec import ServerOptions
 from distopt.ps.transport.ray import RayTransport, ray_message
 

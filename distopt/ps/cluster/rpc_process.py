@@ -1,6 +1,6 @@
 """One parameter-server process of an RPC job: joins the job's RPC group and serves until done.
 
-Run by :class:`~distopt.ps.cluster.rpc.RpcBackend` as ``python -m distopt.ps.cluster.rpc_process
+Run by :class:`~distopt.ps.cluster.rpc_backend.RpcBackend` as ``python -m distopt.ps.cluster.rpc_process
 CONFIG_JSON`` (:func:`config` builds it), and by ``distopt.train``'s ``ps`` role
 (:mod:`distopt.roles.ps_roles`) through :func:`serve`. Server ``i`` joins the RPC group as ``ps{i}``
 with rank ``num_trainers + i``; trainer ``j`` has rank ``j``. The config's store plan

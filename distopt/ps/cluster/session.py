@@ -14,8 +14,8 @@ The module's functions are the public API (:func:`start_servers`, :func:`init_tr
 :func:`shutdown`, :func:`abort`, :func:`stop_servers`, :func:`recover`, ...); each asks this
 process's session, which holds what the process launched (servers and the stores it hosts for
 their job) and the job it joined (membership, transport, client), and hands the work to the job's
-backend (:mod:`distopt.ps.cluster.backend`: ``rpc`` or ``ray``). How each backend starts and ends
-a job: :mod:`distopt.ps.cluster.rpc`, :mod:`distopt.ps.cluster.ray`.
+backend (:mod:`distopt.ps.cluster.lifecycle`: ``rpc`` or ``ray``). How each backend starts and ends
+a job: :mod:`distopt.ps.cluster.rpc_backend`, :mod:`distopt.ps.cluster.ray_backend`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from distopt.dist import rendezvous
 from distopt.dist.rendezvous import StorePlan
 from distopt.errors import RemoteCallError
 from distopt.ps.client import calls
-from distopt.ps.cluster.backend import (
+from distopt.ps.cluster.job import LAUNCHER, PSJob
+from distopt.ps.cluster.lifecycle import (
     Backend,
     Launched,
     Membership,
@@ -36,9 +37,8 @@ from distopt.ps.cluster.backend import (
     leave_process_groups,
     not_recoverable,
 )
-from distopt.ps.cluster.job import LAUNCHER, PSJob
-from distopt.ps.cluster.ray import RayBackend
-from distopt.ps.cluster.rpc import RpcBackend
+from distopt.ps.cluster.ray_backend import RayBackend
+from distopt.ps.cluster.rpc_backend import RpcBackend
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables, trainer_name
 
 BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (RpcBackend(), RayBackend())}

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from distopt.ps.server.checkpoint import read_shards, write_shards
 from distopt.ps.server.operation import Operation, operation, operations
+from distopt.ps.server.shard_files import read_shards, write_shards
 from distopt.ps.server.table import ShardTable
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
 

@@ -23,6 +23,9 @@ from distopt.errors import RemoteCallError
 from distopt.ps.server.parameter_server import OPERATIONS
 from distopt.ps.transport.ray_wire import from_wire, to_wire
 
+# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
+# use it, so that `import distopt` does not.
+
 METHODS: frozenset[str] = frozenset(
     name for name, op in OPERATIONS.items() if "ray" in op.transports
 )

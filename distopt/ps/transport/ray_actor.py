@@ -24,11 +24,14 @@ from typing import Any
 import torch
 
 from distopt.errors import ConfigError
-from distopt.ps.server.checkpoint import read_record
 from distopt.ps.server.operation import Operation
 from distopt.ps.server.parameter_server import OPERATIONS, ParameterServer
+from distopt.ps.server.shard_files import read_record
 from distopt.ps.spec import ServerOptions, TableSpec
 from distopt.ps.transport.ray_wire import from_wire, to_wire
+
+# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
+# use it, so that `import distopt` does not.
 
 
 class PSServerActor:

@@ -4,7 +4,7 @@ from torch import nn
 
 import distopt
 from distopt.passes import run_passes
-from distopt.passes.core.base import resolve_pipeline
+from distopt.passes.core.pass_base import resolve_pipeline
 from tests.passes.remote import inprocess_server as ps
 from tests.passes.remote.inprocess_server import STORE, fetch, push
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import distopt
 from distopt.passes import run_passes
-from distopt.passes.core.base import resolve_pipeline
+from distopt.passes.core.pass_base import resolve_pipeline
 from distopt.remote import register_read, registry
 from distopt.remote.wait import is_wait
 from tests.passes.remote import inprocess_server as ps

@@ -19,7 +19,7 @@ from torch import nn
 import distopt
 from distopt.capture.tracer import DistoptTracer
 from distopt.passes import run_passes
-from distopt.passes.core.base import resolve_pipeline
+from distopt.passes.core.pass_base import resolve_pipeline
 from distopt.remote.ops import remote_ops
 from distopt.remote.wait import is_wait
 from tests.passes.remote import inprocess_server as ps

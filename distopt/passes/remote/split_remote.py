@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.remote.ops import remote_ops
 from distopt.remote.wait import source_line
 from distopt.text import plural

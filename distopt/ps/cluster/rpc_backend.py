@@ -28,14 +28,14 @@ from distopt.dist import rendezvous
 from distopt.dist.rendezvous import StorePlan
 from distopt.errors import RemoteCallError
 from distopt.ps.cluster import rpc_process
-from distopt.ps.cluster.backend import (
+from distopt.ps.cluster.job import LAUNCHER, PSJob
+from distopt.ps.cluster.lifecycle import (
     Backend,
     Membership,
     Servers,
     connect_client,
     leave_process_groups,
 )
-from distopt.ps.cluster.job import LAUNCHER, PSJob
 from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.ps.transport.rpc import RpcTransport
 

@@ -11,8 +11,8 @@ an app is submitted and described, whatever the cluster::
     stop   (launcher)  PSJob, Launched      -> servers ended, exit codes
     recover(trainer)   Membership           -> every server back at one checkpoint
 
-Two implement it: :class:`~distopt.ps.cluster.rpc.RpcBackend` (server processes in one
-``torch.distributed.rpc`` group) and :class:`~distopt.ps.cluster.ray.RayBackend` (Ray actors).
+Two implement it: :class:`~distopt.ps.cluster.rpc_backend.RpcBackend` (server processes in one
+``torch.distributed.rpc`` group) and :class:`~distopt.ps.cluster.ray_backend.RayBackend` (Ray actors).
 Backends hold no state: what a process launched and joined is held by its
 :class:`~distopt.ps.cluster.session.Session`, which picks the backend with :func:`backend_for`.
 """

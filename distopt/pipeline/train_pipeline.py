@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from distopt.errors import ConfigError
 from distopt.pipeline.checks import (
@@ -199,8 +200,6 @@ class TrainPipeline:
         loss and the measured staleness."""
         bar = None
         if progress:
-            from tqdm.auto import tqdm
-
             bar = tqdm(total=max_steps, unit="step", desc="pipeline")
         try:
             while max_steps is None or self.steps < max_steps:

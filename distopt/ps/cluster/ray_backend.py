@@ -19,12 +19,15 @@ from distopt.dist import rendezvous
 from distopt.dist.rendezvous import StorePlan
 from distopt.errors import RemoteCallError
 from distopt.ps.cluster import ray_placement, ray_recovery
-from distopt.ps.cluster.backend import Backend, Membership, Recovery, Servers, connect_client
 from distopt.ps.cluster.job import LAUNCHER, PSJob
-from distopt.ps.server.checkpoint import record_path
+from distopt.ps.cluster.lifecycle import Backend, Membership, Recovery, Servers, connect_client
+from distopt.ps.server.shard_files import record_path
 from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.ps.transport.ray import RayTransport, ray_message
 from distopt.ps.transport.ray_actor import PSServerActor
+
+# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
+# use it, so that `import distopt` does not.
 
 
 def ensure_ray(address: str, options: ServerOptions) -> bool:

@@ -13,7 +13,7 @@ from distopt.passes import (
     resolve_pipeline,
     unregister_pass,
 )
-from distopt.passes.core import base
+from distopt.passes.core import pass_base
 
 
 def _noop(gm: torch.fx.GraphModule, ctx) -> PassResult:
@@ -79,7 +79,7 @@ def test_the_default_pipeline_does_not_depend_on_the_order_the_builtins_are_list
 ) -> None:
     listed = sorted(BUILTIN_PASSES, key=lambda spec: spec.name)
     for order in (listed, listed[::-1], random.Random(0).sample(listed, len(listed))):
-        monkeypatch.setattr(base, "_REGISTRY", {})
+        monkeypatch.setattr(pass_base, "_REGISTRY", {})
         add_passes(order)
         assert [spec.name for spec in resolve_pipeline(None)] == DEFAULT_PIPELINE
 

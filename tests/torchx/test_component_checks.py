@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from distopt.errors import ConfigError
-from distopt.torchx.checks import checked_config, join_set_items
+from distopt.torchx.component_checks import checked_config, join_set_items
 
 
 @pytest.mark.parametrize(

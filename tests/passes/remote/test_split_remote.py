@@ -6,7 +6,7 @@ from torch import nn
 import distopt
 from distopt.capture.tracer import DistoptTracer
 from distopt.passes import run_passes
-from distopt.passes.core.base import resolve_pipeline
+from distopt.passes.core.pass_base import resolve_pipeline
 from distopt.remote import register_remote, registry, unregister_remote
 from distopt.remote.wait import is_wait
 from tests.passes.remote import inprocess_server as ps
@@ -90,7 +90,7 @@ def test_server_error_surfaces_at_the_wait_with_message_and_source_line() -> Non
         gm(*_inputs())
     message = str(caught.value)
     assert "table t0 is being resharded" in message
-    assert "test_split.py" in message and 'rows = fetch("t0", ids)' in message
+    assert "test_split_remote.py" in message and 'rows = fetch("t0", ids)' in message
     assert isinstance(caught.value.__cause__, ValueError)
 
 

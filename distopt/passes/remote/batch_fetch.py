@@ -11,7 +11,7 @@ import torch.fx
 from torch.fx import Node
 
 from distopt.errors import ConfigError
-from distopt.passes.core.base import PassContext, PassResult, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.remote.ops import (
     RemoteOp,
     batch_key_of_call,
