@@ -11,6 +11,15 @@ optimized model while the same servers inject no latency (the limit: network cos
 Every async variant pushes gradients asynchronously, overlapping the next step. Reports
 per-variant QPS (median, p10, p90), the hidden-latency fraction H = (T_base − T_opt) /
 (T_base − T_hand) of median step times, and pipelined QPS over no_network and over optimized.
+
+Ids are uniform, or Zipf(``id_alpha``) as in real click logs; every point reports the
+static-optimal hit rate of a cache of ``cache_fraction`` of each table's rows over the run's ids
+(:func:`~distopt.models.ids.static_optimal_hit_rate`). With ``link``, the servers run on a host
+of their own (a network namespace, :func:`distopt.dist.netns.host_on_link`) whose link to this
+process is shaped with ``tc tbf`` both ways, and TensorPipe sends every payload over TCP on it
+(``uv`` transport, ``basic`` channel: its default ``cma`` channel would copy tensors between the
+processes' memories, past the link); the bytes each variant moved over the link per step are
+read from the link's counters, next to the rows' payload.
 """
 
 from __future__ import annotations
@@ -20,8 +29,12 @@ import copy
 import dataclasses
 import itertools
 import json
+import math
+import os
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -35,13 +48,19 @@ import distopt.ps as ps
 from distopt.bench import median, quantile
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
+from distopt.dist import netns
+from distopt.dist.netns import LinkShape, Network, NetworkError
+from distopt.errors import ConfigError
 from distopt.estimate import GainPrediction
 from distopt.metrics import QpsLogWriter
 from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm_tables, make_batch
+from distopt.models.ids import static_optimal_hit_rate
 from distopt.optimize.gain import predict_gain
 from distopt.pipeline import TrainPipeline
 
 VARIANTS = ("baseline", "optimized", "hand", "pipelined", "no_network")
+LINK_HOST = "ps"
+"""The host (network namespace) the servers run on with ``link``."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -94,6 +113,18 @@ class PSOverlapConfig:
     """Target: ``batching_fetches`` batched fetches take at most this × one fetch."""
     ps: ps.ServerOptions = dataclasses.field(default_factory=ps.ServerOptions)
     """Server options (``ps.backend``: rpc or ray); server count and latency come from the sweep."""
+    id_alpha: float | None = None
+    """Zipf exponent of every table's ids (:func:`distopt.models.ids.zipf_ids`: id ``i`` with
+    probability ∝ ``(i + 1)^-id_alpha``); null: uniform ids."""
+    cache_fraction: float = 0.02
+    """A row cache's capacity as a fraction of each table's rows: each point reports the
+    static-optimal hit rate of such a cache over the run's ids (the best any cache that size
+    holding a fixed set of rows could do)."""
+    link: LinkShape | None = None
+    """``{rate_mbit, burst_kib, latency_ms}``: run the servers on a host of their own whose link to
+    this process ``tc tbf`` limits to ``rate_mbit`` each way, payloads over TCP (needs root, or
+    CAP_NET_ADMIN and CAP_SYS_ADMIN, to create network namespaces; ``ps.backend: rpc``);
+    null: servers on this host's loopback."""
 
     def __post_init__(self) -> None:
         check(all(k >= 1 for k in self.tables), "tables", "counts >= 1", self.tables)
@@ -135,6 +166,24 @@ class PSOverlapConfig:
             self.pipeline_staleness,
         )
         check(self.max_staleness >= 1, "max_staleness", "an integer >= 1", self.max_staleness)
+        check(
+            self.id_alpha is None or (math.isfinite(self.id_alpha) and self.id_alpha > 0),
+            "id_alpha",
+            "a Zipf exponent > 0, or null for uniform ids",
+            self.id_alpha,
+        )
+        check(
+            0 < self.cache_fraction <= 1,
+            "cache_fraction",
+            "a fraction of the rows in (0, 1]",
+            self.cache_fraction,
+        )
+        check(
+            self.link is None or self.ps.backend == "rpc",
+            "link",
+            "no link with ps.backend ray (its actors start where Ray places them)",
+            to_dict(self.link) if self.link is not None else None,
+        )
 
 
 @dataclasses.dataclass
@@ -198,12 +247,57 @@ def _pipelined_chunk(
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
+def _server_options(
+    bench: PSOverlapConfig, net: Network | None, *, num_servers: int, latency_ms: float
+) -> ps.ServerOptions:
+    """``bench.ps`` for one point: on the link's far host when there is a link."""
+    options = dataclasses.replace(bench.ps, num_servers=num_servers, latency_ms=latency_ms)
+    if net is None:
+        return options
+    # The stores listen on this process's end of the link; TensorPipe (interface auto) binds
+    # the bridge here and the link's interface there, and sends payloads over TCP.
+    return dataclasses.replace(
+        options,
+        host=net.gateway,
+        command_prefix=tuple(net.run(LINK_HOST)),
+        transports=("uv",),
+        channels=("basic",),
+    )
+
+
+@contextmanager
+def _link(bench: PSOverlapConfig) -> Iterator[Network | None]:
+    """The shaped link of ``bench.link`` for the whole run (``None`` without one)."""
+    if bench.link is None:
+        yield None
+        return
+    try:
+        with netns.host_on_link(
+            LINK_HOST, bench.link, prefix=f"dl{os.getpid() % 65536:04x}"
+        ) as net:
+            yield net
+    except NetworkError as err:
+        raise ConfigError(f"link: {err}") from None
+
+
+def _static_optimal(bench: PSOverlapConfig, cfg: DLRMConfig, batches: list) -> float:
+    """Static-optimal hit rate of a cache of ``cache_fraction`` of each table's rows over every
+    id the variants read (each round replays ``batches``, which scales every count alike)."""
+    capacity = int(bench.cache_fraction * cfg.num_rows)
+    per_table = [
+        static_optimal_hit_rate([b.sparse[k] for b in batches], capacity)
+        for k in range(cfg.num_tables)
+    ]
+    return sum(per_table) / len(per_table)  # every table reads the same number of ids
+
+
 def _point(
     bench: PSOverlapConfig,
     k: int,
     latency: float,
     compute: Literal["light", "heavy"],
     console: Console,
+    net: Network | None,
 ) -> tuple[dict, GainPrediction]:
     cfg = DLRMConfig(
         num_tables=k,
@@ -211,9 +305,12 @@ def _point(
         batch_size=bench.batch_size,
         num_rows=bench.num_rows,
         embedding_dim=bench.embedding_dim,
+        id_alpha=bench.id_alpha,
     )
-    options = dataclasses.replace(bench.ps, num_servers=bench.num_servers, latency_ms=latency)
+    options = _server_options(bench, net, num_servers=bench.num_servers, latency_ms=latency)
     batches = [make_batch(cfg, step) for step in range(bench.steps)]
+    # Bytes the servers' host received and sent during each variant's chunks, and their steps.
+    wire: dict[str, list[int]] = {name: [0, 0, 0] for name in bench.variants}
     with ps.local_job(dlrm_tables(cfg), options):
         baseline = DLRM(cfg)
         example = (batches[0].dense, batches[0].sparse)
@@ -254,6 +351,7 @@ def _point(
         ):
             shift = round_index % len(variants)
             for name in variants[shift:] + variants[:shift]:
+                before = netns.link_bytes(net, LINK_HOST) if net is not None else (0, 0)
                 if name == "pipelined":
                     chunk = _pipelined_chunk(
                         models[name],
@@ -278,6 +376,11 @@ def _point(
                     )
                     if name == "no_network":
                         ps.set_latency_ms(latency)
+                if net is not None:
+                    after = netns.link_bytes(net, LINK_HOST)
+                    wire[name][0] += after[0] - before[0]
+                    wire[name][1] += after[1] - before[1]
+                    wire[name][2] += len(chunk)
                 times[name].extend(chunk[bench.warmup :])
                 round_medians[name].append(median(chunk[bench.warmup :]))
             round_index += 1
@@ -338,11 +441,39 @@ def _point(
         "pipelined_memory": memory if "inflight_bytes_max" in memory else None,
         "rpc_latency_s": prediction.rpc_latency_s,
         "optimize_s": optimize_s,
+        "id_alpha": bench.id_alpha,
+        "cache_rows": int(bench.cache_fraction * cfg.num_rows),
+        "static_optimal_hit_rate": _static_optimal(bench, cfg, batches),
+        "link": _wire_report(bench, cfg, wire) if net is not None else None,
     }
     return point, prediction
 
 
-def _batching(bench: PSOverlapConfig) -> dict:
+def _wire_report(bench: PSOverlapConfig, cfg: DLRMConfig, wire: dict[str, list[int]]) -> dict:
+    """Bytes per step on the link by variant, next to the rows' payload: every step fetches
+    and pushes ``K × batch × bag`` rows of ``dim`` float32s."""
+    assert bench.link is not None
+    rows = cfg.num_tables * cfg.batch_size * cfg.bag_size
+    payload = rows * cfg.embedding_dim * 4
+    link_bytes_per_s = bench.link.rate_mbit * 1e6 / 8
+    variants = {}
+    for name, (received, sent, steps) in wire.items():
+        to_servers, from_servers = received / steps, sent / steps
+        variants[name] = {
+            "to_servers_bytes_per_step": to_servers,
+            "from_servers_bytes_per_step": from_servers,
+            # The QPS at which the busier direction of the link is full.
+            "link_bound_qps": cfg.batch_size * link_bytes_per_s / max(to_servers, from_servers),
+        }
+    return {
+        **to_dict(bench.link),
+        "rows_per_step": rows,
+        "payload_bytes_per_step": payload,
+        "variants": variants,
+    }
+
+
+def _batching(bench: PSOverlapConfig, net: Network | None) -> dict:
     """One fetch vs ``n`` fetches of different tables on one server through the batched path."""
     n = bench.batching_fetches
     cfg = DLRMConfig(
@@ -350,10 +481,11 @@ def _batching(bench: PSOverlapConfig) -> dict:
         batch_size=bench.batch_size,
         num_rows=bench.num_rows,
         embedding_dim=bench.embedding_dim,
+        id_alpha=bench.id_alpha,
     )
     batch = make_batch(cfg, 0)
     requests = [(table, batch.sparse[k]) for k, table in enumerate(cfg.table_names)]
-    options = dataclasses.replace(bench.ps, num_servers=1, latency_ms=bench.batching_latency_ms)
+    options = _server_options(bench, net, num_servers=1, latency_ms=bench.batching_latency_ms)
     one: list[float] = []
     many: list[float] = []
     with ps.local_job(dlrm_tables(cfg), options), torch.no_grad():
@@ -438,6 +570,7 @@ def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
         "meas. saving ms",
         "pred. pipe step ms",
         "meas. pipe step ms",
+        "static-opt. hit",
     )
     for col in columns:
         table.add_column(col, justify="right")
@@ -461,7 +594,35 @@ def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
             _ms(p["measured_saving_s"]),
             _ms(p["predicted_pipelined_step_s"]),
             _ms(p["measured_pipelined_step_s"]),
+            f"{p['static_optimal_hit_rate']:.2f}",
         )
+    return table
+
+
+def _link_table(points: list[dict], bench: PSOverlapConfig) -> Table:
+    """Per point and variant: QPS, bytes per step each way on the link, and the QPS at which
+    the link would be full."""
+    table = Table(
+        title="ps_overlap on the shaped link: KiB per step to and from the servers (counted on "
+        "the link) vs the rows' payload; link-bound QPS = batch × rate / busier direction's bytes"
+    )
+    for col in ("K", "lat ms", "compute", "variant", "QPS", "to ps", "from ps", "payload", "bound"):
+        table.add_column(col, justify="right")
+    for p in points:
+        link = p["link"]
+        for name in bench.variants:
+            wire = link["variants"][name]
+            table.add_row(
+                str(p["tables"]),
+                f"{p['latency_ms']:g}",
+                p["compute"],
+                name,
+                f"{p['variants'][name]['qps_median']:.0f}",
+                f"{wire['to_servers_bytes_per_step'] / 1024:.1f}",
+                f"{wire['from_servers_bytes_per_step'] / 1024:.1f}",
+                f"{link['payload_bytes_per_step'] / 1024:.1f}",
+                f"{wire['link_bound_qps']:.0f}",
+            )
     return table
 
 
@@ -501,27 +662,38 @@ def run(config: dict, args: argparse.Namespace) -> int:
     run_stamp = time.strftime("%Y%m%d-%H%M%S")
     points = []
     sweep = list(itertools.product(bench.tables, bench.latency_ms, bench.compute))
-    for index, (k, latency, compute) in enumerate(sweep, 1):
-        console.print(
-            f"[{index}/{len(sweep)}] K={k} latency={latency:g} ms compute={compute}: "
-            f"{bench.rounds} rounds × {bench.steps} steps × {len(bench.variants)} variants"
-            + (
-                f" (more, up to {bench.max_rounds}, until each variant has {bench.min_variant_s:g} s)"
-                if bench.min_variant_s
-                else ""
-            )
-            + "…"
-        )
-        point, prediction = _point(bench, k, latency, compute, console)
-        _write_logs(bench, point, prediction, run_stamp)
-        points.append(point)
-    console.print(_table(points, bench))
     batching = None
-    if bench.batching_fetches:
-        console.print(
-            f"batching: 1 fetch vs {bench.batching_fetches} batched fetches to one server…"
-        )
-        batching = _batching(bench)
+    with _link(bench) as net:
+        if net is not None:
+            assert bench.link is not None
+            console.print(
+                f"link: servers on host {LINK_HOST} ({net.host(LINK_HOST).addr}), its link to this "
+                f"process shaped both ways with tc {' '.join(bench.link.tbf_args())}; TensorPipe "
+                "over TCP (transport uv, channel basic)"
+            )
+        for index, (k, latency, compute) in enumerate(sweep, 1):
+            console.print(
+                f"[{index}/{len(sweep)}] K={k} latency={latency:g} ms compute={compute}: "
+                f"{bench.rounds} rounds × {bench.steps} steps × {len(bench.variants)} variants"
+                + (
+                    f" (more, up to {bench.max_rounds}, until each variant has {bench.min_variant_s:g} s)"
+                    if bench.min_variant_s
+                    else ""
+                )
+                + "…"
+            )
+            point, prediction = _point(bench, k, latency, compute, console, net)
+            _write_logs(bench, point, prediction, run_stamp)
+            points.append(point)
+        if bench.batching_fetches:
+            console.print(
+                f"batching: 1 fetch vs {bench.batching_fetches} batched fetches to one server…"
+            )
+            batching = _batching(bench, net)
+    console.print(_table(points, bench))
+    if bench.link is not None:
+        console.print(_link_table(points, bench))
+    if batching is not None:
         ok = batching["ratio"] <= bench.target_batching_ratio
         console.print(
             f"batching: {batching['fetches']} fetches in one request {batching['batched_s'] * 1e3:.2f} ms vs "

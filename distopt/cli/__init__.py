@@ -19,6 +19,7 @@ _SUBCOMMANDS = (
     "distopt.cli.cmd_coverage",
     "distopt.cli.cmd_train",
     "distopt.cli.cmd_launch",
+    "distopt.cli.cmd_data",
 )
 
 

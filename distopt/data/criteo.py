@@ -90,16 +90,17 @@ def _diagnose(line: bytes) -> str:
     return "malformed line"
 
 
-def scan(path: str | Path, *, key: str = "data.path") -> np.ndarray:
-    """Validate every line of ``path``; returns the byte offsets of the lines and of the end
-    (``len(lines) + 1`` int64s). A bad line raises ``ConfigError("key: path:line: why")``."""
+def scan(path: str | Path, *, key: str = "data.path", max_lines: int | None = None) -> np.ndarray:
+    """Validate every line of ``path`` (the first ``max_lines``, if given); returns the byte
+    offsets of the lines and of the end (``len(lines) + 1`` int64s). A bad line raises
+    ``ConfigError("key: path:line: why")``."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{key}: file not found: {path}")
     offsets = array("q", [0])
     position = 0
     with path.open("rb") as f:
-        for number, line in enumerate(f, start=1):
+        for number, line in enumerate(itertools.islice(f, max_lines), start=1):
             if not _LINE.fullmatch(line):
                 raise ConfigError(f"{key}: {path}:{number}: {_diagnose(line)}")
             position += len(line)
@@ -239,6 +240,17 @@ def parse_records(lines: Sequence[bytes], layout: TableLayout) -> np.ndarray:
     return records
 
 
+def line_chunks(path: Path, offsets: np.ndarray) -> Iterator[list[bytes]]:
+    """The lines of ``path`` that :func:`scan` found at ``offsets``, a few thousand at a time."""
+    count = len(offsets) - 1
+    with path.open("rb") as f:
+        for start in range(0, count, _PARSE_CHUNK):
+            stop = min(start + _PARSE_CHUNK, count)
+            data = f.read(int(offsets[stop] - offsets[start]))
+            ends = (offsets[start : stop + 1] - offsets[start]).tolist()
+            yield [data[a:b] for a, b in itertools.pairwise(ends)]
+
+
 class CriteoRows(Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
     """Samples parsed together (what :meth:`CriteoDataset.__getitems__` returns): indexable as
     samples, and batched by :func:`collate_criteo` without splitting and stacking them again."""
@@ -308,13 +320,8 @@ class CriteoDataset(Dataset[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]):
         return len(offsets) - 1, self._parsed_chunks(offsets)
 
     def _parsed_chunks(self, offsets: np.ndarray) -> Iterator[np.ndarray]:
-        count = len(offsets) - 1
-        with self.path.open("rb") as f:
-            for start in range(0, count, _PARSE_CHUNK):
-                stop = min(start + _PARSE_CHUNK, count)
-                data = f.read(int(offsets[stop] - offsets[start]))
-                ends = (offsets[start : stop + 1] - offsets[start]).tolist()
-                yield parse_records([data[a:b] for a, b in itertools.pairwise(ends)], self.layout)
+        for lines in line_chunks(self.path, offsets):
+            yield parse_records(lines, self.layout)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -356,6 +363,7 @@ __all__ = [
     "TableLayout",
     "collate_criteo",
     "field_name",
+    "line_chunks",
     "parse_lines",
     "parse_records",
     "record_dtype",

@@ -14,10 +14,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import numpy as np
 
+from distopt.config import check
 from distopt.data.criteo import NUM_CATEGORICAL, NUM_DENSE
 from distopt.data.tokens import TokenDtype
 
@@ -25,6 +27,8 @@ INFORMATIVE_DENSE = (0, 1)
 """Dense features (0-based: I1, I2) that move the click probability."""
 INFORMATIVE_CATEGORICAL = (0, 1, 2, 5)
 """Categorical features (0-based: C1, C2, C3, C6) whose values move the click probability."""
+VOCAB_SIZES = (8, 20, 50, 200, 1000)
+"""Distinct values of categorical feature ``j``: ``VOCAB_SIZES[j % 5]`` by default."""
 
 
 def criteo_columns(
@@ -32,11 +36,13 @@ def criteo_columns(
     num_samples: int,
     seed: int = 0,
     missing: float = 0.05,
-    vocab_sizes: tuple[int, ...] = (8, 20, 50, 200, 1000),
+    vocab_sizes: tuple[int, ...] = VOCAB_SIZES,
     bias: float = -1.0,
+    alpha: float = 0.8,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """The 40 text columns of :func:`write_criteo`'s lines, and each line's click probability
     (scoring lines by it gives the best achievable AUC)."""
+    check(math.isfinite(alpha) and alpha > 0, "alpha", "a Zipf exponent > 0", alpha)
     rng = np.random.default_rng(seed)
     n = num_samples
     # Dense counts: log-normal integers (heavy-tailed like the real ones); I2 can be negative.
@@ -49,7 +55,7 @@ def criteo_columns(
     columns = [np.where(empty[:, j], "", dense[:, j].astype(str)) for j in range(NUM_DENSE)]
     for j in range(NUM_CATEGORICAL):
         vocab = vocab_sizes[j % len(vocab_sizes)]
-        weights = 1.0 / np.arange(1, vocab + 1) ** 0.8
+        weights = 1.0 / np.arange(1, vocab + 1, dtype=np.float64) ** alpha
         values = rng.choice(vocab, size=n, p=weights / weights.sum())
         names = np.array([f"{v:08x}" for v in rng.choice(1 << 32, size=vocab, replace=False)])
         if j in INFORMATIVE_CATEGORICAL:
@@ -66,19 +72,26 @@ def write_criteo(
     num_samples: int,
     seed: int = 0,
     missing: float = 0.05,
-    vocab_sizes: tuple[int, ...] = (8, 20, 50, 200, 1000),
+    vocab_sizes: tuple[int, ...] = VOCAB_SIZES,
     bias: float = -1.0,
+    alpha: float = 0.8,
 ) -> Path:
     """Write ``num_samples`` Criteo-format lines to ``path``; returns the path.
 
     Categorical feature ``j`` has ``vocab_sizes[j % len(vocab_sizes)]`` distinct values drawn with
-    Zipf-like frequencies. The click logit is ``bias + 1.2·z(log(1 + I1)) − 0.8·z(log(1 + I2)) +
-    Σ effect_j[value]`` over the informative categorical features (effects ~ N(0, 1)), where ``z``
-    standardizes; ``missing`` is the chance that any one feature is empty (the logit uses the
+    Zipf(``alpha``) frequencies (its ``r``-th most frequent value with probability ∝ ``r^-alpha``).
+    The click logit is ``bias + 1.2·z(log(1 + I1)) − 0.8·z(log(1 + I2)) + Σ effect_j[value]``
+    over the informative categorical features (effects ~ N(0, 1)), where ``z`` standardizes;
+    ``missing`` is the chance that any one feature is empty (the logit uses the
     value before it went missing, so missing values are noise, as in real logs).
     """
     columns, _ = criteo_columns(
-        num_samples=num_samples, seed=seed, missing=missing, vocab_sizes=vocab_sizes, bias=bias
+        num_samples=num_samples,
+        seed=seed,
+        missing=missing,
+        vocab_sizes=vocab_sizes,
+        bias=bias,
+        alpha=alpha,
     )
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -149,14 +162,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("kind", choices=("criteo", "tokens"))
     parser.add_argument("path")
     parser.add_argument("--samples", type=int, default=100_000, help="lines or tokens")
-    parser.add_argument("--vocab-size", type=int, default=64, help="tokens: vocabulary size")
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="tokens: vocabulary size (default 64); criteo: distinct values of every categorical "
+        "feature (default 8, 20, 50, 200 or 1000 by feature)",
+    )
+    parser.add_argument(
+        "--alpha", type=float, default=0.8, help="criteo: Zipf exponent of categorical values"
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.kind == "criteo":
-        print(write_criteo(args.path, num_samples=args.samples, seed=args.seed))
+        written = write_criteo(
+            args.path,
+            num_samples=args.samples,
+            seed=args.seed,
+            alpha=args.alpha,
+            vocab_sizes=VOCAB_SIZES if args.vocab_size is None else (args.vocab_size,),
+        )
+        print(written)
     else:
         path = write_tokens(
-            args.path, num_tokens=args.samples, vocab_size=args.vocab_size, seed=args.seed
+            args.path, num_tokens=args.samples, vocab_size=args.vocab_size or 64, seed=args.seed
         )
         print(f"{path} (unigram entropy {unigram_entropy(path):.3f} nats)")
     return 0
@@ -165,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
 __all__ = [
     "INFORMATIVE_CATEGORICAL",
     "INFORMATIVE_DENSE",
+    "VOCAB_SIZES",
     "chain_entropy",
     "criteo_columns",
     "markov_chain",

@@ -202,6 +202,8 @@ class RpcTransport(Protocol):
     def num_worker_threads(self) -> int: ...
     @property
     def transports(self) -> tuple[str, ...]: ...
+    @property
+    def channels(self) -> tuple[str, ...] | None: ...
 
 
 def init_rpc(
@@ -223,6 +225,7 @@ def init_rpc(
         rpc_timeout=timeout_s,
         num_worker_threads=transport.num_worker_threads,
         _transports=list(transport.transports),
+        _channels=None if transport.channels is None else list(transport.channels),
     )
     _fresh_process_rpc_state()
     try:

@@ -20,6 +20,7 @@ Forward (B = batch, D = embedding dim)::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 import distopt.ps as ps
 from distopt.config import check, from_dict
 from distopt.models import register_model
+from distopt.models.ids import zipf_ids
 from distopt.ps.spec import TableSpec
 
 _TOWER_PRESETS = {"light": (64,), "heavy": (1024, 1024)}
@@ -63,6 +65,10 @@ class DLRMConfig:
     """Tables are named ``<prefix>0 .. <prefix>{K-1}``."""
     seed: int = 0
     """Seed of the dense parameters and of the input batches."""
+    id_alpha: float | None = None
+    """Zipf exponent of the synthetic ids (:func:`distopt.models.ids.zipf_ids`: id ``i`` with
+    probability ∝ ``(i + 1)^-id_alpha``, id 0 the hottest; 1.05 is typical of click logs);
+    ``None``: uniform ids."""
 
     def __post_init__(self) -> None:
         check(self.num_tables >= 1, "dlrm.num_tables", "an integer >= 1", self.num_tables)
@@ -73,6 +79,12 @@ class DLRMConfig:
             self.dense_features >= 1, "dlrm.dense_features", "an integer >= 1", self.dense_features
         )
         check(self.batch_size >= 1, "dlrm.batch_size", "an integer >= 1", self.batch_size)
+        check(
+            self.id_alpha is None or (math.isfinite(self.id_alpha) and self.id_alpha > 0),
+            "dlrm.id_alpha",
+            "a Zipf exponent > 0, or null for uniform ids",
+            self.id_alpha,
+        )
         check(self.compute in _TOWER_PRESETS, "dlrm.compute", "'light' or 'heavy'", self.compute)
         for key in ("bottom_mlp", "top_mlp"):
             widths = getattr(self, key)
@@ -120,12 +132,21 @@ class DLRMBatch:
     """``[B, 1]`` click labels in {0, 1}."""
 
 
+def sparse_ids(
+    config: DLRMConfig, batch_size: int, generator: torch.Generator | None
+) -> torch.Tensor:
+    """``[K, batch_size, bag_size]`` synthetic row ids: uniform, or Zipf(``config.id_alpha``)."""
+    shape = (config.num_tables, batch_size, config.bag_size)
+    if config.id_alpha is None:
+        return torch.randint(0, config.num_rows, shape, generator=generator)
+    return zipf_ids(shape, num_rows=config.num_rows, alpha=config.id_alpha, generator=generator)
+
+
 def make_batch(config: DLRMConfig, step: int, *, rank: int = 0) -> DLRMBatch:
     """Batch ``step`` of trainer ``rank``: the same for the same ``(seed, step, rank)``."""
     gen = torch.Generator().manual_seed(config.seed * 1_000_003 + step * 7919 + rank)
     dense = torch.randn(config.batch_size, config.dense_features, generator=gen)
-    shape = (config.num_tables, config.batch_size, config.bag_size)
-    sparse = torch.randint(0, config.num_rows, shape, generator=gen)
+    sparse = sparse_ids(config, config.batch_size, gen)
     labels = torch.randint(0, 2, (config.batch_size, 1), generator=gen).float()
     return DLRMBatch(dense=dense, sparse=sparse, labels=labels)
 
@@ -182,10 +203,7 @@ class DLRM(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         dense = torch.randn(batch_size, cfg.dense_features, generator=generator)
-        sparse = torch.randint(
-            0, cfg.num_rows, (cfg.num_tables, batch_size, cfg.bag_size), generator=generator
-        )
-        return dense, sparse
+        return dense, sparse_ids(cfg, batch_size, generator)
 
 
 class DLRMHandAsync(DLRM):

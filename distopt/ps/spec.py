@@ -18,6 +18,16 @@ OPTIMIZERS: tuple[str, ...] = ("sgd", "adagrad", "rowwise_adagrad")
 BACKENDS: tuple[str, ...] = ("rpc", "ray")
 PlacementStrategy = Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"]
 PLACEMENTS: tuple[str, ...] = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+CHANNELS: tuple[str, ...] = (
+    "basic",
+    "cma",
+    "mpt_uv",
+    "cuda_basic",
+    "cuda_ipc",
+    "cuda_gdr",
+    "cuda_xth",
+)
+"""TensorPipe's channel names (``ps.channels``)."""
 
 
 def server_name(index: int) -> str:
@@ -195,6 +205,14 @@ class ServerOptions:
     dedicates a busy-polling reactor thread per process, which steals a whole core from the
     trainer's compute on hosts with few cores (measured: a 0.75 ms tower forward took 25-55 ms
     on 2 cores with ``shm``). Add ``"shm"`` first on many-core hosts where latency matters more."""
+    channels: tuple[str, ...] | None = None
+    """TensorPipe channels (how tensor payloads travel), in preference order; ``None``: every
+    channel the build has, which between processes of one machine includes ``cma`` (one process
+    reads the other's memory: no bytes cross the network, even between network namespaces).
+    ``["basic"]`` sends every payload over the transport, e.g. through a shaped link."""
+    command_prefix: tuple[str, ...] = ()
+    """``rpc`` backend: the command each server process that :func:`distopt.ps.start_servers`
+    spawns runs under (``ip netns exec NS``, ``taskset -c 1``, ``numactl ...``); empty: none."""
     rpc_timeout_s: float = 30.0
     """Deadline of every fetch/push: a dead or stuck server raises at the wait after this long."""
     start_timeout_s: float = 30.0
@@ -223,6 +241,18 @@ class ServerOptions:
             "ps.transports",
             "a non-empty list of 'uv', 'shm', 'ibv'",
             self.transports,
+        )
+        check(
+            self.channels is None or (bool(self.channels) and set(self.channels) <= set(CHANNELS)),
+            "ps.channels",
+            "null or a non-empty list of " + ", ".join(map(repr, CHANNELS)),
+            self.channels,
+        )
+        check(
+            not self.command_prefix or self.backend == "rpc",
+            "ps.command_prefix",
+            "no prefix with ps.backend ray (Ray starts its actors itself)",
+            self.command_prefix,
         )
         check(self.rpc_timeout_s > 0, "ps.rpc_timeout_s", "a number > 0", self.rpc_timeout_s)
         check(self.start_timeout_s > 0, "ps.start_timeout_s", "a number > 0", self.start_timeout_s)

@@ -16,7 +16,7 @@ iproute2)::
         link node1 down|up                          # pull / plug node1's cable
         down                                        # stop everything, remove everything
 
-Hosts (see :mod:`launchers.multihost.network`): ``ctl`` runs munged, MariaDB, slurmdbd and
+Hosts (see :mod:`distopt.dist.netns`): ``ctl`` runs munged, MariaDB, slurmdbd and
 slurmctld; ``node0`` .. ``node{N-1}`` each run a slurmd (``NodeAddr`` its own address); the Ray head
 runs on ``node0`` and a Ray worker node on every other node. This machine's root namespace is the
 login host on the bridge: ``sbatch``, ``sacct`` and Ray job submission run there as they would on a
@@ -42,9 +42,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from distopt.dist import netns
+from distopt.dist.netns import LinkShape, Network, NetworkError
+from distopt.errors import ConfigError
 from launchers._proc import read_pid, stop_pids
-from launchers.multihost import network
-from launchers.multihost.network import LinkShape, Network, NetworkError
 from launchers.ray import cluster as ray_cluster
 from launchers.slurm import cluster as slurm_cluster
 from launchers.slurm.config import Host, Layout
@@ -134,7 +135,7 @@ def running(state_dir: Path = DEFAULT_STATE_DIR) -> MultiHostCluster | None:
         cluster = MultiHostCluster.from_json((state_dir / "cluster.json").read_text())
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if not network.exists(cluster.network):
+    if not netns.exists(cluster.network):
         return None
     if cluster.slurm_conf and slurm_cluster.running(_slurm_layout(state_dir).root) is None:
         return None
@@ -157,7 +158,7 @@ def up(
 ) -> MultiHostCluster:
     """Start what of the cluster is not running yet and wait until every part answers."""
     state_dir = Path(state_dir)
-    why = network.rights_missing()
+    why = netns.rights_missing()
     if why is not None:
         raise MultiHostError(why)
     if slurm:
@@ -190,11 +191,11 @@ def _up(
     if net is None or tuple(h.name for h in net.hosts) != (CONTROLLER, *names):
         if net is not None:  # a different size: tear the old one down first
             down(state_dir)
-        net = network.plan(network.prefix_for(state_dir), (CONTROLLER, *names))
+        net = netns.plan(netns.prefix_for(state_dir), (CONTROLLER, *names))
     # Recorded before anything exists, so `down` removes what a failed `up` left behind.
     (state_dir / "network.json").write_text(net.to_json())
-    network.create(net)
-    network.verify(net, timeout_s=10.0)
+    netns.create(net)
+    netns.verify(net, timeout_s=10.0)
 
     # Slurm and Ray start side by side: most of either's start-up is waiting on its daemons.
     with ThreadPoolExecutor(max_workers=2) as pool:
@@ -275,10 +276,10 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
     if net is not None:
         # Job steps, Ray workers, anything else started on the hosts: every one of them runs in
         # one of this cluster's namespaces, so `ip netns pids` finds them all.
-        for host, pids in network.processes(net).items():
+        for host, pids in netns.processes(net).items():
             stop_pids(pids, grace_s=5.0)
             stopped.append(f"{len(pids)} processes on {host}")
-        stopped += network.destroy(net)
+        stopped += netns.destroy(net)
     for name in _CREATED:
         path = state_dir / name
         if path.is_dir():
@@ -295,7 +296,7 @@ def down(state_dir: Path = DEFAULT_STATE_DIR) -> list[str]:
 def _network(state_dir: Path) -> Network:
     """The network recorded in ``state_dir`` if it exists (its daemons may be down)."""
     net = _recorded_network(state_dir)
-    if net is None or not network.exists(net):
+    if net is None or not netns.exists(net):
         raise MultiHostError(f"no multi-host cluster in {state_dir} (run up first)")
     return net
 
@@ -372,15 +373,18 @@ def _act(args: Any) -> int:
         argv = [*_network(state_dir).run(args.host), *command]
         os.execvp(argv[0], argv)
     elif args.action == "shape":
-        spec = LinkShape(
-            rate_mbit=args.rate_mbit, burst_kib=args.burst_kib, latency_ms=args.latency_ms
-        )
-        network.shape_host(_network(state_dir), args.host, spec)
+        try:
+            spec = LinkShape(
+                rate_mbit=args.rate_mbit, burst_kib=args.burst_kib, latency_ms=args.latency_ms
+            )
+        except ConfigError as err:
+            raise MultiHostError(f"link shape {err}") from None
+        netns.shape_host(_network(state_dir), args.host, spec)
         print(f"{args.host}: {' '.join(spec.tbf_args())} both ways")
     elif args.action == "unshape":
-        network.unshape_host(_network(state_dir), args.host)
+        netns.unshape_host(_network(state_dir), args.host)
     else:
-        network.set_link(_network(state_dir), args.host, up=args.state == "up")
+        netns.set_link(_network(state_dir), args.host, up=args.state == "up")
     return 0
 
 

@@ -172,10 +172,10 @@ def require_namespaces(*, slurm: bool = False, ray: bool = False) -> None:
     """Skip (outside CI) or fail (in CI) unless this process can build the multi-host cluster."""
     from importlib.util import find_spec
 
-    from launchers.multihost import network
+    from distopt.dist import netns
     from launchers.slurm import cluster as slurm_mod
 
-    why = network.rights_missing()
+    why = netns.rights_missing()
     missing = [why] if why else []
     if slurm:
         missing += slurm_mod.missing_packages()

@@ -180,7 +180,7 @@ def private_hosts(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_a_node_losing_its_link_mid_step_fails_the_job_in_one_line_naming_it(
     private_hosts, tmp_path
 ) -> None:
-    from launchers.multihost import network
+    from distopt.dist import netns
 
     cluster = private_hosts
     port = cluster.free_port("node0")
@@ -207,7 +207,7 @@ def test_a_node_losing_its_link_mid_step_fails_the_job_in_one_line_naming_it(
             assert time.monotonic() < deadline, "no steps within 90 s"
             assert procs[0].poll() is None, procs[0].communicate()[1][-3000:]
             time.sleep(0.5)
-        network.set_link(cluster.network, "node1", up=False)
+        netns.set_link(cluster.network, "node1", up=False)
         cut = time.monotonic()
         _, err = procs[0].communicate(timeout=60)
         failed_after = time.monotonic() - cut

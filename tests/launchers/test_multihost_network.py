@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
+from distopt.dist.netns import LinkShape
 from launchers._proc import alive
-from launchers.multihost.network import LinkShape
 from tests.launchers.conftest import REPO, require_namespaces
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
@@ -223,7 +223,7 @@ def _leftovers(prefix: str) -> dict[str, list[str]]:
 
 def test_up_is_idempotent_and_down_ends_every_process_and_removes_everything(tmp_path) -> None:
     require_namespaces()
-    from launchers.multihost.network import prefix_for
+    from distopt.dist.netns import prefix_for
 
     state, hosts_before = tmp_path / "cluster", Path("/etc/hosts").read_text()
     first = cli(state, "up", "--nodes", "1", "--no-slurm", "--no-ray")

@@ -60,6 +60,26 @@ def test_transports_are_checked() -> None:
         ServerOptions(transports=("tcp",))
 
 
+def test_channels_and_command_prefix_are_checked() -> None:
+    assert ServerOptions().channels is None and ServerOptions().command_prefix == ()
+    opts = from_dict(
+        ServerOptions, {"channels": ["basic"], "command_prefix": ["taskset", "-c", "1"]}
+    )
+    assert opts.channels == ("basic",) and opts.command_prefix == ("taskset", "-c", "1")
+    with pytest.raises(ConfigError) as err:
+        from_dict(ServerOptions, {"channels": ["tcp"]}, prefix="ps")
+    assert str(err.value) == (
+        "ps.channels: expected null or a non-empty list of 'basic', 'cma', 'mpt_uv', 'cuda_basic', "
+        "'cuda_ipc', 'cuda_gdr', 'cuda_xth', got ('tcp',)"
+    )
+    with pytest.raises(ConfigError) as err:
+        from_dict(ServerOptions, {"backend": "ray", "command_prefix": ["nice"]}, prefix="ps")
+    assert str(err.value) == (
+        "ps.command_prefix: expected no prefix with ps.backend ray (Ray starts its actors "
+        "itself), got ('nice',)"
+    )
+
+
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [

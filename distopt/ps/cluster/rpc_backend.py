@@ -145,7 +145,13 @@ class RpcBackend(Backend):
                 log_path = logs_dir / f"{server_name(index)}.log"
                 with open(log_path, "wb") as log:
                     proc = subprocess.Popen(
-                        [sys.executable, "-m", rpc_process.__name__, json.dumps(config)],
+                        [
+                            *options.command_prefix,
+                            sys.executable,
+                            "-m",
+                            rpc_process.__name__,
+                            json.dumps(config),
+                        ],
                         stdout=log,
                         stderr=subprocess.STDOUT,
                         start_new_session=True,  # a Ctrl-C of the launcher is the launcher's

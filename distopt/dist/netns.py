@@ -1,5 +1,9 @@
 """Hosts made of Linux network namespaces on this machine, joined by one bridge.
 
+Used by the multi-host test cluster (``launchers/multihost``: Slurm and Ray across such hosts)
+and by benchmarks that need a real, shaped link between trainers and servers
+(:func:`host_on_link`: ``distopt bench`` ps_overlap with ``link:``).
+
 Each host ``NAME`` is a network namespace ``PREFIX-NAME`` holding one end of a veth pair
 (``eth0`` inside, ``PREFIX-NAME`` outside, a port of the bridge ``PREFIX-br``), its own address in
 a /24, its own loopback, and a default route via the bridge's address, which is this machine's root
@@ -23,18 +27,22 @@ available on every kernel, so latency cannot be added, only bandwidth limited.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
 import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from distopt.config import check
 
 __all__ = [
     "Host",
@@ -44,6 +52,8 @@ __all__ = [
     "create",
     "destroy",
     "exists",
+    "host_on_link",
+    "link_bytes",
     "plan",
     "prefix_for",
     "processes",
@@ -153,16 +163,14 @@ class LinkShape:
     not added delay)."""
 
     def __post_init__(self) -> None:
-        if not self.rate_mbit > 0:
-            raise ValueError(f"link shape rate_mbit: expected a number > 0, got {self.rate_mbit!r}")
-        if self.burst_kib is not None and not self.burst_kib >= 2:
-            raise ValueError(
-                f"link shape burst_kib: expected a number >= 2, got {self.burst_kib!r}"
-            )
-        if not self.latency_ms > 0:
-            raise ValueError(
-                f"link shape latency_ms: expected a number > 0, got {self.latency_ms!r}"
-            )
+        check(self.rate_mbit > 0, "rate_mbit", "a number > 0", self.rate_mbit)
+        check(
+            self.burst_kib is None or self.burst_kib >= 2,
+            "burst_kib",
+            "a number >= 2",
+            self.burst_kib,
+        )
+        check(self.latency_ms > 0, "latency_ms", "a number > 0", self.latency_ms)
 
     def tbf_args(self) -> list[str]:
         burst = self.burst_kib
@@ -430,6 +438,34 @@ def unshape_host(net: Network, name: str) -> None:
     host = net.host(name)
     unshape(host.ifname, netns=host.netns)
     unshape(host.peer)
+
+
+def link_bytes(net: Network, name: str) -> tuple[int, int]:
+    """``(received, sent)``: bytes host ``name`` has received and sent over its link so far (the
+    counters of its veth's outer end, which sends what the host receives)."""
+    statistics = Path("/sys/class/net") / net.host(name).peer / "statistics"
+    return int((statistics / "tx_bytes").read_text()), int((statistics / "rx_bytes").read_text())
+
+
+@contextlib.contextmanager
+def host_on_link(name: str, spec: LinkShape, *, prefix: str) -> Iterator[Network]:
+    """A network of one host ``name`` whose link to this machine (the login host, at the
+    network's ``gateway``) is shaped to ``spec`` both ways; everything is stopped and removed on
+    exit. Raises :class:`NetworkError` (one line) where namespaces cannot be made."""
+    why = rights_missing()
+    if why is not None:
+        raise NetworkError(why)
+    net = plan(prefix, (name,))
+    try:
+        create(net)
+        shape_host(net, name, spec)
+        yield net
+    finally:
+        for pids in processes(net).values():
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+        destroy(net)
 
 
 def set_link(net: Network, name: str, *, up: bool) -> None:

@@ -1,0 +1,111 @@
+"""ps_overlap's skewed ids and its shaped link: config errors, the bytes that really cross the
+link, and the one-line error where namespaces cannot be made."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from distopt.bench.ps_overlap import PSOverlapConfig
+from distopt.config import from_dict
+from distopt.errors import ConfigError
+from tests.launchers.conftest import require_namespaces
+
+REPO = Path(__file__).resolve().parents[2]
+DISTOPT = str(Path(sys.executable).with_name("distopt"))
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"id_alpha": 0}, "id_alpha: expected a Zipf exponent > 0, or null for uniform ids, got 0.0"),
+        ({"id_alpha": -1.05}, "id_alpha: expected a Zipf exponent > 0, or null for uniform ids, got -1.05"),
+        ({"cache_fraction": 0}, "cache_fraction: expected a fraction of the rows in (0, 1], got 0.0"),
+        ({"link": {"rate_mbit": 0}}, "link.rate_mbit: expected a number > 0, got 0.0"),
+        ({"link": {"rate_mbit": 10, "burst_kib": 1}}, "link.burst_kib: expected a number >= 2, got 1.0"),
+        ({"link": {"rate": 10}}, "link.rate: unknown key (known keys: burst_kib, latency_ms, rate_mbit)"),
+        (
+            {"link": {"rate_mbit": 10}, "ps": {"backend": "ray"}},
+            "link: expected no link with ps.backend ray (its actors start where Ray places them), got "
+            "{'rate_mbit': 10.0, 'burst_kib': None, 'latency_ms': 50.0}",
+        ),
+    ],
+)  # fmt: skip
+def test_bad_skew_and_link_settings_are_one_line(config: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_dict(PSOverlapConfig, config)
+    assert str(err.value) == message
+
+
+def _config(tmp_path: Path, **values: object) -> Path:
+    path = tmp_path / "link.yaml"
+    values = {
+        "kind": "ps_overlap", "tables": [1], "latency_ms": [0.0], "compute": ["light"],
+        "num_rows": 10_000, "embedding_dim": 64, "batch_size": 64, "id_alpha": 1.05,
+        "variants": ["optimized", "no_network"], "rounds": 1, "steps": 8, "warmup": 1,
+        "batching_fetches": 0, "output_dir": str(tmp_path / "runs"), **values,
+    }  # fmt: skip
+    path.write_text("".join(f"{k}: {json.dumps(v)}\n" for k, v in values.items()))
+    return path
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+def test_rows_cross_the_shaped_link_and_nothing_is_left_behind(tmp_path: Path) -> None:
+    require_namespaces()
+    config = _config(tmp_path, link={"rate_mbit": 50})
+    out = tmp_path / "out.json"
+    bench = subprocess.Popen(
+        [DISTOPT, "bench", str(config), "--json", str(out)],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    stdout, stderr = bench.communicate(timeout=300)
+    assert bench.returncode == 0 and stderr == "", stdout[-3000:] + stderr[-3000:]
+    assert "TensorPipe over TCP (transport uv, channel basic)" in stdout
+    point = json.loads(out.read_text())["points"][0]
+    link = point["link"]
+    payload = link["payload_bytes_per_step"]
+    assert link["rows_per_step"] == 64 * 4 and payload == 64 * 4 * 64 * 4
+    for name in ("optimized", "no_network"):
+        wire = link["variants"][name]
+        # Every fetched row crosses toward the trainer and every gradient row toward the
+        # servers (with the ids, headers and TCP/IP framing on top): what cma would bypass.
+        assert payload < wire["from_servers_bytes_per_step"] < 1.5 * payload, wire
+        assert payload < wire["to_servers_bytes_per_step"] < 2.0 * payload, wire
+    assert 0 < point["static_optimal_hit_rate"] <= 1 and point["cache_rows"] == 200
+    prefix = f"dl{bench.pid % 65536:04x}"
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"{prefix}-ps" not in namespaces
+    assert subprocess.run(["ip", "link", "show", f"{prefix}-br"], capture_output=True).returncode
+
+
+def test_a_bench_that_cannot_make_namespaces_fails_in_one_line(tmp_path: Path) -> None:
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to run the bench as an unprivileged user")
+    # A config the unprivileged user can read: the repository's.
+    config = str(REPO / "configs/bench/ps_overlap_link.yaml")
+    nobody = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+    done = subprocess.run(
+        [*nobody, DISTOPT, "bench", config],
+        cwd="/",
+        env=dict(os.environ, HOME="/tmp"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr == (
+        "distopt bench: error: link: creating network namespaces needs root (CAP_SYS_ADMIN and "
+        "CAP_NET_ADMIN); running as uid 65534\n"
+    )
