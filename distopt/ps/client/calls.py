@@ -365,6 +365,7 @@ def _fetch_call(client: Client, server: str, pieces: Sequence[_Piece]) -> Future
     """One request asking ``server`` for ``pieces``: ``fetch_cached`` when one is of a cached
     table, else ``fetch`` (one piece) or ``fetch_many``."""
     what = f"fetch of {', '.join(repr(p.table) for p in pieces)}"
+    args: tuple[Any, ...]
     if any(p.cache is not None for p in pieces):
         op, args = "fetch_cached", ([p.cache_request() for p in pieces],)
     elif len(pieces) == 1:
