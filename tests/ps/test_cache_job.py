@@ -5,18 +5,13 @@ job without a cache, ``staleness: 1`` keeps the held-out AUC and logs its stalen
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distopt.data.generate import write_criteo
 from tests.pipeline.conftest import bitwise_equal
+from tests.supervised import final_state, records, supervise
 
 pytestmark = pytest.mark.slow
 
@@ -49,50 +44,19 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
             "tensorboard=false",
             f"ps.cache={cache}",
         ]
-        command = [
-            sys.executable,
-            "-m",
-            "distopt.roles.supervise",
-            "--config",
-            "configs/jobs/dlrm_criteo.yaml",
-            "--num-ps",
-            "1",
-            "--num-trainers",
-            "2",
-            "--max-restarts",
-            "0",
-        ]
-        for value in sets:
-            command += ["--set", value]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=400)
-        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-        assert "Traceback" not in done.stderr and "Warning" not in done.stderr, done.stderr[-3000:]
+        done = supervise("configs/jobs/dlrm_criteo.yaml", sets)
+        assert "Traceback" not in done.stderr, done.stderr[-3000:]
     return root
 
 
-def _records(root: Path, run_id: str, kind: str, rank: int = 0) -> list[dict[str, Any]]:
-    lines = (root / run_id / f"qps-rank{rank}.jsonl").read_text().splitlines()
-    return [r for r in map(json.loads, lines) if r["type"] == kind]
-
-
-def _checkpoint(root: Path, run_id: str) -> dict[str, Any]:
-    step = root / run_id / "checkpoints" / f"step-{STEPS:08d}"
-    dense = root / f"{run_id}-dense.pt"
-    dcp_to_torch_save(step / "dense", dense)
-    return {
-        "dense": torch.load(dense, weights_only=False),
-        "tables": torch.load(step / "ps0.pt", weights_only=False),
-    }
-
-
 def test_exact_cache_ends_bitwise_equal_to_the_job_without_one(runs: Path) -> None:
-    plain, exact = _checkpoint(runs, "plain"), _checkpoint(runs, "exact")
+    plain, exact = final_state(runs / "plain", STEPS), final_state(runs / "exact", STEPS)
     # Dense parameters and Adam state of the trainers, rows and row-wise Adagrad state of the server.
     assert bitwise_equal(plain["dense"], exact["dense"])
     assert bitwise_equal(plain["tables"], exact["tables"])
     for rank in (0, 1):
-        plain_steps = _records(runs, "plain", "step", rank)
-        exact_steps = _records(runs, "exact", "step", rank)
+        plain_steps = records(runs / "plain", "step", rank)
+        exact_steps = records(runs / "exact", "step", rank)
         assert [r["loss"] for r in plain_steps] == [r["loss"] for r in exact_steps]
         # Served from the cache, and so fewer rows sent, yet never a stale row.
         assert sum(r["rows_fetched"] for r in exact_steps) < sum(
@@ -106,12 +70,12 @@ def test_exact_cache_ends_bitwise_equal_to_the_job_without_one(runs: Path) -> No
 
 
 def test_staleness_one_keeps_the_held_out_auc_and_logs_its_staleness(runs: Path) -> None:
-    exact, stale = _records(runs, "exact", "eval")[-1], _records(runs, "stale", "eval")[-1]
+    exact, stale = records(runs / "exact", "eval")[-1], records(runs / "stale", "eval")[-1]
     assert exact["step"] == stale["step"] == STEPS
     assert abs(stale["eval_auc"] - exact["eval_auc"]) <= 0.002, (exact, stale)
     for rank in (0, 1):
-        steps = _records(runs, "stale", "step", rank)
+        steps = records(runs / "stale", "step", rank)
         assert max(r["cache_staleness_max"] for r in steps) == 1  # rows do miss one, never two
-        exact_steps = _records(runs, "exact", "step", rank)
+        exact_steps = records(runs / "exact", "step", rank)
         hits = sum(r.get("cache_hit_rate", 0) for r in steps)
         assert hits > sum(r.get("cache_hit_rate", 0) for r in exact_steps)

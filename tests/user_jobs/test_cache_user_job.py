@@ -6,28 +6,16 @@ before anything is scheduled."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from distopt.metrics import load_run
 from tests.pipeline.conftest import bitwise_equal
+from tests.supervised import final_state
 from tests.user_jobs.as_user import copy_out, distopt_cli, launch, losses, replica_logs
 
 STEPS = 40
 CACHE = "ps.cache={ads: {capacity_rows: 1500, policy: lfu}, queries: {capacity_bytes: 20000}}"
-
-
-def _final_state(work: Path, run_id: str) -> dict[str, Any]:
-    step = work / "runs" / run_id / "checkpoints" / f"step-{STEPS:08d}"
-    dense = work / f"{run_id}-dense.pt"
-    dcp_to_torch_save(step / "dense", dense)
-    return {
-        "dense": torch.load(dense, weights_only=False),
-        "tables": torch.load(step / "ps0.pt", weights_only=False),
-    }
 
 
 @pytest.mark.slow
@@ -41,7 +29,8 @@ def test_an_exact_cache_trains_bitwise_as_without_one(tmp_path: Path) -> None:
     plain, cached = load_run(work / "runs" / "plain"), load_run(work / "runs" / "cached")
     assert losses(plain) == losses(cached)
     assert all(len(loss) == STEPS for loss in losses(cached).values())
-    assert bitwise_equal(_final_state(work, "plain"), _final_state(work, "cached"))
+    runs = work / "runs"
+    assert bitwise_equal(final_state(runs / "plain", STEPS), final_state(runs / "cached", STEPS))
     for rank, log in cached.ranks.items():
         rows = sum(s.rows_fetched or 0 for s in log.steps)
         assert rows < sum(s.rows_fetched or 0 for s in plain.ranks[rank].steps)
