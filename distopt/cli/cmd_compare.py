@@ -135,6 +135,8 @@ def render(comparison: Comparison, console: Console) -> None:
     console.print(f"interval: {comparison.interval}", markup=False)
     if comparison.phases:
         render_phases(comparison, console)
+    if any(run.fetches for run in comparison.runs):
+        render_fetches(comparison, console)
     if comparison.config_diff:
         console.print("[yellow]--force: configs differ in[/yellow]")
         for key, values in comparison.config_diff.items():
@@ -177,6 +179,30 @@ def render_phases(comparison: Comparison, console: Console) -> None:
                     "-" if error is None else f"{error:+.0%}",
                 )
         console.print(table)
+
+
+def render_fetches(comparison: Comparison, console: Console) -> None:
+    """Per run: what a trainer's step fetched from the parameter servers, and its row caches."""
+    table = Table(title="parameter-server fetches per trainer step, after warm-up")
+    columns = ("run", "rows (median)", "MiB (median)", "cache hit rate", "cache MiB", "staleness")
+    for name in columns:
+        table.add_column(name, justify="left" if name == "run" else "right")
+    for run in comparison.runs:
+        found = run.fetches or {}
+        table.add_row(
+            _short(run.label),
+            _shown(found, "rows_fetched"),
+            _shown(found, "bytes_fetched", 1 << 20, "{:,.2f}"),
+            _shown(found, "cache_hit_rate", form="{:.1%}"),
+            _shown(found, "cache_bytes", 1 << 20, "{:,.2f}"),
+            _shown(found, "cache_staleness_max"),
+        )
+    console.print(table)
+
+
+def _shown(found: dict[str, float], key: str, scale: float = 1.0, form: str = "{:,.0f}") -> str:
+    value = found.get(key)
+    return "-" if value is None else form.format(value / scale)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from distopt.errors import DistoptError
-from distopt.metrics.records import MergedStep, RunLog
+from distopt.metrics.records import MergedStep, RunLog, StepRecord
 
 DEFAULT_WARMUP = 5
 DEFAULT_RESAMPLES = 2000
@@ -82,6 +82,10 @@ class RunSummary:
     """QPS after warm-up of each job pooled into this run (one for a single job)."""
     jobs: int = 1
     """Jobs pooled into this run."""
+    fetches: dict[str, float] | None = None
+    """Parameter-server jobs, after warm-up over every rank's steps: the median ``rows_fetched``,
+    ``bytes_fetched`` and (row caches) ``cache_hit_rate`` per step, and the largest
+    ``cache_bytes`` and ``cache_staleness_max``; ``None`` when the steps record no fetches."""
 
     @property
     def measured_qps(self) -> np.ndarray:
@@ -180,6 +184,7 @@ class Comparison:
                     "gain_ci_low": gain.ci_low if gain else None,
                     "gain_ci_high": gain.ci_high if gain else None,
                     "predicted_gain": gain.predicted if gain else None,
+                    "fetches": run.fetches,
                 }
             )
         return {
@@ -226,6 +231,7 @@ def summarize(run: Jobs, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSumm
     merged: list[MergedStep] = []
     counted_steps: list[MergedStep] = []
     recorded: list[dict[str, float]] = []
+    fetching: list[StepRecord] = []
     for job in jobs:
         steps = job.merged_steps()
         if len(steps) <= warmup:
@@ -243,6 +249,12 @@ def summarize(run: Jobs, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSumm
             for rank in job.ranks.values()
             for r in rank.steps
             if r.step in counted and r.phases is not None
+        ]
+        fetching += [
+            r
+            for rank in job.ranks.values()
+            for r in rank.steps
+            if r.step in counted and r.rows_fetched is not None
         ]
     run = jobs[0]
     qps = np.asarray([m.qps for m in merged], dtype=float)
@@ -273,7 +285,24 @@ def summarize(run: Jobs, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSumm
         predicted_saving_s=_optional_float(run.header, "predicted_saving_s"),
         phases=phases,
         predicted_phases=_predicted_phases(run.header),
+        fetches=_fetches(fetching),
     )
+
+
+def _fetches(steps: Sequence[StepRecord]) -> dict[str, float] | None:
+    """What :attr:`RunSummary.fetches` says of ``steps``."""
+    if not steps:
+        return None
+    found: dict[str, float] = {}
+    for key in ("rows_fetched", "bytes_fetched", "cache_hit_rate"):
+        values = [getattr(r, key) for r in steps if getattr(r, key) is not None]
+        if values:
+            found[key] = float(np.median(values))
+    for key in ("cache_bytes", "cache_staleness_max"):
+        values = [getattr(r, key) for r in steps if getattr(r, key) is not None]
+        if values:
+            found[key] = float(max(values))
+    return found
 
 
 def _predicted_phases(header: Mapping[str, Any]) -> dict[str, dict[str, float]] | None:

@@ -187,8 +187,9 @@ class QpsLogWriter:
         **pipeline: float,
     ) -> StepRecord:
         """Record one step of this rank; ``qps`` is derived from the global batch size. The
-        optional values (``pipeline``: ``staleness_max``, ``staleness_mean``, ``prefetch_bytes``;
-        ``phases``: seconds by step phase) are written only when given."""
+        optional values (``pipeline``: ``staleness_max``, ``staleness_mean``, ``prefetch_bytes``,
+        and the fetch counts ``rows_fetched``, ``bytes_fetched``, ``cache_*``; ``phases``:
+        seconds by step phase) are written only when given."""
         if step_time_s <= 0:
             raise QpsLogError(f"step {step}: step_time_s must be > 0, got {step_time_s!r}")
         record = StepRecord(
@@ -298,7 +299,19 @@ _STEP_FIELDS: dict[str, type | tuple[type, ...]] = {
     for f in dataclasses.fields(StepRecord)
     if str(f.type) in _FIELD_TYPES
 }
-_STEP_OPTIONAL = ("loss", "lr", "wait_s", "staleness_max", "staleness_mean", "prefetch_bytes")
+_STEP_OPTIONAL = (
+    "loss",
+    "lr",
+    "wait_s",
+    "staleness_max",
+    "staleness_mean",
+    "prefetch_bytes",
+    "rows_fetched",
+    "bytes_fetched",
+    "cache_hit_rate",
+    "cache_bytes",
+    "cache_staleness_max",
+)
 _EVAL_FIELDS: dict[str, type | tuple[type, ...]] = {
     "step": int,
     "rank": int,

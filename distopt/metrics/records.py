@@ -63,6 +63,19 @@ class StepRecord:
     """Pipelined runs: updates missed per prefetched row, mean over the run so far."""
     prefetch_bytes: float | None = None
     """Pipelined runs: peak bytes of prefetched rows waiting for their step, over the run so far."""
+    rows_fetched: float | None = None
+    """Parameter-server jobs: rows the servers sent this rank's fetches in the step."""
+    bytes_fetched: float | None = None
+    """Parameter-server jobs: bytes of the tensors those answers held (rows; with a cache also
+    optimizer state and versions)."""
+    cache_hit_rate: float | None = None
+    """Jobs with row caches (``ps.cache``): the share of the step's fetched ids served from a
+    cache (absent in a step that looked none up)."""
+    cache_bytes: float | None = None
+    """Jobs with row caches: the memory the caches take."""
+    cache_staleness_max: float | None = None
+    """Jobs with row caches: the most updates of other trainers a row served from a cache had
+    missed, over the run so far (0 under ``consistency: exact``)."""
     phases: dict[str, float] | None = None
     """Seconds of each phase of the step (:data:`distopt.estimate.step.REPORTED`), when logged."""
 

@@ -25,6 +25,9 @@ Staleness is counted, not assumed: every push this trainer issues is numbered pe
 pushes of that row issued after its fetch. Without ``deterministic`` this is an upper bound for
 ``staleness >= 1`` (a push issued after the fetch may still have reached the server first). Memory is measured the same way: the bytes of every
 prefetched result that has arrived and waits to be used, and the bytes one batch's rows take.
+
+The window is also the row caches' lookahead (``ps.cache``): the rows of every batch in it, and
+of the batch in hand, are pinned (:func:`distopt.ps.client.calls.pin_rows`) and never evicted.
 """
 
 from __future__ import annotations
@@ -227,6 +230,14 @@ class Prefetcher(Generic[B]):
                 ]
             clocks = {table: self._journal.clock[table] for table, _ in _ps_requests(issued)}
             self._queue.append(_InFlight(batch, issued, clocks))
+        self._pin()
+
+    def _pin(self) -> None:
+        """Tell the row caches the lookahead: the rows of the batches in flight and of the batch
+        in hand (its push updates the cached copies) are never evicted."""
+        if ps_calls.is_connected():
+            in_flight = [r for entry in self._queue for r in _ps_requests(entry.issued)]
+            ps_calls.pin_rows(in_flight + _ps_requests(self._last))
 
     def take(self) -> tuple[B, list[Issued]]:
         """The next batch and its prefetched issues; ``StopIteration`` at the end of the data."""
@@ -250,6 +261,7 @@ class Prefetcher(Generic[B]):
         self._journal.forget_before(oldest)
         self.stats.batches += 1
         self._last = entry.issued
+        self._pin()
         return entry.batch, entry.issued
 
     def _adapt(self, *, late: bool) -> None:
@@ -289,3 +301,5 @@ class Prefetcher(Generic[B]):
             ps_calls.set_stale_pushes(False)
             self._exact_pushes = None
         self._queue.clear()
+        self._last = []
+        self._pin()

@@ -2,7 +2,8 @@
 
 Servers hold named ``[num_rows, dim]`` tables sharded by ``row % n``; trainers call
 :func:`fetch`/:func:`push` (blocking, as users write them) or their ``*_async`` forms;
-:func:`push_gradients` pushes the gradients of every row fetched in the step. Jobs are started
+:func:`push_gradients` pushes the gradients of every row fetched in the step; ``ServerOptions.cache``
+keeps hot rows with the trainer (:mod:`distopt.ps.client.cache`). Jobs are started
 with :func:`running_servers` (or :func:`start_servers`/:func:`stop_servers`) + :func:`init_trainer`
 and left with :func:`shutdown` (or :func:`abort`), or :func:`local_job` in one process;
 :func:`recover` goes on after Ray restarted a server actor.
@@ -19,18 +20,21 @@ The package, by layer (``docs/ps_runtime.md`` has the design):
 
 # registration declares fetch/push to distopt.remote (and imports the client first)
 from distopt.ps.client import registration as registration  # noqa: F401
+from distopt.ps.client.cache import FetchCounts
 from distopt.ps.client.calls import (
     Route,
     fetch,
     fetch_async,
     fetch_many_async,
     flush,
+    pin_rows,
     push,
     push_async,
     push_gradients,
     push_many_async,
     routes,
     set_device,
+    take_fetch_counts,
     take_wait_time,
     wait,
 )
@@ -59,13 +63,15 @@ from distopt.ps.cluster.session import (
     start_servers,
     stop_servers,
 )
-from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
+from distopt.ps.spec import CacheConfig, ServerOptions, TableSpec, server_name, trainer_name
 
 # Bound for distopt.cli.cmd_explain, which reads ``distopt.ps.context.isolated_step``; issue 23's second
 # phase points it at distopt.ps.client.context and drops this name.
 from distopt.ps.client import context as context  # noqa: E402,F401  isort: skip
 
 __all__ = [
+    "CacheConfig",
+    "FetchCounts",
     "FetchFuture",
     "FetchRecord",
     "PSJob",
@@ -85,6 +91,7 @@ __all__ = [
     "load_servers",
     "load_state_dict",
     "local_job",
+    "pin_rows",
     "push",
     "push_async",
     "push_many_async",
@@ -102,6 +109,7 @@ __all__ = [
     "start_servers",
     "state_dict",
     "stop_servers",
+    "take_fetch_counts",
     "take_wait_time",
     "trainer_name",
     "wait",

@@ -28,6 +28,8 @@ CHANNELS: tuple[str, ...] = (
     "cuda_xth",
 )
 """TensorPipe's channel names (``ps.channels``)."""
+CachePolicy = Literal["lru", "lfu"]
+Consistency = Literal["exact", "staleness"]
 
 
 def server_name(index: int) -> str:
@@ -138,6 +140,72 @@ class TableSpec:
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class CacheConfig:
+    """A trainer's cache of one table's rows (``ps.cache.<table>``; design: ``docs/cache.md``).
+
+    Give exactly one capacity. Rows a batch in flight needs (the pipeline's lookahead) are never
+    evicted; beyond them the ``policy`` chooses. The trainer's own pushes update its cached rows
+    with the servers' arithmetic and are written through to the servers.
+    """
+
+    capacity_rows: int | None = None
+    """Rows the cache holds at most (at most the table's rows are ever held)."""
+    capacity_bytes: int | None = None
+    """Bytes the cache may take: rows, their optimizer state and the bookkeeping per row of the
+    table (what ``distopt.ps.take_fetch_counts().cache_bytes`` reports)."""
+    policy: CachePolicy = "lru"
+    """Which unpinned row makes room: least recently used (``lru``) or least frequently used
+    over the run (``lfu``, which also admits a new row only over a row used no more often)."""
+    consistency: Consistency = "exact"
+    """``exact``: a cached row is served only when the server proves it current (its version),
+    so a run is bitwise equal to one without the cache. ``staleness``: served while it missed at
+    most ``staleness`` updates of other trainers (counted with the same versions, and logged)."""
+    staleness: int = 0
+    """Updates of other trainers a served row may have missed (``consistency: staleness``)."""
+
+    def __post_init__(self) -> None:
+        for key in ("capacity_rows", "capacity_bytes"):
+            value = getattr(self, key)
+            check(
+                value is None or (_is_int(value) and value >= 1),
+                key,
+                "an integer >= 1, or null",
+                value,
+            )
+        check(
+            (self.capacity_rows is None) != (self.capacity_bytes is None),
+            "capacity_rows",
+            "exactly one of capacity_rows and capacity_bytes",
+            {"capacity_rows": self.capacity_rows, "capacity_bytes": self.capacity_bytes},
+        )
+        check(self.policy in ("lru", "lfu"), "policy", "'lru' or 'lfu'", self.policy)
+        check(
+            self.consistency in ("exact", "staleness"),
+            "consistency",
+            "'exact' or 'staleness'",
+            self.consistency,
+        )
+        if self.consistency == "exact":
+            check(self.staleness == 0, "staleness", "0 with consistency: exact", self.staleness)
+        else:
+            check(
+                _is_int(self.staleness) and self.staleness >= 1,
+                "staleness",
+                "an integer >= 1 with consistency: staleness",
+                self.staleness,
+            )
+
+    @property
+    def bound(self) -> int:
+        """Updates of other trainers a served row may have missed (0: exact)."""
+        return self.staleness
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ServerOptions:
     """How the parameter-server processes of one job run."""
 
@@ -223,6 +291,9 @@ class ServerOptions:
     """A server exits with an error naming the trainer when a trainer that has not finished sends
     nothing (trainers send a heartbeat every ``trainer_timeout_s / 5``) for this long: a killed or
     stuck trainer never keeps the servers up forever."""
+    cache: dict[str, CacheConfig] = dataclasses.field(default_factory=dict)
+    """Trainer-side row caches by table name (:class:`CacheConfig`; none by default). Checked
+    against the model's tables and the host's memory before anything starts."""
 
     def __post_init__(self) -> None:
         check(self.backend in BACKENDS, "ps.backend", "one of " + ", ".join(BACKENDS), self.backend)
@@ -296,6 +367,19 @@ class ServerOptions:
             "a directory",
             self.ray_state_dir,
         )
+        for table, cache in self.cache.items():
+            check(
+                isinstance(table, str) and bool(table),
+                "ps.cache",
+                "table names as keys",
+                table,
+            )
+            check(
+                isinstance(cache, CacheConfig),
+                f"ps.cache.{table}",
+                "a CacheConfig",
+                cache,
+            )
 
 
 def ray_endpoint(address: str) -> tuple[str, int] | None:

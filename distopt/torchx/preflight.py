@@ -8,6 +8,8 @@ This module runs them once here and checks what would otherwise fail in a replic
 * **the first batch**: the data factory's dataset through its ``collate_fn`` (the job's own loader,
   without workers) gives a :class:`~distopt.data.Batch` whose ``inputs`` fit ``model.forward``;
 * **remote calls and where they go** (:func:`check_remote_calls`);
+* **row caches** (``ps.cache``): each of a table the model has and its forward fetches, each and
+  all together fitting in this host's memory (:func:`check_caches`);
 * **imports in the replicas**: the directories the factories' modules were imported from here
   go on the replicas' ``PYTHONPATH`` (:func:`import_roots`), so a package outside the working
   directory imports there too, in trainers and in servers (which import the functions the
@@ -49,11 +51,13 @@ from distopt.capture.frontend import symbolic_capture
 from distopt.config import CaptureConfig, from_dict
 from distopt.data import Batch, DataSource, to_batch
 from distopt.errors import ConfigError, DistoptError
+from distopt.ps.client import cache
 from distopt.remote import registry
 from distopt.remote.graph_args import concrete_args
 from distopt.remote.helpers import declare_helpers, is_rpc_helper
 from distopt.remote.intercept import namespaces_of
 from distopt.remote.local import has_remote_modules
+from distopt.remote.registry import effect_of, resource_of
 from distopt.training.config import JobConfig
 from distopt.where import describe_failure, frames_of
 
@@ -144,7 +148,10 @@ class RemoteCall:
     """The process an RPC goes to, by name (``None``: not an RPC, or not a plain name)."""
     function: Any
     """The function an RPC sends (``None`` when not an RPC)."""
-    where: str
+    reads: Any = None
+    """The resource a read reads, when its arguments are known (``("distopt.ps", table)`` for a
+    fetch); ``None`` for writes and reads of graph values."""
+    where: str = "?"
     """``file:line`` of the user's call."""
 
     def describe(self) -> str:
@@ -182,9 +189,40 @@ def remote_calls(model: nn.Module, config: JobConfig) -> list[RemoteCall] | None
         where = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
         over_rpc = spec.fn.__module__.startswith(_RPC_MODULES) or is_rpc_helper(spec.fn)
         found.append(
-            RemoteCall(name=spec.name, over_rpc=over_rpc, to=to, function=function, where=where)
+            RemoteCall(
+                name=spec.name,
+                over_rpc=over_rpc,
+                to=to,
+                function=function,
+                reads=_read_resource(spec, node),
+                where=where,
+            )
         )
     return found
+
+
+def _read_resource(spec: Any, node: torch.fx.Node) -> Any:
+    """The resource the call at ``node`` reads (see :attr:`RemoteCall.reads`)."""
+    args, kwargs = concrete_args(node)
+    try:
+        return resource_of(spec, args, kwargs) if effect_of(spec, args, kwargs) == "read" else None
+    except Exception:  # arguments the registry cannot read (graph values)
+        return None
+
+
+def check_caches(model: nn.Module, config: JobConfig, calls: list[RemoteCall] | None) -> None:
+    """``ps.cache`` against the model's tables, the tables its forward fetches (when its graph
+    shows ``distopt.ps`` fetches) and this host's memory: a one-line error naming the cache."""
+    if not config.ps.cache:
+        return
+    ps_tables = getattr(model, "ps_tables", None)
+    tables = tuple(ps_tables()) if callable(ps_tables) else ()
+    reads = {
+        c.reads[1]
+        for c in calls or ()
+        if isinstance(c.reads, tuple) and len(c.reads) == 2 and c.reads[0] == "distopt.ps"
+    }
+    cache.check_caches(config.ps.cache, tables, reads=reads or None)
 
 
 _RPC_MODULES = ("torch.distributed.rpc.api", "distopt.remote.rpc_calls", "distopt.ps.client")

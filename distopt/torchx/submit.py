@@ -132,7 +132,8 @@ def check_job(
 ) -> CheckedJob:
     """What a job needs before it is scheduled (:mod:`distopt.torchx.preflight`): the model builds,
     its data opens (files read and validated) and its first batch fits the model's forward, the
-    model's remote calls have servers to go to, TensorBoard is importable when on, and
+    model's remote calls have servers to go to, its row caches are of tables it reads and fit
+    in memory, TensorBoard is importable when on, and
     (``local``) a GPU for ``device: cuda``. ``num_ps`` ``None``: 1 when the model has
     ``ps_tables()``, else 0."""
     if num_trainers < 1:
@@ -154,6 +155,7 @@ def check_job(
     preflight.check_first_batch(source, model, config, num_trainers=num_trainers)
     calls = preflight.remote_calls(model, config)
     preflight.check_remote_calls(model, config, calls, num_ps=num_ps, num_trainers=num_trainers)
+    preflight.check_caches(model, config, calls)
     if config.tensorboard:
         summary_writer_class()
     roots = preflight.import_roots(preflight.user_modules(model, config, calls or ()))

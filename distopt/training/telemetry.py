@@ -21,6 +21,7 @@ from distopt.atomic import atomic_write_text
 from distopt.errors import ConfigError
 from distopt.metrics.qps_log import QpsLogWriter, iter_records
 from distopt.pipeline.prefetch import PipelineStats
+from distopt.ps.client.cache import FetchCounts
 from distopt.training.evaluate import EvalResult
 from distopt.training.progress import Progress
 
@@ -79,6 +80,9 @@ def reopen_log(path: Path, *, before_step: int) -> QpsLogWriter:
     return log
 
 
+_PIPELINE_KEYS = ("staleness_max", "staleness_mean", "prefetch_bytes")
+
+
 class Recorder:
     """Fans one trainer's step and evaluation records out to the log, TensorBoard and progress."""
 
@@ -101,14 +105,26 @@ class Recorder:
         wait_s: float | None,
         pipeline: PipelineStats | None = None,
         phases: Mapping[str, float] | None = None,
+        fetched: FetchCounts | None = None,
+        cached: bool = False,
     ) -> None:
-        extra = {}
+        """One step's record; ``fetched``: what the step's fetches took (parameter-server jobs),
+        ``cached``: whether the job has row caches (their fields are logged then)."""
+        extra: dict[str, float] = {}
         if pipeline is not None:
             extra = {
                 "staleness_max": pipeline.staleness_max,
                 "staleness_mean": pipeline.staleness_mean,
                 "prefetch_bytes": pipeline.inflight_bytes_max,
             }
+        if fetched is not None:
+            extra["rows_fetched"] = fetched.rows
+            extra["bytes_fetched"] = fetched.bytes
+            if cached:
+                if fetched.hit_rate is not None:
+                    extra["cache_hit_rate"] = fetched.hit_rate
+                extra["cache_bytes"] = fetched.cache_bytes
+                extra["cache_staleness_max"] = fetched.staleness_max
         record = self.log.log_step(
             step, step_time_s, loss=loss, lr=lr, wait_s=wait_s, phases=phases, **extra
         )
@@ -121,7 +137,8 @@ class Recorder:
             if wait_s is not None:
                 self.board.add_scalar("train/wait_s", wait_s, done)
             for key, value in extra.items():
-                self.board.add_scalar(f"pipeline/{key}", value, done)
+                group = "pipeline" if key in _PIPELINE_KEYS else "fetch"
+                self.board.add_scalar(f"{group}/{key}", value, done)
 
     def evaluation(self, done: int, result: EvalResult, seconds: float) -> None:
         metrics = result.as_dict()

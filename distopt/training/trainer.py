@@ -375,6 +375,7 @@ def train(
     if optimized is not None and env.rank == 0:
         logger.info("%s", summary(optimized))  # what trains: optimized, verified or why not
     ps.take_wait_time()  # waits so far (verification, prediction) belong to no step
+    ps_calls.take_fetch_counts()  # and so do their fetches
     if rng is not None:
         # Last, so that nothing between here and the first step (model building, optimize's
         # verification) shifts the random streams of the resumed steps.
@@ -445,6 +446,8 @@ def train(
                     wait_s=phases.take_waited() if waits else None,
                     pipeline=prefetcher.stats if prefetcher is not None else None,
                     phases=phases.take(),
+                    fetched=ps_calls.take_fetch_counts() if waits else None,
+                    cached=bool(config.ps.cache),
                 )
                 done = step + 1
                 if eval_loader is not None and config.eval.due(done, config.steps):
@@ -462,6 +465,7 @@ def train(
                         )
                     recorder.evaluation(done, evaluation, time.perf_counter() - began)
                     ps.take_wait_time()
+                    ps_calls.take_fetch_counts()  # the evaluation's fetches are no step's
                 every = config.checkpoint_every
                 if every and (done % every == 0 or done == config.steps):
                     cut = job_state.cut(

@@ -238,3 +238,53 @@ def test_jobs_of_one_variant_are_pooled(write_run: WriteRun) -> None:
     mixed = [base[0], load_run(write_run("other", 900.0, config={"lr": 0.5}))]
     with pytest.raises(CompareError, match=r"lr \(use --force"):
         compare_runs([mixed, fast], labels=["b", "f"])
+
+
+def _fetching_run(out: Path, run_id: str, rows: int, **cache: float) -> Path:
+    """A run whose steps record fetch counts (and, given ``cache``, row-cache fields)."""
+    with QpsLogWriter.create(
+        out,
+        run_id=run_id,
+        variant="optimized",
+        rank=0,
+        world_size=1,
+        global_batch_size=64,
+        config={"model": "dlrm", "run_id": run_id},
+    ) as writer:
+        for step in range(20):
+            writer.log_step(
+                step,
+                0.01,
+                rows_fetched=rows + step % 3,
+                bytes_fetched=(rows + step % 3) * 64,
+                **cache,
+            )
+    return out / run_id
+
+
+def test_fetches_and_row_caches_are_summarized_per_run(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from distopt.cli.cmd_compare import render
+
+    plain = load_run(_fetching_run(tmp_path, "plain", 1000))
+    cached = load_run(
+        _fetching_run(
+            tmp_path, "cached", 300, cache_hit_rate=0.7, cache_bytes=2 << 20, cache_staleness_max=1
+        )
+    )
+    result = compare_runs([plain, cached], labels=["plain", "cached"], warmup=2)
+    assert result.runs[0].fetches == {"rows_fetched": 1001.0, "bytes_fetched": 1001.0 * 64}
+    assert result.runs[1].fetches == {
+        "rows_fetched": 301.0,
+        "bytes_fetched": 301.0 * 64,
+        "cache_hit_rate": 0.7,
+        "cache_bytes": float(2 << 20),
+        "cache_staleness_max": 1.0,
+    }
+    assert result.to_json()["runs"][1]["fetches"]["cache_hit_rate"] == 0.7
+    console = Console(record=True, width=160)
+    render(result, console)
+    text = console.export_text()
+    assert "parameter-server fetches per trainer step" in text
+    assert "70.0%" in text and "2.00" in text

@@ -34,7 +34,16 @@ def test_every_operation_is_a_handler_on_rpc_and_a_method_on_ray() -> None:
     on_ray = {name for name, op in OPERATIONS.items() if "ray" in op.transports}
     assert set(rpc_transport.HANDLERS) == on_rpc
     assert METHODS == on_ray
-    assert {"fetch", "fetch_many", "push", "push_many", "save", "load", "tables"} <= on_rpc & on_ray
+    assert {
+        "fetch",
+        "fetch_many",
+        "fetch_cached",
+        "push",
+        "push_many",
+        "save",
+        "load",
+        "tables",
+    } <= on_rpc & on_ray
     assert {"heartbeat", "trainer_done", "abort"} == on_rpc - on_ray  # an RPC process's trainers
     assert {"restore", "incarnation"} == on_ray - on_rpc  # only Ray restarts a server in place
     for name in on_ray:
@@ -47,7 +56,15 @@ def test_every_operation_is_a_handler_on_rpc_and_a_method_on_ray() -> None:
 
 def test_read_operations_are_declared_reads_and_the_rest_are_not() -> None:
     reads = {name for name, op in OPERATIONS.items() if op.read}
-    assert reads == {"fetch", "fetch_many", "state_dict", "tables", "stats", "incarnation"}
+    assert reads == {
+        "fetch",
+        "fetch_many",
+        "fetch_cached",
+        "state_dict",
+        "tables",
+        "stats",
+        "incarnation",
+    }
     for name, handler in rpc_transport.HANDLERS.items():
         assert declared_effect(handler) == ("read" if name in reads else None), name
 

@@ -26,8 +26,10 @@ from torch.futures import Future
 
 from distopt.errors import ConfigError, RemoteCallError
 from distopt.ps.client import context
+from distopt.ps.client.cache import FetchCounts, Lookup, TableCache
 from distopt.ps.client.futures import FetchFuture, after, gather, when_all
 from distopt.ps.client.ordering import TableOrder, in_stale_reads
+from distopt.ps.server.table import VersionedRows
 from distopt.ps.spec import TableSpec
 from distopt.ps.transport.base import Transport
 
@@ -53,6 +55,7 @@ class Client:
         transport: Transport,
         rpc_timeout_s: float,
         servers: Sequence[str] = (),
+        caches: Mapping[str, TableCache] | None = None,
     ) -> None:
         self.routes = dict(routes)
         self.transport = transport
@@ -75,6 +78,11 @@ class Client:
         self.push_listeners: list[Callable[[str, torch.Tensor], None]] = []
         self.waited_s = 0.0
         """Seconds spent in :func:`wait` since :func:`take_wait_time` last asked."""
+        self.caches: dict[str, TableCache] = dict(caches or {})
+        """Row caches by table (``ps.cache``; :mod:`distopt.ps.client.cache`)."""
+        self.fetched = FetchCounts()
+        """What fetches took since :func:`take_fetch_counts` last asked; guarded by ``counts_lock``."""
+        self.counts_lock = threading.Lock()
 
     def route(self, table: str) -> Route:
         route = self.routes.get(table)
@@ -95,6 +103,16 @@ class Client:
                 fut.wait()
             except RemoteCallError:
                 pass  # reported to whoever waits on it; flush only orders
+
+    def count_fetched(self, counts: FetchCounts) -> None:
+        """Add what one fetch took to :attr:`fetched`."""
+        with self.counts_lock:
+            total = self.fetched
+            total.rows += counts.rows
+            total.bytes += counts.bytes
+            total.lookups += counts.lookups
+            total.hits += counts.hits
+            total.staleness_max = max(total.staleness_max, counts.staleness_max)
 
     def forget_order(self) -> None:
         """Start every table's order afresh: a failed push no longer fails its table's later
@@ -164,6 +182,37 @@ def take_wait_time() -> float:
         return 0.0
     waited, client.waited_s = client.waited_s, 0.0
     return waited
+
+
+def take_fetch_counts() -> FetchCounts:
+    """What this trainer's fetches took from the servers since the previous call (rows, bytes,
+    cache lookups and hits; then reset), with the caches' memory and the most staleness a
+    cached row was served with so far; all zero when this process is no trainer."""
+    client = _CURRENT
+    if client is None:
+        return FetchCounts()
+    with client.counts_lock:
+        taken, client.fetched = (
+            client.fetched,
+            FetchCounts(staleness_max=client.fetched.staleness_max),
+        )
+    taken.cache_bytes = sum(cache.nbytes for cache in client.caches.values())
+    return taken
+
+
+def pin_rows(requests: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Rows ``(table, ids)`` the batches in flight need: no cache evicts them until the next
+    call (the pipeline's lookahead; :class:`distopt.pipeline.Prefetcher` calls it)."""
+    client = _CURRENT
+    if client is None or not client.caches:
+        return
+    by_table: dict[str, list[torch.Tensor]] = {}
+    for table, ids in requests:
+        if table in client.caches:
+            by_table.setdefault(table, []).append(torch.as_tensor(ids).reshape(-1).to("cpu"))
+    for table, cache in client.caches.items():
+        pinned = by_table.get(table)
+        cache.pin(torch.cat(pinned) if pinned else torch.zeros(0, dtype=torch.int64))
 
 
 def on_push(listener: Callable[[str, torch.Tensor], None]) -> Callable[[], None]:
@@ -269,17 +318,75 @@ def fetch(table: str, ids: Ids = None) -> torch.Tensor:
     return wait(fetch_async(table, ids))
 
 
+@dataclass
+class _Piece:
+    """One server's share of one fetched ``(table, ids)``."""
+
+    index: int
+    """The request it belongs to."""
+    pos: torch.Tensor | None
+    """Its positions in the request's flat ids (``None``: all of them)."""
+    table: str
+    ids: torch.Tensor
+    shard: int
+    cache: TableCache | None
+    lookup: Lookup | None = None
+    """What the cache held of ``ids`` (unique) when the request left."""
+    inverse: torch.Tensor | None = None
+    """``ids`` as positions in ``lookup.ids``."""
+
+    def cache_request(self) -> tuple[str, torch.Tensor, torch.Tensor | None, int, int]:
+        """The piece as an item of ``fetch_cached``: unique ids with the versions held (looked
+        up now, when the request leaves, after the pushes it is ordered after)."""
+        if self.cache is None:
+            return (self.table, self.ids, None, 0, 0)
+        unique, inverse, counts = torch.unique(self.ids, return_inverse=True, return_counts=True)
+        self.lookup = self.cache.lookup(self.shard, unique, counts)
+        self.inverse = inverse
+        return (self.table, unique, self.lookup.held, self.lookup.epoch, self.cache.config.bound)
+
+    def rows(self, answer: Any, counts: FetchCounts) -> torch.Tensor:
+        """The piece's rows from its server's answer, counted into ``counts``."""
+        if self.lookup is None or self.cache is None or self.inverse is None:
+            counts.rows += answer.shape[0]
+            counts.bytes += answer.numel() * answer.element_size()
+            return answer
+        versioned = VersionedRows(*answer)
+        rows, served, missed = self.cache.merge(self.lookup, versioned)
+        counts.rows += versioned.rows.shape[0]
+        counts.bytes += versioned.nbytes
+        counts.lookups += self.inverse.numel()
+        counts.hits += int(served.index_select(0, self.inverse).sum())
+        counts.staleness_max = max(counts.staleness_max, missed)
+        return rows.index_select(0, self.inverse)
+
+
+def _fetch_call(client: Client, server: str, pieces: Sequence[_Piece]) -> Future:
+    """One request asking ``server`` for ``pieces``: ``fetch_cached`` when one is of a cached
+    table, else ``fetch`` (one piece) or ``fetch_many``."""
+    what = f"fetch of {', '.join(repr(p.table) for p in pieces)}"
+    args: tuple[Any, ...]
+    if any(p.cache is not None for p in pieces):
+        op, args = "fetch_cached", ([p.cache_request() for p in pieces],)
+    elif len(pieces) == 1:
+        op, args = "fetch", (pieces[0].table, pieces[0].ids)
+    else:
+        op, args = "fetch_many", ([(p.table, p.ids) for p in pieces],)
+    return client.call(server, op, args, what=what, timeout_s=client.timeout_s)
+
+
 def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
     client = current()
     resolved = []
     for table, ids in requests:
         route = client.route(table)
         resolved.append((table, _as_ids(route, ids), route))
-    # Per server, the pieces it must answer: (request index, positions, table, shard ids).
-    per_server: dict[str, list[tuple[int, torch.Tensor | None, str, torch.Tensor]]] = {}
+    per_server: dict[str, list[_Piece]] = {}
     for index, (table, ids, route) in enumerate(resolved):
+        cache = client.caches.get(table)
         for shard, pos, shard_ids in _split(ids, len(route.servers)):
-            per_server.setdefault(route.servers[shard], []).append((index, pos, table, shard_ids))
+            piece = _Piece(index, pos, table, shard_ids, shard, cache)
+            per_server.setdefault(route.servers[shard], []).append(piece)
     tables = [t for t, _, _ in resolved]
     label = f"ps.fetch:{tables[0]}" if single else f"ps.fetch_many:{'+'.join(tables)}"
     out = FetchFuture(
@@ -291,18 +398,20 @@ def _fetch(requests: Sequence[tuple[str, Ids]], *, single: bool) -> FetchFuture:
     plan = list(per_server.items())
 
     def start() -> Future:
-        requests = [(server, [(it[2], it[3]) for it in items]) for server, items in plan]
-        return _per_server(client, requests, "fetch", "fetch_many", (), "fetch of")
+        return gather([_fetch_call(client, server, pieces) for server, pieces in plan])
 
     def finish(answers: list[Any]) -> Any:
+        counts = FetchCounts()
         results = [torch.empty(ids.numel(), route.spec.dim) for _, ids, route in resolved]
-        for (_, items), answer in zip(plan, answers, strict=True):
-            rows_list = [answer] if len(items) == 1 else answer
-            for (index, pos, _, _), rows in zip(items, rows_list, strict=True):
-                if pos is None:
-                    results[index] = rows
+        for (_, pieces), answer in zip(plan, answers, strict=True):
+            batched = len(pieces) > 1 or any(p.cache is not None for p in pieces)
+            for piece, got in zip(pieces, answer if batched else [answer], strict=True):
+                rows = piece.rows(got, counts)
+                if piece.pos is None:
+                    results[piece.index] = rows
                 else:
-                    results[index].index_copy_(0, pos, rows)
+                    results[piece.index].index_copy_(0, piece.pos, rows)
+        client.count_fetched(counts)
         shaped = [
             r.reshape(*ids.shape, route.spec.dim)
             for r, (_, ids, route) in zip(results, resolved, strict=True)
@@ -349,6 +458,7 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
     client = current()
     named: list[tuple[str, torch.Tensor]] = []  # (table, flat ids), for the push listeners
     per_server: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
+    shards: dict[str, list[int]] = {}  # the shard of each item of per_server
     for table, ids, grads in pushes:
         route = client.route(table)
         flat = _as_ids(route, ids).reshape(-1)
@@ -361,25 +471,45 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
                 f"push to {table!r}: grads of shape {tuple(grads.shape)} do not match {flat.numel()} ids "
                 f"of dim {route.spec.dim}"
             )
-        rows = grads.detach().reshape(-1, route.spec.dim).to("cpu")  # sent from host memory
+        # Sent from host memory, contiguous: a cache applies the rows as the server receives them.
+        rows = grads.detach().reshape(-1, route.spec.dim).to("cpu").contiguous()
         for shard, pos, shard_ids in _split(flat, len(route.servers)):
             shard_rows = rows if pos is None else rows.index_select(0, pos)
-            per_server.setdefault(route.servers[shard], []).append((table, shard_ids, shard_rows))
+            server = route.servers[shard]
+            per_server.setdefault(server, []).append((table, shard_ids, shard_rows))
+            shards.setdefault(server, []).append(shard)
         named.append((table, flat))
     tables = [table for table, _ in named]
     out: Future = Future()
     out.label = label = f"ps.push:{'+'.join(tables)}"  # type: ignore[attr-defined]
     plan = list(per_server.items())
+    cached = any(table in client.caches for table in tables)
 
     def start() -> Future:
-        return _per_server(client, plan, "push", "push_many", (float(lr),), "push to")
+        # With a cache, the servers answer the versions the push was applied to.
+        extra = (float(lr), True) if cached else (float(lr),)
+        return _per_server(client, plan, "push", "push_many", extra, "push to")
+
+    def finish(answers: list[Any]) -> None:
+        """The cached tables' copies take the push the servers took (before the push is done:
+        a fetch ordered after it finds them updated)."""
+        if not cached:
+            return
+        for (server, items), answer in zip(plan, answers, strict=True):
+            applied = [answer] if len(items) == 1 else answer
+            for (table, ids, rows), shard, (epoch, before) in zip(
+                items, shards[server], applied, strict=True
+            ):
+                cache = client.caches.get(table)
+                if cache is not None:
+                    cache.apply_own(shard, ids, rows, float(lr), epoch, before)
 
     for listener in list(client.push_listeners):
         for table, flat in named:
             listener(table, flat)
     with client.lock:
         writes, reads = client.order.push(tables, out)
-    after(out, writes=writes, reads=reads, start=start, finish=lambda _: None, what=label)
+    after(out, writes=writes, reads=reads, start=start, finish=finish, what=label)
     return out
 
 

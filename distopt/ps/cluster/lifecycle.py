@@ -28,6 +28,7 @@ from typing import Any, ClassVar, Protocol
 from distopt.dist import rendezvous
 from distopt.dist.rendezvous import HostedStores, StorePlan
 from distopt.errors import RemoteCallError
+from distopt.ps.client.cache import build_caches
 from distopt.ps.client.calls import Client, Route
 from distopt.ps.cluster.job import PSJob
 from distopt.ps.spec import ServerOptions, TableSpec, server_name
@@ -170,11 +171,14 @@ def connect_client(job: PSJob, transport: Transport, *, timeout_s: float) -> Cli
         transport.call(server, "tables", (), what="tables", timeout_s=timeout_s)
         for server in job.servers
     ]
+    routes = routes_from(job, [answer.wait() for answer in answers])
+    held = {name: (route.spec, len(route.servers)) for name, route in routes.items()}
     return Client(
-        routes_from(job, [answer.wait() for answer in answers]),
+        routes,
         transport=transport,
         rpc_timeout_s=job.options.rpc_timeout_s,
         servers=job.servers,
+        caches=build_caches(job.options.cache, held),
     )
 
 

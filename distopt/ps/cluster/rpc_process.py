@@ -49,7 +49,8 @@ def config(
         "world_size": options.num_servers + num_trainers,
         "plan": dataclasses.asdict(plan),
         "launcher_pid": launcher_pid,
-        "options": dataclasses.asdict(options),
+        # The trainers' row caches are nothing to a server.
+        "options": dataclasses.asdict(dataclasses.replace(options, cache={})),
         "tables": [dataclasses.asdict(t) for t in tables],
     }
 

@@ -28,6 +28,7 @@ from distopt.dist import rendezvous
 from distopt.dist.rendezvous import StorePlan
 from distopt.errors import RemoteCallError
 from distopt.ps.client import calls
+from distopt.ps.client.cache import check_caches
 from distopt.ps.cluster.job import LAUNCHER, PSJob
 from distopt.ps.cluster.lifecycle import (
     Backend,
@@ -72,6 +73,7 @@ class Session:
         options = options or ServerOptions()
         tables = tuple(tables)
         check_tables(tables, options.num_servers)
+        check_caches(options.cache, tables)
         if num_trainers < 1:
             raise RemoteCallError(f"start_servers: num_trainers must be >= 1, got {num_trainers}")
         backend = backend_for(options)

@@ -96,29 +96,82 @@ class ParameterServer:
         if self.latency_s:
             time.sleep(self.latency_s)
 
+    def count(self, kind: str, rows: int, nbytes: int) -> None:
+        """Count ``rows`` rows and ``nbytes`` bytes of tensors ``served`` (fetch answers) or
+        ``pushed`` (gradients received)."""
+        with self.counts_lock:
+            self.counts[f"rows_{kind}"] += rows
+            self.counts[f"bytes_{kind}"] += nbytes
+
     # --- rows ------------------------------------------------------------------------------------
 
     @operation(read=True, fenced=True)
     def fetch(self, table: str, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` (global ids held by this server) of ``table``."""
         self.begin("fetch")
-        return self.table(table).fetch(ids)
+        rows = self.table(table).fetch(ids)
+        self.count("served", rows.shape[0], rows.numel() * rows.element_size())
+        return rows
 
     @operation(read=True, fenced=True)
     def fetch_many(self, requests: list[tuple[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Several fetches in one request: one latency, one round trip, results in request order."""
         self.begin("fetch_many")
-        return [self.table(table).fetch(ids) for table, ids in requests]
+        answers = [self.table(table).fetch(ids) for table, ids in requests]
+        self.count(
+            "served",
+            sum(rows.shape[0] for rows in answers),
+            sum(rows.numel() * rows.element_size() for rows in answers),
+        )
+        return answers
+
+    @operation(read=True, fenced=True)
+    def fetch_cached(
+        self, requests: list[tuple[str, torch.Tensor, torch.Tensor | None, int, int]]
+    ) -> list[torch.Tensor | tuple[Any, ...]]:
+        """Fetches of a trainer with row caches, in one request: per ``(table, ids, held,
+        epoch, bound)``, with ``held`` the versions its cache holds (``None``: an uncached
+        table, answered as by :meth:`fetch`), the rows it must take as the fields of a
+        :class:`~distopt.ps.server.table.VersionedRows` (a plain tuple: Ray sends its tensors
+        as arrays)."""
+        self.begin("fetch_cached")
+        answers: list[torch.Tensor | tuple[Any, ...]] = []
+        rows = nbytes = 0
+        for table, ids, held, epoch, bound in requests:
+            shard = self.table(table)
+            if held is None:
+                plain = shard.fetch(ids)
+                answers.append(plain)
+                rows += plain.shape[0]
+                nbytes += plain.numel() * plain.element_size()
+            else:
+                versioned = shard.fetch_versioned(ids, held, int(epoch), int(bound))
+                answers.append(versioned.fields())
+                rows += versioned.rows.shape[0]
+                nbytes += versioned.nbytes
+        self.count("served", rows, nbytes)
+        return answers
 
     @operation(fenced=True)
-    def push(self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
-        """Apply the table's sparse optimizer step to rows ``ids``."""
+    def push(
+        self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float, versions: bool = False
+    ) -> tuple[int, torch.Tensor] | None:
+        """Apply the table's sparse optimizer step to rows ``ids``; with ``versions``, answer
+        the shard's epoch and the rows' versions before it (for the trainer's cache)."""
         self.begin("push")
-        self.table(table).push(ids, grads, float(lr))
+        answer = self.table(table).push(ids, grads, float(lr))
+        self.count("pushed", ids.numel(), grads.numel() * grads.element_size())
+        return answer if versions else None
 
     @operation(fenced=True)
-    def push_many(self, pushes: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
-        """Several pushes in one request (one latency), applied in request order.
+    def push_many(
+        self,
+        pushes: list[tuple[str, torch.Tensor, torch.Tensor]],
+        lr: float,
+        versions: bool = False,
+    ) -> list[tuple[int, torch.Tensor]] | None:
+        """Several pushes in one request (one latency), applied in request order; ``versions``
+        as for :meth:`push`, one answer per push.
 
         Every table, row and gradient shape is checked before any is updated: a bad request
         changes nothing.
@@ -128,8 +181,13 @@ class ParameterServer:
             (self.table(table), *self.table(table).checked(ids, grads))
             for table, ids, grads in pushes
         ]
-        for shard, local, rows in checked:
-            shard.apply(local, rows, float(lr))
+        answers = [shard.apply(local, rows, float(lr)) for shard, local, rows in checked]
+        self.count(
+            "pushed",
+            sum(local.numel() for _, local, _ in checked),
+            sum(rows.numel() * rows.element_size() for _, _, rows in checked),
+        )
+        return answers if versions else None
 
     # --- whole shards: checkpoints -----------------------------------------------------------------
 
@@ -191,7 +249,9 @@ class ParameterServer:
 
     @operation(read=True)
     def stats(self) -> dict[str, int]:
-        """Request counts by operation since start (``requests`` is the total), and the PID."""
+        """Request counts by operation since start (``requests`` is the total), rows and bytes
+        of tensors served (``rows_served``, ``bytes_served``) and received in pushes
+        (``rows_pushed``, ``bytes_pushed``), and the PID."""
         with self.counts_lock:
             return {**self.counts, "pid": os.getpid()}
 

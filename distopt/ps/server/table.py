@@ -3,10 +3,16 @@
 Row ``r`` of a table placed on ``n`` servers is stored by shard ``r % n`` at local row ``r // n``.
 Every method takes *global* row ids and checks they belong to this shard, so a misrouted request
 fails loudly instead of touching the wrong row.
+
+Every row has a version, the number of pushes that updated it since the shard was made or
+loaded, and every shard an epoch, drawn anew whenever its rows are replaced: together they let a
+trainer's cache prove a row it holds current (:meth:`ShardTable.fetch_versioned`; ``docs/cache.md``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import threading
 from typing import Any
 
@@ -28,6 +34,64 @@ def accumulate(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, to
     summed = torch.zeros(len(unique), grads.shape[1], dtype=grads.dtype)
     summed.index_add_(0, inverse, grads)
     return unique, summed
+
+
+def step_rows(
+    spec: TableSpec,
+    weight: torch.Tensor,
+    accum: torch.Tensor | None,
+    rows: torch.Tensor,
+    summed: torch.Tensor,
+    lr: float,
+) -> None:
+    """The table's sparse optimizer step, in place, on rows ``rows`` (unique) of ``weight`` and
+    ``accum`` with the summed gradient rows ``summed``.
+
+    The one place of the update math: a server applies it to its shard, a trainer's cache
+    (:mod:`distopt.ps.client.cache`) to its copies of the same rows with the same tensors, so
+    its copies stay bitwise equal to the server's.
+    """
+    if accum is None:
+        weight.index_add_(0, rows, summed, alpha=-lr)
+        return
+    if accum.dim() == 1:  # row-wise: the row's mean squared gradient, one scalar per row
+        accum_rows = accum.index_select(0, rows).add_(summed.square().mean(dim=1))
+        denom = accum_rows.sqrt().add_(spec.adagrad_eps).unsqueeze(1)
+    else:
+        accum_rows = accum.index_select(0, rows).addcmul_(summed, summed)
+        denom = accum_rows.sqrt().add_(spec.adagrad_eps)
+    accum.index_copy_(0, rows, accum_rows)
+    weight.index_add_(0, rows, summed / denom, alpha=-lr)
+
+
+def new_epoch() -> int:
+    """A shard's epoch: drawn at random, so no two incarnations of a shard share one."""
+    return secrets.randbits(62)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VersionedRows:
+    """A server's answer to a cache (:meth:`ShardTable.fetch_versioned`)."""
+
+    epoch: int
+    """The shard's epoch: versions of another epoch say nothing about these rows."""
+    versions: torch.Tensor
+    """The version of every requested row (int64, request order)."""
+    sent: torch.Tensor
+    """Positions (in the request) of the rows sent: those the trainer did not hold current."""
+    rows: torch.Tensor
+    """``[len(sent), dim]`` weights of the rows sent."""
+    state: torch.Tensor | None
+    """Their optimizer state (Adagrad accumulators), ``None`` for SGD tables."""
+
+    def fields(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The fields in order, as a plain tuple (how it crosses the wire)."""
+        return (self.epoch, self.versions, self.sent, self.rows, self.state)
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.versions, self.sent, self.rows, self.state)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class ShardTable:
@@ -53,6 +117,9 @@ class ShardTable:
             self.accum = torch.full(
                 (self.weight.shape[0],), spec.adagrad_initial, dtype=self.weight.dtype
             )
+        self.version = torch.zeros(self.weight.shape[0], dtype=torch.int64)
+        """Pushes applied to each local row since this shard was made or loaded."""
+        self.epoch = new_epoch()
 
     @property
     def num_local_rows(self) -> int:
@@ -88,6 +155,29 @@ class ShardTable:
         with self.lock:
             return self.weight.index_select(0, local)
 
+    def fetch_versioned(
+        self, ids: torch.Tensor, held: torch.Tensor, epoch: int, bound: int
+    ) -> VersionedRows:
+        """Rows ``ids`` a cache lacks or holds out of date: the versions of all, the rows (and
+        optimizer state) of those whose ``held`` version is negative (not held), of another
+        ``epoch``, or more than ``bound`` pushes behind."""
+        local = self.local_ids(ids)
+        if not isinstance(held, torch.Tensor) or held.shape != local.shape:
+            raise ConfigError(
+                f"table {self.spec.name!r}: held versions {held!r} do not match {local.numel()} ids"
+            )
+        with self.lock:
+            versions = self.version.index_select(0, local)
+            if epoch != self.epoch:
+                sent = torch.arange(local.numel())
+            else:
+                stale = (held < 0) | (versions - held.to(torch.int64) > bound)
+                sent = stale.nonzero().squeeze(1)
+            picked = local.index_select(0, sent)
+            rows = self.weight.index_select(0, picked)
+            state = None if self.accum is None else self.accum.index_select(0, picked)
+            return VersionedRows(self.epoch, versions, sent, rows, state)
+
     def checked(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Local rows of ``ids`` and ``grads`` as ``[len(ids), dim]``, or an error naming the table."""
         local = self.local_ids(ids)
@@ -102,29 +192,25 @@ class ShardTable:
             )
         return local, grads.reshape(local.numel(), self.spec.dim)
 
-    def push(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
-        """Apply the table's sparse optimizer to rows ``ids`` with gradient rows ``grads``."""
-        self.apply(*self.checked(ids, grads), lr)
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> tuple[int, torch.Tensor]:
+        """Apply the table's sparse optimizer to rows ``ids`` with gradient rows ``grads``;
+        returns what :meth:`apply` does."""
+        return self.apply(*self.checked(ids, grads), lr)
 
-    def apply(self, local: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
-        """:meth:`push` of rows and gradients :meth:`checked` already returned."""
+    def apply(
+        self, local: torch.Tensor, grads: torch.Tensor, lr: float
+    ) -> tuple[int, torch.Tensor]:
+        """:meth:`push` of rows and gradients :meth:`checked` already returned. Returns the
+        shard's epoch and each updated row's version before this push (rows in ascending id
+        order, duplicates once): what a cache needs to know its copies took the same updates."""
         if local.numel() == 0:
-            return
+            return self.epoch, torch.zeros(0, dtype=torch.int64)
         rows, summed = accumulate(local, grads.to(self.weight.dtype))
         with self.lock:
-            if self.accum is None:
-                self.weight.index_add_(0, rows, summed, alpha=-lr)
-                return
-            if (
-                self.accum.dim() == 1
-            ):  # row-wise: the row's mean squared gradient, one scalar per row
-                accum = self.accum.index_select(0, rows).add_(summed.square().mean(dim=1))
-                denom = accum.sqrt().add_(self.spec.adagrad_eps).unsqueeze(1)
-            else:
-                accum = self.accum.index_select(0, rows).addcmul_(summed, summed)
-                denom = accum.sqrt().add_(self.spec.adagrad_eps)
-            self.accum.index_copy_(0, rows, accum)
-            self.weight.index_add_(0, rows, summed / denom, alpha=-lr)
+            before = self.version.index_select(0, rows)
+            step_rows(self.spec, self.weight, self.accum, rows, summed, lr)
+            self.version.index_copy_(0, rows, before + 1)
+            return self.epoch, before
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of this shard's tensors plus where it sits, for checkpoints."""
@@ -166,6 +252,8 @@ class ShardTable:
             self.weight.copy_(weight)
             if self.accum is not None:
                 self.accum.copy_(state["accum"])
+            self.version.zero_()
+            self.epoch = new_epoch()  # every cached copy of this shard is void
 
 
 def _describe(accum_shape: tuple[int, ...] | None) -> str:

@@ -1,0 +1,424 @@
+"""A trainer's caches of parameter-server rows (``ps.cache``): one :class:`TableCache` per table.
+
+A fetch of a cached table asks each server for the rows the cache lacks or cannot prove current:
+it sends the versions it holds, the server answers every row's version and sends only the rows
+that are out of date (:meth:`~distopt.ps.server.table.ShardTable.fetch_versioned`). The trainer's
+own pushes still go to the servers; once a push is answered, the cache applies it to its copies
+with the servers' arithmetic (:func:`~distopt.ps.server.table.step_rows`), so a copy that took
+exactly the updates the server took is bitwise the server's row. Why and how:
+``docs/cache.md``.
+
+Every method runs under the cache's lock: fetch answers and push answers arrive on transport
+threads while the training loop looks rows up and pins them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
+
+import torch
+
+from distopt.errors import ConfigError
+from distopt.ps.server.table import VersionedRows, accumulate, step_rows
+from distopt.ps.spec import CacheConfig, TableSpec
+
+SLOT_BYTES = 8 + 8 + 8 + 1
+"""Bookkeeping per cached row: its id, version and last use (int64) and whether it is exact."""
+
+
+def row_bytes(spec: TableSpec) -> int:
+    """Bytes one cached row of ``spec`` takes: the row, its optimizer state, its bookkeeping."""
+    state = {"sgd": 0, "adagrad": spec.dim, "rowwise_adagrad": 1}[spec.optimizer]
+    return 4 * (spec.dim + state) + SLOT_BYTES
+
+
+def table_bytes(spec: TableSpec, config: CacheConfig) -> int:
+    """Bytes a cache of ``spec`` takes whatever its capacity: a slot index per table row (int32)
+    and, for ``lfu``, a use count per table row (int64)."""
+    return spec.num_rows * (4 + (8 if config.policy == "lfu" else 0))
+
+
+def capacity_of(spec: TableSpec, config: CacheConfig) -> int:
+    """Rows a cache of ``spec`` holds at most (never more than the table has)."""
+    if config.capacity_rows is not None:
+        return min(config.capacity_rows, spec.num_rows)
+    assert config.capacity_bytes is not None  # CacheConfig holds exactly one
+    room = config.capacity_bytes - table_bytes(spec, config)
+    return max(0, min(room // row_bytes(spec), spec.num_rows))
+
+
+def cache_bytes(spec: TableSpec, config: CacheConfig) -> int:
+    """Bytes a cache of ``spec`` takes (what :attr:`TableCache.nbytes` reports)."""
+    return capacity_of(spec, config) * row_bytes(spec) + table_bytes(spec, config)
+
+
+def memory_available() -> int | None:
+    """Bytes of memory this host can still give (``MemAvailable``); ``None`` when unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
+def check_caches(
+    caches: Mapping[str, CacheConfig],
+    tables: Sequence[TableSpec],
+    *,
+    reads: Collection[str] | None = None,
+    available: int | None = None,
+) -> None:
+    """A one-line ``ConfigError`` naming ``ps.cache.<table>`` unless every cache is of one of
+    ``tables``, of a table the model reads (``reads``: the tables its forward fetches, when
+    known), holds a row, and all of them fit in the memory ``available`` (default: this host's).
+    """
+    specs = {spec.name: spec for spec in tables}
+    room = memory_available() if available is None else available
+    total = 0
+    for name, config in caches.items():
+        key = f"ps.cache.{name}"
+        spec = specs.get(name)
+        if spec is None:
+            known = ", ".join(sorted(specs)) or "none"
+            raise ConfigError(f"{key}: the model has no table {name!r} (its tables: {known})")
+        if reads is not None and name not in reads:
+            read = ", ".join(sorted(reads)) or "none"
+            raise ConfigError(
+                f"{key}: the model does not read table {name!r} (its forward fetches: {read})"
+            )
+        if config.capacity_rows is not None:
+            asked, what = config.capacity_rows * row_bytes(spec), "capacity_rows"
+            value = config.capacity_rows
+        else:
+            assert config.capacity_bytes is not None
+            asked, what, value = config.capacity_bytes, "capacity_bytes", config.capacity_bytes
+        if capacity_of(spec, config) < 1:
+            raise ConfigError(
+                f"{key}.capacity_bytes: {value} bytes hold no row of table {name!r} (a row takes "
+                f"{row_bytes(spec)} bytes, the table's bookkeeping {table_bytes(spec, config)})"
+            )
+        if room is not None and asked > room:
+            raise ConfigError(
+                f"{key}.{what}: {value} takes {_size(asked)}, more than the {_size(room)} of "
+                "memory available on this host"
+            )
+        total += cache_bytes(spec, config)
+    if room is not None and total > room:
+        raise ConfigError(
+            f"ps.cache: the caches take {_size(total)} together, more than the {_size(room)} of "
+            "memory available on this host"
+        )
+
+
+def build_caches(
+    configs: Mapping[str, CacheConfig], tables: Mapping[str, tuple[TableSpec, int]]
+) -> dict[str, TableCache]:
+    """A cache per configured table; ``tables``: each table's spec and number of shards."""
+    caches = {}
+    for name, config in configs.items():
+        found = tables.get(name)
+        if found is None:
+            held = ", ".join(sorted(tables)) or "none"
+            raise ConfigError(
+                f"ps.cache.{name}: the job's servers hold no table {name!r} (they hold: {held})"
+            )
+        spec, num_shards = found
+        caches[name] = TableCache(spec, config, num_shards=num_shards)
+    return caches
+
+
+@dataclasses.dataclass(kw_only=True, slots=True)
+class FetchCounts:
+    """What this trainer's fetches took from the servers since they were last taken (a step)."""
+
+    rows: int = 0
+    """Rows the servers sent."""
+    bytes: int = 0
+    """Bytes of the tensors the servers sent: rows, and for caches optimizer state and versions."""
+    lookups: int = 0
+    """Ids fetched from cached tables, each occurrence in a batch counted."""
+    hits: int = 0
+    """Of those, the ids served from a cache (their row was not sent)."""
+    cache_bytes: int = 0
+    """Memory the caches take (:attr:`TableCache.nbytes`), when taken."""
+    staleness_max: int = 0
+    """Over the run so far: the most updates of other trainers that a served row had missed."""
+
+    @property
+    def hit_rate(self) -> float | None:
+        """``hits / lookups``; ``None`` before any lookup."""
+        return self.hits / self.lookups if self.lookups else None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Lookup:
+    """What a cache holds of one server's share of a fetch, when the request left."""
+
+    shard: int
+    ids: torch.Tensor
+    """The ids asked, unique and ascending."""
+    held: torch.Tensor
+    """The version held of each id, -1 where none is (or, ``exact``, none provably current)."""
+    epoch: int
+    """The shard's epoch the versions belong to (-1: none known)."""
+    rows: torch.Tensor
+    """``[len(ids), dim]``: copies of the held rows (where ``held >= 0``), as they were."""
+
+
+class TableCache:
+    """Rows of one table held by this trainer: at most ``capacity`` rows in fixed slots.
+
+    Per slot: the row, its optimizer state, its id, its version (the server's version it
+    holds, counting the trainer's own pushes applied since), whether it is exact (every update
+    up to that version applied in the server's order) and its last use. Per table row: its slot
+    (-1: not held) and, for ``lfu``, how often it was fetched.
+    """
+
+    def __init__(self, spec: TableSpec, config: CacheConfig, *, num_shards: int) -> None:
+        self.spec = spec
+        self.config = config
+        self.num_shards = num_shards
+        self.capacity = capacity_of(spec, config)
+        self.weight = torch.zeros(self.capacity, spec.dim)
+        self.state: torch.Tensor | None = None
+        if spec.optimizer == "adagrad":
+            self.state = torch.zeros(self.capacity, spec.dim)
+        elif spec.optimizer == "rowwise_adagrad":
+            self.state = torch.zeros(self.capacity)
+        self.ids = torch.full((self.capacity,), -1, dtype=torch.int64)
+        self.version = torch.zeros(self.capacity, dtype=torch.int64)
+        self.exact = torch.zeros(self.capacity, dtype=torch.bool)
+        self.used = torch.zeros(self.capacity, dtype=torch.int64)
+        self.slot = torch.full((spec.num_rows,), -1, dtype=torch.int32)
+        self.uses = (
+            torch.zeros(spec.num_rows, dtype=torch.int64) if config.policy == "lfu" else None
+        )
+        self.pinned = torch.zeros(0, dtype=torch.int64)
+        """Ids a batch in flight needs (:meth:`pin`): never evicted."""
+        self.epochs: dict[int, int] = {}
+        """Shard → the epoch the held rows of that shard belong to."""
+        self.clock = 0
+        self.lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (
+            self.weight,
+            self.state,
+            self.ids,
+            self.version,
+            self.exact,
+            self.used,
+            self.slot,
+            self.uses,
+        )
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def __len__(self) -> int:
+        """Rows held now."""
+        with self.lock:
+            return int((self.ids >= 0).sum())
+
+    def held_ids(self) -> torch.Tensor:
+        """The ids held now, ascending."""
+        with self.lock:
+            return self.ids[self.ids >= 0].sort().values
+
+    def pin(self, ids: torch.Tensor) -> None:
+        """Keep rows ``ids`` (any shape, duplicates allowed) until the next call: the rows of the
+        batches in flight, which the pipeline knows ahead (its lookahead)."""
+        unique = torch.unique(ids.reshape(-1).to(torch.int64))
+        with self.lock:
+            self.pinned = unique
+
+    # --- fetches ----------------------------------------------------------------------------------
+
+    def lookup(self, shard: int, ids: torch.Tensor, counts: torch.Tensor) -> Lookup:
+        """What is held of ``ids`` (unique, ascending, all of ``shard``), fetched ``counts``
+        times each in this request; marks the held ones used."""
+        with self.lock:
+            self.clock += 1
+            slots = self.slot.index_select(0, ids).to(torch.int64)
+            pos = (slots >= 0).nonzero().squeeze(1)
+            at = slots.index_select(0, pos)
+            self.used.index_fill_(0, at, self.clock)
+            if self.uses is not None:
+                self.uses.index_add_(0, ids, counts.to(torch.int64))
+            if self.config.consistency == "exact":
+                current = self.exact.index_select(0, at)
+                pos, at = pos[current], at[current]
+            held = torch.full((ids.numel(),), -1, dtype=torch.int64)
+            held.index_copy_(0, pos, self.version.index_select(0, at))
+            rows = torch.empty(ids.numel(), self.spec.dim)
+            rows.index_copy_(0, pos, self.weight.index_select(0, at))
+            return Lookup(shard, ids, held, self.epochs.get(shard, -1), rows)
+
+    def merge(
+        self, lookup: Lookup, answer: VersionedRows
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The rows of ``lookup.ids``: those the server sent, the rest from the cache; keeps what
+        the server sent. Returns the rows, which ids were served from the cache, and the most
+        updates one of those had missed."""
+        rows = lookup.rows
+        rows.index_copy_(0, answer.sent, answer.rows)
+        served = torch.ones(lookup.ids.numel(), dtype=torch.bool)
+        served[answer.sent] = False
+        missed = (answer.versions - lookup.held)[served]
+        with self.lock:
+            if self.epochs.get(lookup.shard) != answer.epoch:
+                self._drop(self._slots_of_shard(lookup.shard))
+                self.epochs[lookup.shard] = answer.epoch
+            self._install(
+                lookup.ids.index_select(0, answer.sent),
+                answer.rows,
+                answer.state,
+                answer.versions.index_select(0, answer.sent),
+            )
+        return rows, served, int(missed.max().clamp(min=0)) if missed.numel() else 0
+
+    def _install(
+        self,
+        ids: torch.Tensor,
+        rows: torch.Tensor,
+        state: torch.Tensor | None,
+        versions: torch.Tensor,
+    ) -> None:
+        """Hold rows ``ids`` the server sent at ``versions``: refresh held copies the server's
+        are at least as new as, and place new ones in free slots or in the slots of unpinned
+        rows the policy gives up (new rows that find no slot are not held)."""
+        if ids.numel() == 0:
+            return
+        slots = self.slot.index_select(0, ids).to(torch.int64)
+        have = (slots >= 0).nonzero().squeeze(1)
+        at = slots.index_select(0, have)
+        newer = versions.index_select(0, have) >= self.version.index_select(0, at)
+        self._write(at[newer], have[newer], rows, state, versions, exact=True)
+        new = (slots < 0).nonzero().squeeze(1)
+        if new.numel() == 0:
+            return
+        if self.uses is not None:  # the most used first, to take the least used slots
+            order = torch.argsort(
+                self.uses.index_select(0, ids.index_select(0, new)), descending=True, stable=True
+            )
+            new = new.index_select(0, order)
+        free = (self.ids < 0).nonzero().squeeze(1)[: new.numel()]
+        targets = torch.cat([free, self._victims(new.numel() - free.numel())])
+        if self.uses is not None and targets.numel() > free.numel():
+            # LFU admits a new row only over a row used no more often.
+            victims = targets[free.numel() :]
+            candidates = ids.index_select(0, new[free.numel() : targets.numel()])
+            beaten = self.uses.index_select(0, candidates) >= self.uses.index_select(
+                0, self.ids.index_select(0, victims)
+            )
+            targets = torch.cat([free, victims[beaten.to(torch.int64).cumprod(0).bool()]])
+        new = new[: targets.numel()]
+        self._drop(targets[self.ids.index_select(0, targets) >= 0])
+        placed = ids.index_select(0, new)
+        self.ids.index_copy_(0, targets, placed)
+        self.slot.index_copy_(0, placed, targets.to(torch.int32))
+        self._write(targets, new, rows, state, versions, exact=True)
+
+    def _write(
+        self,
+        at: torch.Tensor,
+        pos: torch.Tensor,
+        rows: torch.Tensor,
+        state: torch.Tensor | None,
+        versions: torch.Tensor,
+        *,
+        exact: bool,
+    ) -> None:
+        """Slots ``at`` take ``rows[pos]`` (and their state) at ``versions[pos]``."""
+        self.weight.index_copy_(0, at, rows.index_select(0, pos))
+        if self.state is not None and state is not None:
+            self.state.index_copy_(0, at, state.index_select(0, pos))
+        self.version.index_copy_(0, at, versions.index_select(0, pos))
+        self.exact.index_fill_(0, at, exact)
+        self.used.index_fill_(0, at, self.clock)
+
+    def _victims(self, count: int) -> torch.Tensor:
+        """Up to ``count`` held, unpinned slots in the order the policy evicts them."""
+        if count <= 0:
+            return torch.zeros(0, dtype=torch.int64)
+        held = self.ids >= 0
+        candidates = (held & ~torch.isin(self.ids, self.pinned)).nonzero().squeeze(1)
+        order = torch.argsort(self.used.index_select(0, candidates), stable=True)
+        if self.uses is not None:  # least used first, least recently used among equals
+            uses = self.uses.index_select(0, self.ids.index_select(0, candidates[order]))
+            order = order.index_select(0, torch.argsort(uses, stable=True))
+        return candidates.index_select(0, order[:count])
+
+    def _slots_of_shard(self, shard: int) -> torch.Tensor:
+        held = self.ids >= 0
+        return (held & (self.ids % self.num_shards == shard)).nonzero().squeeze(1)
+
+    def _drop(self, at: torch.Tensor) -> None:
+        """Forget the rows in slots ``at``."""
+        ids = self.ids.index_select(0, at)
+        self.slot.index_fill_(0, ids[ids >= 0], -1)
+        self.ids.index_fill_(0, at, -1)
+        self.exact.index_fill_(0, at, False)
+
+    # --- the trainer's own pushes ---------------------------------------------------------------
+
+    def apply_own(
+        self,
+        shard: int,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        epoch: int,
+        before: torch.Tensor,
+    ) -> None:
+        """Apply this trainer's push of ``grads`` to rows ``ids`` of ``shard``, which the server
+        answered with its ``epoch`` and each unique row's version ``before`` it.
+
+        The gradients are summed and the step taken exactly as the server did, on tensors of
+        the same shapes (:func:`~distopt.ps.server.table.step_rows`), so a copy at the version
+        the push was applied to becomes bitwise the server's row. A copy already newer holds
+        the push (it was fetched after); an older one missed other trainers' updates and stays
+        inexact (served under ``staleness`` only).
+        """
+        unique, summed = accumulate(ids, grads.to(self.weight.dtype))
+        with self.lock:
+            slots = self.slot.index_select(0, unique).to(torch.int64)
+            if self.epochs.get(shard) != epoch:
+                self._drop(slots[slots >= 0])  # the shard was reloaded: nothing held is known
+                return
+            pos = (slots >= 0).nonzero().squeeze(1)
+            at = slots.index_select(0, pos)
+            held = self.version.index_select(0, at)
+            applied = before.index_select(0, pos)
+            take = held <= applied
+            pos, at, held, applied = pos[take], at[take], held[take], applied[take]
+            if pos.numel() == 0:
+                return
+            weight = torch.zeros(unique.numel(), self.spec.dim)
+            weight.index_copy_(0, pos, self.weight.index_select(0, at))
+            state = None
+            if self.state is not None:
+                state = torch.zeros((unique.numel(), *self.state.shape[1:]))
+                state.index_copy_(0, pos, self.state.index_select(0, at))
+            step_rows(self.spec, weight, state, torch.arange(unique.numel()), summed, lr)
+            self.weight.index_copy_(0, at, weight.index_select(0, pos))
+            if self.state is not None and state is not None:
+                self.state.index_copy_(0, at, state.index_select(0, pos))
+            exact = self.exact.index_select(0, at) & (held == applied)
+            self.exact.index_copy_(0, at, exact)
+            self.version.index_copy_(0, at, held + 1)

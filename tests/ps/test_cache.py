@@ -1,0 +1,278 @@
+"""The trainer's row cache against table shards in-process (no RPC): what it serves, what it
+evicts, and the one-line errors of its config. ``test_cache_servers.py`` runs it on real servers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distopt.config import from_dict
+from distopt.errors import ConfigError
+from distopt.ps.client.cache import TableCache, cache_bytes, check_caches, row_bytes
+from distopt.ps.server.table import ShardTable, VersionedRows
+from distopt.ps.spec import CacheConfig, ServerOptions, TableSpec
+
+
+class Trainer:
+    """One trainer's cache over in-process shards: fetch and push as the client does."""
+
+    def __init__(self, shards: list[ShardTable], config: CacheConfig) -> None:
+        self.shards = shards
+        self.cache = TableCache(shards[0].spec, config, num_shards=len(shards))
+        self.served = 0
+        self.missed_max = 0
+
+    def fetch(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` (unique, ascending), each shard asked for what the cache cannot serve."""
+        out = torch.empty(ids.numel(), self.cache.spec.dim)
+        for shard in self.shards:
+            pos = (ids % len(self.shards) == shard.shard).nonzero().squeeze(1)
+            if not pos.numel():
+                continue
+            mine = ids[pos]
+            lookup = self.cache.lookup(shard.shard, mine, torch.ones_like(mine))
+            answer = shard.fetch_versioned(mine, lookup.held, lookup.epoch, self.cache.config.bound)
+            rows, served, missed = self.cache.merge(lookup, VersionedRows(*answer.fields()))
+            self.served += int(served.sum())
+            self.missed_max = max(self.missed_max, missed)
+            out[pos] = rows
+        return out
+
+    def push(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        for shard in self.shards:
+            pos = (ids % len(self.shards) == shard.shard).nonzero().squeeze(1)
+            if pos.numel():
+                epoch, before = shard.push(ids[pos], grads[pos], lr)
+                self.cache.apply_own(shard.shard, ids[pos], grads[pos], lr, epoch, before)
+
+
+def _shards(spec: TableSpec, n: int = 2) -> list[ShardTable]:
+    return [ShardTable(spec, shard=s, num_shards=n, seed=3) for s in range(n)]
+
+
+def _whole(shards: list[ShardTable], ids: torch.Tensor) -> torch.Tensor:
+    """What a fetch without a cache reads."""
+    out = torch.empty(ids.numel(), shards[0].spec.dim)
+    for shard in shards:
+        pos = (ids % len(shards) == shard.shard).nonzero().squeeze(1)
+        out[pos] = shard.fetch(ids[pos])
+    return out
+
+
+def _held(cache: TableCache) -> set[int]:
+    return set(cache.held_ids().tolist())
+
+
+# --- exact and bounded-stale serving -------------------------------------------------------------
+
+steps = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, 29), min_size=1, max_size=12),  # this trainer's batch
+        st.lists(st.integers(0, 29), max_size=6),  # another trainer's push after it
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=steps,
+    optimizer=st.sampled_from(["sgd", "adagrad", "rowwise_adagrad"]),
+    policy=st.sampled_from(["lru", "lfu"]),
+    capacity=st.integers(1, 30),
+)
+def test_exact_cache_serves_bitwise_the_servers_rows(
+    steps: list[tuple[list[int], list[int]]], optimizer: str, policy: str, capacity: int
+) -> None:
+    spec = TableSpec(name="t", num_rows=30, dim=5, optimizer=optimizer)
+    shards = _shards(spec)
+    me = Trainer(shards, CacheConfig(capacity_rows=capacity, policy=policy))
+    gen = torch.Generator().manual_seed(len(steps))
+    for mine, other in steps:
+        ids = torch.tensor(sorted(set(mine)))
+        assert torch.equal(me.fetch(ids), _whole(shards, ids))
+        batch = torch.tensor(mine)  # duplicates accumulate, as on the server
+        me.push(batch, torch.randn(batch.numel(), 5, generator=gen), 0.1)
+        if other:
+            theirs = torch.tensor(other)
+            for shard in shards:  # another trainer's push: the cache never hears of it
+                pos = (theirs % 2 == shard.shard).nonzero().squeeze(1)
+                shard.push(theirs[pos], torch.randn(pos.numel(), 5, generator=gen), 0.1)
+    assert me.missed_max == 0
+
+
+def test_own_updates_make_cached_rows_hits_and_others_updates_misses() -> None:
+    spec = TableSpec(name="t", num_rows=10, dim=4, optimizer="rowwise_adagrad")
+    shards = _shards(spec)
+    me = Trainer(shards, CacheConfig(capacity_rows=10))
+    ids = torch.arange(6)
+    me.fetch(ids)
+    assert me.served == 0
+    me.push(ids, torch.ones(6, 4), 0.5)  # applied to the copies too
+    assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 6
+    shards[1].push(torch.tensor([3]), torch.ones(1, 4), 0.5)  # another trainer updates row 3
+    assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 6 + 5
+
+
+@pytest.mark.parametrize("bound", [1, 2])
+def test_staleness_serves_rows_at_most_bound_updates_behind_and_counts_them(bound: int) -> None:
+    spec = TableSpec(name="t", num_rows=4, dim=2)
+    shards = _shards(spec, 1)
+    me = Trainer(shards, CacheConfig(capacity_rows=4, consistency="staleness", staleness=bound))
+    row = torch.tensor([2])
+    first = me.fetch(row)
+    for missed in range(1, bound + 2):
+        shards[0].push(row, torch.ones(1, 2), 0.1)  # another trainer's update
+        got = me.fetch(row)
+        if missed <= bound:  # served from the cache, stale by ``missed``
+            assert torch.equal(got, first) and me.missed_max == missed
+        else:  # one too many: fetched again
+            assert torch.equal(got, shards[0].fetch(row)) and me.missed_max == bound
+
+
+def test_a_reloaded_shard_voids_every_cached_row() -> None:
+    spec = TableSpec(name="t", num_rows=8, dim=3)
+    shards = _shards(spec, 1)
+    saved = shards[0].state_dict()
+    me = Trainer(shards, CacheConfig(capacity_rows=8))
+    ids = torch.arange(8)
+    me.push(ids, torch.ones(8, 3), 1.0)
+    me.fetch(ids)
+    shards[0].load_state_dict(saved)  # same versions counted from 0 again: a new epoch
+    assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 0
+
+
+# --- eviction ------------------------------------------------------------------------------------
+
+
+def test_lru_evicts_the_least_recently_fetched_row() -> None:
+    me = Trainer(_shards(TableSpec(name="t", num_rows=10, dim=2), 1), CacheConfig(capacity_rows=3))
+    for row in (1, 2, 3, 1):
+        me.fetch(torch.tensor([row]))
+    me.fetch(torch.tensor([4]))
+    assert _held(me.cache) == {1, 3, 4}
+
+
+def test_lfu_evicts_the_least_often_fetched_row_and_admits_only_over_it() -> None:
+    config = CacheConfig(capacity_rows=2, policy="lfu")
+    me = Trainer(_shards(TableSpec(name="t", num_rows=10, dim=2), 1), config)
+    for row in (1, 1, 1, 2, 2):
+        me.fetch(torch.tensor([row]))
+    me.fetch(torch.tensor([3]))  # fetched once: no slot held by a row fetched less often
+    assert _held(me.cache) == {1, 2}
+    me.fetch(torch.tensor([3]))
+    me.fetch(torch.tensor([3]))  # now as often as row 2, which was used longer ago
+    assert _held(me.cache) == {1, 3}
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    batches=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 39), min_size=1, max_size=10),
+            st.lists(st.integers(0, 39), max_size=10),
+        ),
+        min_size=1,
+        max_size=15,
+    ),
+    capacity=st.integers(1, 12),
+    policy=st.sampled_from(["lru", "lfu"]),
+)
+def test_pinned_rows_are_never_evicted(
+    batches: list[tuple[list[int], list[int]]], capacity: int, policy: str
+) -> None:
+    me = Trainer(
+        _shards(TableSpec(name="t", num_rows=40, dim=2)),
+        CacheConfig(capacity_rows=capacity, policy=policy),
+    )
+    for fetched, pinned in batches:
+        me.cache.pin(torch.tensor(pinned, dtype=torch.int64))
+        kept = _held(me.cache) & set(pinned)
+        me.fetch(torch.tensor(sorted(set(fetched))))
+        held = _held(me.cache)
+        assert kept <= held
+        assert len(held) <= capacity
+
+
+# --- the config and its one-line errors ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            {"emb0": {"capacity_rows": -5}},
+            "ps.cache.emb0.capacity_rows: expected an integer >= 1, or null, got -5",
+        ),
+        (
+            {"emb0": {"capacity_rows": 5, "capacity_bytes": 100}},
+            "ps.cache.emb0.capacity_rows: expected exactly one of capacity_rows and "
+            "capacity_bytes, got {'capacity_rows': 5, 'capacity_bytes': 100}",
+        ),
+        (
+            {"emb0": {"capacity_rows": 5, "staleness": 2}},
+            "ps.cache.emb0.staleness: expected 0 with consistency: exact, got 2",
+        ),
+        (
+            {"emb0": {"capacity_rows": 5, "consistency": "staleness"}},
+            "ps.cache.emb0.staleness: expected an integer >= 1 with consistency: staleness, got 0",
+        ),
+        (
+            {"emb0": {"capacity_rows": 5, "policy": "fifo"}},
+            "ps.cache.emb0.policy: expected one of 'lru', 'lfu', got 'fifo'",
+        ),
+    ],
+)
+def test_bad_cache_configs_are_one_line_errors(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        from_dict(ServerOptions, {"cache": data}, prefix="ps")
+    assert str(err.value) == message
+
+
+TABLES = (
+    TableSpec(name="emb0", num_rows=1000, dim=16, optimizer="rowwise_adagrad"),
+    TableSpec(name="emb1", num_rows=1000, dim=16),
+)
+
+
+def test_caches_of_tables_the_model_lacks_or_does_not_read_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"^ps.cache.embx: the model has no table 'embx' \(its"):
+        check_caches({"embx": CacheConfig(capacity_rows=5)}, TABLES)
+    with pytest.raises(
+        ConfigError,
+        match=r"^ps.cache.emb1: the model does not read table 'emb1' \(its forward fetches: emb0\)$",
+    ):
+        check_caches({"emb1": CacheConfig(capacity_rows=5)}, TABLES, reads={"emb0"})
+
+
+def test_a_capacity_beyond_memory_is_refused() -> None:
+    row = row_bytes(TABLES[0])
+    with pytest.raises(
+        ConfigError, match=r"^ps.cache.emb0.capacity_rows: 100000 takes .* more than the 1.0 MiB"
+    ):
+        check_caches({"emb0": CacheConfig(capacity_rows=100_000)}, TABLES, available=1 << 20)
+    with pytest.raises(ConfigError, match=r"^ps.cache.emb0.capacity_bytes: 10 bytes hold no row"):
+        check_caches({"emb0": CacheConfig(capacity_bytes=10)}, TABLES)
+    each = CacheConfig(capacity_rows=1000)
+    assert cache_bytes(TABLES[0], each) == 1000 * row + 4 * 1000
+    with pytest.raises(ConfigError, match=r"^ps.cache: the caches take .* together"):
+        check_caches(
+            {"emb0": each, "emb1": each},
+            TABLES,
+            available=cache_bytes(TABLES[0], each) + 10,
+        )
+
+
+def test_cache_memory_is_what_the_config_says() -> None:
+    spec = TABLES[0]
+    for config in (
+        CacheConfig(capacity_rows=300),
+        CacheConfig(capacity_bytes=20_000, policy="lfu"),
+    ):
+        cache = TableCache(spec, config, num_shards=2)
+        assert cache.nbytes == cache_bytes(spec, config)
+        if config.capacity_bytes is not None:
+            assert cache.nbytes <= config.capacity_bytes
