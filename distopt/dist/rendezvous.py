@@ -44,8 +44,10 @@ import faulthandler
 import gc
 import ipaddress
 import os
+import re
 import socket
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -54,8 +56,8 @@ from typing import Any, Literal, Protocol
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from distopt.dist import netif
 from distopt.config import check
+from distopt.dist import netif
 from distopt.errors import ConfigError, RemoteCallError
 
 Store = Literal["rpc", "gloo"]
@@ -176,8 +178,7 @@ def meet(plan: StorePlan, *, me: str, others: Sequence[str], timeout_s: float) -
     a server that never starts (or a trainer that never comes) into an error naming it.
     """
     store = _connect(plan, "rpc", me=me, timeout_s=timeout_s)
-    # The value also says whether this is the process's first RPC group (see leave_rpc).
-    store.set(READY_PREFIX + me, f"{os.getpid()} {int(_first_rpc_group())}")
+    store.set(READY_PREFIX + me, str(os.getpid()))
     try:
         store.wait([READY_PREFIX + o for o in others], datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as err:
@@ -221,13 +222,14 @@ def init_rpc(
     """
     netif.pin(transport.interface, toward=plan.host, key=_interface_key(transport.interface))
     backend = rpc.TensorPipeRpcBackendOptions(
-        init_method=f"tcp://{plan.host}:{plan.port('rpc')}",
+        init_method=f"{_RPC_SCHEME}://{plan.host}:{plan.port('rpc')}",
         rpc_timeout=timeout_s,
         num_worker_threads=transport.num_worker_threads,
         _transports=list(transport.transports),
         _channels=None if transport.channels is None else list(transport.channels),
     )
     _fresh_process_rpc_state()
+    _register_rpc_scheme()
     try:
         with _agent_store_mode(), warnings.catch_warnings():
             # torch's own init_rpc gathers device maps through a ProcessGroupGloo backend object
@@ -240,15 +242,11 @@ def init_rpc(
             f"{name}: RPC group of {world_size} did not form within {timeout_s:g} s through the "
             f"{plan.describe('rpc')}: {first_line(err)}"
         ) from None
-    _RPC_GROUPS.append(plan)
     members = [info.name for info in rpc.api._get_current_rpc_agent().get_worker_infos()]
     store = _connect(plan, "rpc", me=name, timeout_s=timeout_s)
-    # A member that joined without meet() (a caller of init_rpc alone) left no ready key: then
-    # nobody can know its counter, and the group leaves as torch's own shutdown does.
-    keys = [READY_PREFIX + member for member in members]
-    met = store.check(keys)
-    firsts = [store.get(key).decode().split(" ")[-1] for key in keys] if met else []
-    _QUIET_LEAVE[:] = [met and all(first == "1" for first in firsts)]
+    # A member that joined without meet() (a caller of torch's init_rpc alone) numbers its
+    # barriers its own way: then the group leaves as torch's own shutdown does.
+    _QUIET_LEAVE[:] = [store.check([READY_PREFIX + member for member in members])]
 
 
 def leave_rpc(*, me: str, graceful: bool) -> None:
@@ -257,13 +255,14 @@ def leave_rpc(*, me: str, graceful: bool) -> None:
     A TensorPipe agent logs a warning for every pipe that closes while it is not shutting down
     (``RPC agent for ps0 encountered error when reading incoming request from trainer0: EOF``,
     ``... pipe closed``), and ``rpc.shutdown(graceful=False)`` closes pipes at once, so every
-    member's exit warned on itself and the others. The agent's ``join(shutdown=True)`` marks every
-    agent shutting down, after a barrier in the RPC group's store whose deadline is the group's
-    RPC timeout, before any pipe closes. Its barrier keys carry a counter torch keeps per process,
-    so members agree on them only in each one's first RPC group (as in every ``distopt.train``
-    process); a group with a member on its second one (a Python process running jobs one after
-    another) leaves as before. (Not ``rpc.shutdown(graceful=True)``: its all-gather has the same
-    per-process sequence numbers.) A member that never comes costs that deadline and one line.
+    member's exit warned on itself and the others. The agent's ``join(shutdown=True)`` waits until
+    no member has a call in flight (a server's answer to the last goodbye included), then marks
+    every agent shutting down, through barriers in the RPC group's store whose deadline is the
+    group's RPC timeout, before any pipe closes. Those barriers are numbered per process by torch;
+    :class:`_GroupBarrierStore` numbers them per group, so a trainer on its second job (a Python
+    process running jobs one after another, as a benchmark sweep does) meets fresh servers on the
+    same keys. (Not ``rpc.shutdown(graceful=True)``: its all-gather has per-process sequence
+    numbers too.) A member that never comes costs that deadline and one line.
     """
     if not rpc.api._is_current_rpc_agent_set():
         return
@@ -279,17 +278,93 @@ def leave_rpc(*, me: str, graceful: bool) -> None:
             )
     _QUIET_LEAVE[:] = []
     rpc.shutdown(graceful=False)
+    _GROUP_STORES.clear()
 
 
-_RPC_GROUPS: list[StorePlan] = []
-"""The RPC groups this process has formed through :func:`init_rpc`."""
 _QUIET_LEAVE: list[bool] = []
 """Whether every member of the current RPC group can leave it together (:func:`leave_rpc`)."""
 
+_RPC_SCHEME = "distopt-tcp"
+"""``init_method`` scheme of the groups :func:`init_rpc` forms: torch's ``tcp://`` rendezvous,
+its store seen through :class:`_GroupBarrierStore`."""
 
-def _first_rpc_group() -> bool:
-    """Whether this process has formed no RPC group yet, through distopt or torch directly."""
-    return not _RPC_GROUPS and getattr(rpc, "_init_counter", 0) == 0
+_BARRIER_KEY = re.compile(r"^(.*(?:PROCESS_COUNT|ACTIVE_CALLS|READY)_ID_)(\d+)$")
+"""The keys of the TensorPipe agent's store barrier (torch/csrc/distributed/rpc/agent_utils.cpp:
+``PROCESS_COUNT_ID_<n>``, ``ACTIVE_CALLS_ID_<n>``, ``READY_ID_<n>``, ``n`` counted per process)."""
+
+
+class _GroupBarrierStore(dist.Store):
+    """An RPC group's store as its agent sees it, with the agent's barriers numbered from 1 in
+    this group instead of in this process's life.
+
+    Every member of a group runs the same barriers in the same order, so numbered per group they
+    agree, whichever jobs each process ran before (see :func:`leave_rpc`). Everything else passes
+    through unchanged.
+    """
+
+    def __init__(self, store: dist.Store) -> None:
+        super().__init__()
+        self._store = store
+        self._lock = threading.Lock()
+        self._base: int | None = None
+
+    def _key(self, key: str) -> str:
+        match = _BARRIER_KEY.match(key)
+        if match is None:
+            return key
+        n = int(match.group(2))
+        with self._lock:
+            if self._base is None:
+                self._base = n - 1
+            return f"{match.group(1)}{n - self._base}"
+
+    def set(self, key: str, value: Any) -> None:
+        self._store.set(self._key(key), value)
+
+    def get(self, key: str) -> bytes:
+        return self._store.get(self._key(key))
+
+    def add(self, key: str, value: int) -> int:
+        return self._store.add(self._key(key), value)
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._store.compare_set(self._key(key), expected, desired)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        mapped = [self._key(key) for key in keys]
+        if timeout is None:
+            self._store.wait(mapped)
+        else:
+            self._store.wait(mapped, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check([self._key(key) for key in keys])
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(self._key(key))
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+
+_GROUP_STORES: list[_GroupBarrierStore] = []
+"""The current group's store: torch's agent holds only its C++ part, and a Python store whose
+Python object is gone fails every call."""
+
+
+def _rpc_rendezvous(url: str, **kwargs: Any) -> Iterator[tuple[dist.Store, int, int]]:
+    """torch's ``tcp://`` rendezvous, its store wrapped in a :class:`_GroupBarrierStore`."""
+    tcp_url = "tcp" + url[len(_RPC_SCHEME) :]
+    for store, rank, world_size in dist.rendezvous(tcp_url, **kwargs):
+        group_store = _GroupBarrierStore(store)
+        _GROUP_STORES[:] = [group_store]
+        yield group_store, rank, world_size
+
+
+def _register_rpc_scheme() -> None:
+    """Make ``distopt-tcp://`` an ``init_method`` (once per process)."""
+    with contextlib.suppress(RuntimeError):  # already registered
+        dist.register_rendezvous_handler(_RPC_SCHEME, _rpc_rendezvous)
 
 
 def leave_gloo() -> None:

@@ -67,6 +67,7 @@ def materialize_units(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if node.op not in ("placeholder", "output"):
             previous = assign[node] = unit_of(node, previous)
     _views_where_used(work, assign)
+    _boundaries_not_views(work, assign)
     split = split_module(work, work, lambda node: assign[node], keep_original_order=True)
     original = {id(t): k for k, t in gm.state_dict(keep_vars=True).items()}
     key_map: dict[str, str] = {}
@@ -191,6 +192,40 @@ def _views_where_used(gm: torch.fx.GraphModule, assign: dict[torch.fx.Node, int]
         if not node.users:
             graph.erase_node(node)
             del assign[node]
+    graph.lint()
+    gm.recompile()
+
+
+@torch.fx.wrap
+def not_a_view(value: Any) -> Any:
+    """``value``, copied if it is a tensor that views another (see :func:`_boundaries_not_views`)."""
+    if isinstance(value, torch.Tensor) and value._is_view():
+        return value.clone()
+    return value
+
+
+def _boundaries_not_views(gm: torch.fx.GraphModule, assign: dict[torch.fx.Node, int]) -> None:
+    """Pass every value that leaves its unit through :func:`not_a_view`.
+
+    Some ops return a view of a temporary: ``nn.Linear`` on a 3-D input is a 2-D matmul viewed
+    back to 3-D. A unit ending in one makes FSDP2 warn that it "returned a view tensor"; unlike the
+    graph's own views (:func:`_views_where_used`) it cannot move, as it holds parameters. Whether
+    it is a view is known only when it runs, so the copy is made only then (one activation per
+    boundary, and only for such units); values are unchanged.
+    """
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op in ("placeholder", "output", "get_attr") or node.target is not_a_view:
+            continue
+        home = assign[node]
+        leaving = [u for u in node.users if u.op != "output" and assign[u] != home]
+        if not leaving:
+            continue
+        with graph.inserting_after(node):
+            own = graph.call_function(not_a_view, (node,))
+        assign[own] = home
+        for user in leaving:
+            user.replace_input_with(node, own)
     graph.lint()
     gm.recompile()
 

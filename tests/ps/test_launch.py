@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -12,6 +15,7 @@ import torch
 import distopt.ps as ps
 from distopt.ps import stop_servers
 from distopt.ps.spec import ServerOptions, TableSpec
+from tests.noise import noise
 
 pytestmark = pytest.mark.slow
 
@@ -63,6 +67,48 @@ def test_a_trainer_process_can_join_consecutive_jobs() -> None:
             with torch.no_grad():
                 rows = ps.fetch("t")
         assert rows.shape == (10, 4)
+
+
+_ROUNDS = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import distopt.ps as ps
+    from distopt.ps.spec import ServerOptions, TableSpec
+
+    for seed in range(int(sys.argv[1])):
+        options = ServerOptions(num_servers=2, seed=seed)
+        with ps.local_job((TableSpec(name="t", num_rows=10, dim=4),), options) as job:
+            for _ in range(5):
+                ps.fetch("t", torch.tensor([1, 2])).sum().backward()
+                ps.push_gradients(lr=0.1)
+        for log in job.logs:
+            print(log)
+    """
+)
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_local_job_rounds_leave_stderr_and_server_logs_quiet(tmp_path: Path, rounds: int) -> None:
+    """A benchmark sweep runs one ``local_job`` per point in one process. From the second on, the
+    trainer's agent numbered its shutdown barrier past the fresh servers', the group left without
+    it, and every pipe that closed warned (``RPC agent for trainer0 encountered error when reading
+    incoming response from ps0: EOF``) on the user's stderr and in the servers' logs."""
+    script = tmp_path / "rounds.py"
+    script.write_text(_ROUNDS)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(rounds)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert noise(proc.stderr) == []
+    logs = proc.stdout.split()
+    assert len(logs) == 2 * rounds
+    for log in logs:
+        assert [ln for ln in noise(Path(log).read_text()) if "runpy" not in ln] == [], log
 
 
 def _cpu_seconds(pid: int) -> float:

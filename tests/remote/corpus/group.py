@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import subprocess
 import sys
@@ -79,7 +80,10 @@ def rpc_group(num_servers: int = 2, *, latency_ms: float = 0.0) -> Iterator[list
                 for stop in stops:
                     with contextlib.suppress(RuntimeError):
                         stop.wait()
-                rpc.shutdown(graceful=False)
+                # Together with the servers (every agent shutting down before a pipe closes), once
+                # the RRefs this process dropped have reached their owners.
+                gc.collect()
+                rendezvous.leave_rpc(me="trainer0", graceful=True)
             for proc in procs:
                 proc.wait(timeout=60)
         finally:

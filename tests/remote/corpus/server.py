@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import sys
 
-import torch.distributed.rpc as rpc
-
 from distopt.dist import rendezvous
 from distopt.ps.spec import ServerOptions
 from tests.remote.corpus import tables
@@ -30,7 +28,7 @@ def main(argv: list[str]) -> int:
         timeout_s=START_TIMEOUT_S,
     )  # fmt: skip
     tables.STOP.wait()  # serve until the trainer says stop
-    rpc.shutdown(graceful=False)
+    rendezvous.leave_rpc(me=name, graceful=True)  # together with the trainer and the others
     return 0
 
 
