@@ -21,7 +21,7 @@ from distopt.errors import RemoteCallError
 from distopt.dist.rendezvous import StorePlan
 from tests.conftest import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 in /proc/net
 _DEADLINE_S = 1.5
 _SLACK_S = 1.0  # our probe's deadline, not TCPStore's retry back-off (which took 5 s for 1.5 s)
