@@ -20,6 +20,16 @@ process is shaped with ``tc tbf`` both ways, and TensorPipe sends every payload 
 (``uv`` transport, ``basic`` channel: its default ``cma`` channel would copy tensors between the
 processes' memories, past the link); the bytes each variant moved over the link per step are
 read from the link's counters, next to the rows' payload.
+
+``cached`` and ``pipelined+cached`` are ``optimized`` and ``pipelined`` with a row cache of
+``cache_fraction`` × rows per table (``ps.cache``, ``cache_policy``, exact unless
+``cache_staleness``); the pipeline's lookahead pins the rows of the batches in flight. Each has
+its own caches, swapped in for its chunks on the same servers. Per point: the measured hit rate
+next to the static-optimal one, the rows the servers sent per step (their ``rows_served``)
+against the uncached ``optimized`` run's, and the caches' memory; and a check that the cached
+model's outputs equal the uncached ones bitwise on the run's last batches. Replaying ``steps``
+batches every round would let the run's distinct ids fit in the cache: with a cached variant
+every round draws fresh batches instead (round ``r`` step ``i`` is batch ``r × steps + i``).
 """
 
 from __future__ import annotations
@@ -57,8 +67,13 @@ from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm
 from distopt.models.ids import static_optimal_hit_rate
 from distopt.optimize.gain import predict_gain
 from distopt.pipeline import TrainPipeline
+from distopt.ps.client import calls as ps_calls
+from distopt.ps.client.cache import TableCache, build_caches, check_caches, memory_available
 
-VARIANTS = ("baseline", "optimized", "hand", "pipelined", "no_network")
+DEFAULT_VARIANTS = ("baseline", "optimized", "hand", "pipelined", "no_network")
+CACHED_VARIANTS = ("cached", "pipelined+cached")
+VARIANTS = DEFAULT_VARIANTS + CACHED_VARIANTS
+PIPELINED = ("pipelined", "pipelined+cached")
 LINK_HOST = "ps"
 """The host (network namespace) the servers run on with ``link``."""
 
@@ -88,9 +103,10 @@ class PSOverlapConfig:
     lr: float = 0.01
     output_dir: str = "runs/bench/ps_overlap"
     """QPS JSON Lines logs go to ``<output_dir>/<run_id>/qps-rank0.jsonl``."""
-    variants: tuple[str, ...] = VARIANTS
+    variants: tuple[str, ...] = DEFAULT_VARIANTS
     """Variants to train (H needs baseline, optimized and hand; the pipeline targets need
-    optimized, pipelined and no_network)."""
+    optimized, pipelined and no_network); ``cached`` and ``pipelined+cached`` (not by default)
+    add a row cache to ``optimized`` and ``pipelined``."""
     pipeline_staleness: int | Literal["auto"] = "auto"
     """Staleness of the ``pipelined`` variant (0: exact, reads sent after the previous pushes);
     ``auto``: per sweep point, the least the cost model says hides a request's latency
@@ -120,6 +136,23 @@ class PSOverlapConfig:
     """A row cache's capacity as a fraction of each table's rows: each point reports the
     static-optimal hit rate of such a cache over the run's ids (the best any cache that size
     holding a fixed set of rows could do)."""
+    cache_policy: Literal["lru", "lfu"] = "lru"
+    """Eviction policy of the cached variants' caches (``ps.cache.<table>.policy``)."""
+    cache_staleness: int = 0
+    """0: the cached variants' caches are ``exact``; s >= 1: ``consistency: staleness`` with
+    bound s (with one trainer, every update is its own: nothing is ever stale)."""
+    target_hit_vs_static_optimal: float = 0.9
+    """Target: a cached variant's hit rate >= this × the static-optimal hit rate (scored with
+    ``id_alpha`` set, where the run's distinct ids do not all fit in the cache)."""
+    target_rows_slack: float = 0.05
+    """Target: rows the servers sent per step to a cached variant <= (1 − its hit rate) + this,
+    × those they sent to ``optimized``."""
+    target_cached_vs_pipelined: float = 2.0
+    """Target on a shaped link with ``id_alpha`` set: ``pipelined+cached`` QPS >= this ×
+    ``pipelined``."""
+    target_cached_vs_no_network: float = 1.0
+    """Target on a shaped link with ``id_alpha`` set: ``pipelined+cached`` QPS >= this ×
+    ``no_network``."""
     link: LinkShape | None = None
     """``{rate_mbit, burst_kib, latency_ms}``: run the servers on a host of their own whose link to
     this process ``tc tbf`` limits to ``rate_mbit`` each way, payloads over TCP (needs root, or
@@ -177,6 +210,12 @@ class PSOverlapConfig:
             "cache_fraction",
             "a fraction of the rows in (0, 1]",
             self.cache_fraction,
+        )
+        check(
+            isinstance(self.cache_staleness, int) and self.cache_staleness >= 0,
+            "cache_staleness",
+            "an integer >= 0 (0: exact)",
+            self.cache_staleness,
         )
         check(
             self.link is None or self.ps.backend == "rpc",
@@ -247,6 +286,138 @@ def _pipelined_chunk(
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
+def _chunk(
+    name: str,
+    model,
+    cfg: DLRMConfig,
+    batches,
+    opt,
+    *,
+    bench: PSOverlapConfig,
+    latency: float,
+    staleness: int,
+    max_staleness: int | None,
+    memory: dict,
+) -> list[float]:
+    """Step times of variant ``name`` training ``model`` on ``batches`` once."""
+    if name in PIPELINED:
+        return _pipelined_chunk(
+            model,
+            batches,
+            opt,
+            staleness=staleness,
+            max_staleness=max_staleness,
+            lr=bench.lr,
+            memory=memory,
+        )
+    if name == "no_network":
+        ps.set_latency_ms(0.0)
+    try:
+        return _train_chunk(model, cfg, batches, opt, blocking_push=name == "baseline", lr=bench.lr)
+    finally:
+        if name == "no_network":
+            ps.set_latency_ms(latency)
+
+
+def _rows_served() -> int:
+    """Rows every server of the job has sent so far (its ``rows_served``)."""
+    servers = sorted({s for route in ps.routes().values() for s in route.servers})
+    return sum(ps.server_stats(server)["rows_served"] for server in servers)
+
+
+@dataclasses.dataclass
+class _Fetched:
+    """What one variant's fetches took over its chunks: rows counted by the servers and by the
+    trainer, and the cache lookups and hits."""
+
+    server_rows: int = 0
+    rows: int = 0
+    lookups: int = 0
+    hits: int = 0
+    steps: int = 0
+
+    @staticmethod
+    def start() -> int:
+        """Start counting a chunk: the servers' count so far (the trainer's is reset)."""
+        ps.take_fetch_counts()
+        return _rows_served()
+
+    def add(self, served_before: int, *, steps: int) -> None:
+        """Add the chunk of ``steps`` steps started when the servers had sent ``served_before``."""
+        counts = ps.take_fetch_counts()
+        self.server_rows += _rows_served() - served_before
+        self.rows += counts.rows
+        self.lookups += counts.lookups
+        self.hits += counts.hits
+        self.steps += steps
+
+
+def _cache_rows(bench: PSOverlapConfig, cfg: DLRMConfig) -> int:
+    return max(1, int(bench.cache_fraction * cfg.num_rows))
+
+
+def _exact_check(model, batches: list, caches: dict[str, TableCache]) -> dict:
+    """Whether ``model`` gives bitwise the same outputs on ``batches`` with ``caches`` as
+    without (an ``exact`` cache serves only rows the servers prove current), after the run
+    left in the caches what its training put there; with the lookups and hits it made."""
+    equal = True
+    ps.take_fetch_counts()
+    with torch.no_grad():
+        for batch in batches:
+            with ps_calls.using_caches(caches):
+                with_cache = model(batch.dense, batch.sparse)
+            without = model(batch.dense, batch.sparse)
+            ps.discard_step()
+            equal = equal and torch.equal(with_cache, without)
+    counts = ps.take_fetch_counts()
+    return {
+        "batches": len(batches),
+        "lookups": counts.lookups,
+        "hits": counts.hits,
+        "equal": equal,
+    }
+
+
+def _cache_report(
+    bench: PSOverlapConfig,
+    cfg: DLRMConfig,
+    fetched: dict[str, _Fetched],
+    caches: dict[str, dict[str, TableCache]],
+    static_optimal: float,
+    exact: dict[str, dict],
+) -> dict:
+    """Per cached variant: hit rate vs static-optimal, rows the servers sent per step vs the
+    uncached reference's (``optimized``, else ``pipelined``), the caches' memory."""
+    reference = next((n for n in ("optimized", "pipelined") if n in fetched), None)
+    reference_rows = (
+        fetched[reference].server_rows / fetched[reference].steps if reference else None
+    )
+    variants = {}
+    for name, held in caches.items():
+        f = fetched[name]
+        hit = f.hits / f.lookups if f.lookups else None
+        rows = f.server_rows / f.steps
+        variants[name] = {
+            "hit_rate": hit,
+            "hit_vs_static_optimal": hit / static_optimal if hit is not None else None,
+            "server_rows_per_step": rows,
+            "trainer_rows_per_step": f.rows / f.steps,
+            "rows_vs_reference": rows / reference_rows if reference_rows else None,
+            "rows_bound": None if hit is None else 1 - hit + bench.target_rows_slack,
+            "cache_bytes": sum(cache.nbytes for cache in held.values()),
+            "exact_check": exact.get(name),
+        }
+    return {
+        "rows": _cache_rows(bench, cfg),
+        "policy": bench.cache_policy,
+        "staleness": bench.cache_staleness,
+        "static_optimal_hit_rate": static_optimal,
+        "reference": reference,
+        "reference_server_rows_per_step": reference_rows,
+        "variants": variants,
+    }
+
+
 def _server_options(
     bench: PSOverlapConfig, net: Network | None, *, num_servers: int, latency_ms: float
 ) -> ps.ServerOptions:
@@ -282,7 +453,8 @@ def _link(bench: PSOverlapConfig) -> Iterator[Network | None]:
 
 def _static_optimal(bench: PSOverlapConfig, cfg: DLRMConfig, batches: list) -> float:
     """Static-optimal hit rate of a cache of ``cache_fraction`` of each table's rows over every
-    id the variants read (each round replays ``batches``, which scales every count alike)."""
+    id the variants read: ``batches``, every batch the rounds drew (replayed batches scale every
+    count alike)."""
     capacity = int(bench.cache_fraction * cfg.num_rows)
     per_table = [
         static_optimal_hit_rate([b.sparse[k] for b in batches], capacity)
@@ -309,6 +481,25 @@ def _point(
     )
     options = _server_options(bench, net, num_servers=bench.num_servers, latency_ms=latency)
     batches = [make_batch(cfg, step) for step in range(bench.steps)]
+    cached = [name for name in bench.variants if name in CACHED_VARIANTS]
+    cache_configs = {
+        table: ps.CacheConfig(
+            capacity_rows=_cache_rows(bench, cfg),
+            policy=bench.cache_policy,
+            consistency="staleness" if bench.cache_staleness else "exact",
+            staleness=bench.cache_staleness,
+        )
+        for table in cfg.table_names
+    }
+    if cached:  # every cached variant holds caches of its own, all on this host
+        room = memory_available()
+        check_caches(
+            cache_configs,
+            dlrm_tables(cfg),
+            available=None if room is None else room // len(cached),
+        )
+    drawn = list(batches)
+    fetched = {name: _Fetched() for name in bench.variants}
     # Bytes the servers' host received and sent during each variant's chunks, and their steps.
     wire: dict[str, list[int]] = {name: [0, 0, 0] for name in bench.variants}
     with ps.local_job(dlrm_tables(cfg), options):
@@ -331,16 +522,25 @@ def _point(
             assert staleness is not None
             ps.discard_step()
         models = {"baseline": baseline, "optimized": optimized, "hand": DLRMHandAsync(cfg)}
-        for name in ("pipelined", "no_network"):  # each trains its own copy of the optimized model
-            models[name] = distopt.optimize(copy.deepcopy(baseline), example, strict=True)
-            ps.discard_step()
+        # Each trains its own copy of the optimized model.
+        for name in ("pipelined", "no_network", *CACHED_VARIANTS):
+            if name in bench.variants:
+                models[name] = distopt.optimize(copy.deepcopy(baseline), example, strict=True)
+                ps.discard_step()
+        tables = {t: (r.spec, len(r.servers)) for t, r in ps.routes().items()}
+        caches: dict[str, dict[str, TableCache]] = {
+            name: build_caches(cache_configs, tables) for name in cached
+        }
         variants = bench.variants
         optimizers = {
             name: torch.optim.SGD(models[name].parameters(), lr=bench.lr) for name in variants
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
         round_medians: dict[str, list[float]] = {name: [] for name in variants}
-        memory: dict[str, int] = {"window": max(1, staleness)}
+        memory: dict[str, dict[str, int]] = {
+            name: {"window": max(1, staleness)} for name in PIPELINED
+        }
+        depth = dict.fromkeys(PIPELINED, staleness)
         predicted_staleness = staleness
         # Automatic staleness is the cost model's guess; the run deepens it while reads are late.
         adapt_to = bench.max_staleness if bench.pipeline_staleness == "auto" else None
@@ -349,41 +549,44 @@ def _point(
             round_index < bench.max_rounds
             and min(sum(t) for t in times.values()) < bench.min_variant_s
         ):
+            if cached and round_index:  # fresh batches: the run's ids outgrow the cache
+                start = round_index * bench.steps
+                batches = [make_batch(cfg, start + step) for step in range(bench.steps)]
+                drawn.extend(batches)
             shift = round_index % len(variants)
             for name in variants[shift:] + variants[:shift]:
+                counted = _Fetched.start()
                 before = netns.link_bytes(net, LINK_HOST) if net is not None else (0, 0)
-                if name == "pipelined":
-                    chunk = _pipelined_chunk(
-                        models[name],
-                        batches,
-                        optimizers[name],
-                        staleness=staleness,
-                        max_staleness=adapt_to,
-                        lr=bench.lr,
-                        memory=memory,
-                    )
-                    staleness = memory["depth"]  # the next chunk starts where this one ended
-                else:
-                    if name == "no_network":
-                        ps.set_latency_ms(0.0)
-                    chunk = _train_chunk(
+                with ps_calls.using_caches(caches.get(name, {})):
+                    chunk = _chunk(
+                        name,
                         models[name],
                         cfg,
                         batches,
                         optimizers[name],
-                        blocking_push=name == "baseline",
-                        lr=bench.lr,
+                        bench=bench,
+                        latency=latency,
+                        staleness=depth.get(name, staleness),
+                        max_staleness=adapt_to,
+                        memory=memory.get(name, {}),
                     )
-                    if name == "no_network":
-                        ps.set_latency_ms(latency)
+                if name in depth:  # the next chunk starts where this one ended
+                    depth[name] = memory[name]["depth"]
                 if net is not None:
                     after = netns.link_bytes(net, LINK_HOST)
                     wire[name][0] += after[0] - before[0]
                     wire[name][1] += after[1] - before[1]
                     wire[name][2] += len(chunk)
+                fetched[name].add(counted, steps=len(chunk))
                 times[name].extend(chunk[bench.warmup :])
                 round_medians[name].append(median(chunk[bench.warmup :]))
             round_index += 1
+        exact = {
+            name: _exact_check(models[name], batches[-4:], held)
+            for name, held in caches.items()
+            if bench.cache_staleness == 0
+        }
+    static_optimal = _static_optimal(bench, cfg, drawn)
     results = {name: VariantResult(times[name], bench.batch_size) for name in variants}
     median_s = {name: r.median_s for name, r in results.items()}
     h = ratio_vs_hand = hand_faster = None
@@ -397,6 +600,12 @@ def _point(
         consistent = hand_faster >= bench.h_consistency * round_index
         h = (t_base - t_opt) / hideable if hideable > 0.05 * t_base and consistent else None
         ratio_vs_hand = t_hand / t_opt
+    cached_vs_pipe = cached_vs_net = None
+    if "pipelined+cached" in variants:
+        if "pipelined" in variants:
+            cached_vs_pipe = median_s["pipelined"] / median_s["pipelined+cached"]
+        if "no_network" in variants:
+            cached_vs_net = median_s["no_network"] / median_s["pipelined+cached"]
     pipe_vs_net = pipe_vs_opt = None
     if "pipelined" in variants:
         if "no_network" in variants:
@@ -418,6 +627,7 @@ def _point(
                 "qps_p10": r.qps(0.10),
                 "qps_p90": r.qps(0.90),
                 "steps": len(r.step_times),
+                "server_rows_per_step": fetched[n].server_rows / fetched[n].steps,
                 "step_times_s": r.step_times,
             }
             for n, r in results.items()
@@ -426,6 +636,8 @@ def _point(
         "opt_vs_hand_qps": ratio_vs_hand,
         "pipelined_vs_no_network_qps": pipe_vs_net,
         "pipelined_vs_optimized_qps": pipe_vs_opt,
+        "cached_vs_pipelined_qps": cached_vs_pipe,
+        "cached_vs_no_network_qps": cached_vs_net,
         "predicted_forward_before_s": forward.before_s,
         "predicted_forward_after_s": forward.after_s,
         "predicted_saving_s": forward.saving_s,
@@ -434,16 +646,27 @@ def _point(
             if {"baseline", "optimized"} <= set(variants)
             else None
         ),
-        "pipeline_staleness": staleness,
+        "pipeline_staleness": depth["pipelined"],
         "predicted_pipeline_staleness": predicted_staleness,
         "predicted_pipelined_step_s": pipelined_step,
         "measured_pipelined_step_s": median_s.get("pipelined"),
-        "pipelined_memory": memory if "inflight_bytes_max" in memory else None,
+        "pipelined_memory": memory["pipelined"]
+        if "inflight_bytes_max" in memory["pipelined"]
+        else None,
+        "pipelined_cached_memory": (
+            memory["pipelined+cached"]
+            if "inflight_bytes_max" in memory["pipelined+cached"]
+            else None
+        ),
         "rpc_latency_s": prediction.rpc_latency_s,
         "optimize_s": optimize_s,
         "id_alpha": bench.id_alpha,
-        "cache_rows": int(bench.cache_fraction * cfg.num_rows),
-        "static_optimal_hit_rate": _static_optimal(bench, cfg, batches),
+        "cache_rows": _cache_rows(bench, cfg),
+        "static_optimal_hit_rate": static_optimal,
+        "distinct_batches": len(drawn),
+        "cache": (
+            _cache_report(bench, cfg, fetched, caches, static_optimal, exact) if caches else None
+        ),
         "link": _wire_report(bench, cfg, wire) if net is not None else None,
     }
     return point, prediction
@@ -626,6 +849,43 @@ def _link_table(points: list[dict], bench: PSOverlapConfig) -> Table:
     return table
 
 
+def _cache_table(points: list[dict]) -> Table:
+    """Per point and cached variant: hit rate vs static-optimal, rows the servers sent per step
+    vs the uncached reference's, the caches' memory and the exactness check."""
+    table = Table(
+        title="ps_overlap's row caches: hit rate (share of fetched ids served from the cache) vs "
+        "static-optimal (the run's cache-rows most frequent ids' share); rows the servers sent "
+        "per step vs the uncached run's, bound (1 − hit) + slack"
+    )
+    columns = ("K", "lat ms", "compute", "variant", "rows", "hit", "static-opt.", "ratio")
+    for col in (*columns, "ps rows/step", "ref rows/step", "rows ratio", "bound", "MiB", "exact"):
+        table.add_column(col, justify="right")
+    for p in points:
+        cache = p["cache"]
+        if cache is None:
+            continue
+        for name, v in cache["variants"].items():
+            hit, check = v["hit_rate"], v["exact_check"]
+            ref = cache["reference_server_rows_per_step"]
+            table.add_row(
+                str(p["tables"]),
+                f"{p['latency_ms']:g}",
+                p["compute"],
+                name,
+                str(cache["rows"]),
+                "-" if hit is None else f"{hit:.3f}",
+                f"{cache['static_optimal_hit_rate']:.3f}",
+                "-" if v["hit_vs_static_optimal"] is None else f"{v['hit_vs_static_optimal']:.2f}",
+                f"{v['server_rows_per_step']:.0f}",
+                "-" if ref is None else f"{ref:.0f}",
+                "-" if v["rows_vs_reference"] is None else f"{v['rows_vs_reference']:.3f}",
+                "-" if v["rows_bound"] is None else f"{v['rows_bound']:.3f}",
+                f"{v['cache_bytes'] / 2**20:.1f}",
+                "-" if check is None else ("yes" if check["equal"] else "[red]NO[/red]"),
+            )
+    return table
+
+
 def _verdicts(points: list[dict], bench: PSOverlapConfig) -> tuple[list[str], bool]:
     """One line per target over the points it applies to, and whether every target was met."""
     lines, ok = [], True
@@ -653,7 +913,60 @@ def _verdicts(points: list[dict], bench: PSOverlapConfig) -> tuple[list[str], bo
         met = sum(value >= target for value in scored)
         ok = ok and met == len(scored)
         lines.append(what.format(t=target, n=met, m=len(scored)))
+    for scored, what in _cache_scores(points, bench):
+        if not scored:
+            continue
+        met = sum(scored)
+        ok = ok and met == len(scored)
+        lines.append(what.format(n=met, m=len(scored)))
     return lines, ok
+
+
+def _cache_scores(points: list[dict], bench: PSOverlapConfig) -> list[tuple[list[bool], str]]:
+    """The cached variants' targets: per target, met or not at each point (and cached
+    variant) it applies to, and its line."""
+    hit, rows, exact, vs_pipe, vs_net = [], [], [], [], []
+    for p in points:
+        cache = p["cache"]
+        if cache is None:
+            continue
+        # With every distinct id of the run fitting in the cache there is nothing to rank.
+        skewed = p["id_alpha"] is not None and cache["static_optimal_hit_rate"] < 1
+        for v in cache["variants"].values():
+            if skewed and v["hit_vs_static_optimal"] is not None:
+                hit.append(v["hit_vs_static_optimal"] >= bench.target_hit_vs_static_optimal)
+            if v["rows_vs_reference"] is not None and v["rows_bound"] is not None:
+                rows.append(v["rows_vs_reference"] <= v["rows_bound"])
+            if v["exact_check"] is not None:
+                exact.append(v["exact_check"]["equal"])
+        if p["link"] is not None and p["id_alpha"] is not None:
+            if p["cached_vs_pipelined_qps"] is not None:
+                vs_pipe.append(p["cached_vs_pipelined_qps"] >= bench.target_cached_vs_pipelined)
+            if p["cached_vs_no_network_qps"] is not None:
+                vs_net.append(p["cached_vs_no_network_qps"] >= bench.target_cached_vs_no_network)
+    return [
+        (
+            hit,
+            f"cache hit rate ≥ {bench.target_hit_vs_static_optimal}× static-optimal at "
+            "{n}/{m} cached runs",
+        ),
+        (
+            rows,
+            f"rows the servers sent ≤ (1 − hit rate) + {bench.target_rows_slack} of the "
+            "uncached run's at {n}/{m} cached runs",
+        ),
+        (exact, "exact caches' outputs bitwise equal to uncached at {n}/{m} cached runs"),
+        (
+            vs_pipe,
+            f"pipelined+cached ≥ {bench.target_cached_vs_pipelined}× pipelined QPS on the "
+            "link at {n}/{m} points",
+        ),
+        (
+            vs_net,
+            f"pipelined+cached ≥ {bench.target_cached_vs_no_network}× no_network QPS on the "
+            "link at {n}/{m} points",
+        ),
+    ]
 
 
 def run(config: dict, args: argparse.Namespace) -> int:
@@ -693,6 +1006,8 @@ def run(config: dict, args: argparse.Namespace) -> int:
     console.print(_table(points, bench))
     if bench.link is not None:
         console.print(_link_table(points, bench))
+    if any(p["cache"] for p in points):
+        console.print(_cache_table(points))
     if batching is not None:
         ok = batching["ratio"] <= bench.target_batching_ratio
         console.print(
@@ -702,7 +1017,9 @@ def run(config: dict, args: argparse.Namespace) -> int:
             f"{'ok' if ok else 'MISSED'})"
         )
     lines, targets_ok = _verdicts(points, bench)
-    measured = [p["pipelined_memory"] for p in points if p["pipelined_memory"]]
+    measured = [
+        p[key] for p in points for key in ("pipelined_memory", "pipelined_cached_memory") if p[key]
+    ]
     if measured:
         within = sum(
             m["inflight_bytes_max"] <= m["window"] * m["batch_bytes_max"] for m in measured

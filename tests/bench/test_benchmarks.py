@@ -185,3 +185,41 @@ def test_data_loading_runs_both_arms(tmp_path) -> None:
         result["arms"]["loader"]["median_qps"] / result["arms"]["prebuilt"]["median_qps"]
     )
     assert len(result["load_average_after"]) == 3
+
+
+@pytest.mark.slow
+def test_ps_overlap_cached_variants_report_consistent_counts(tmp_path) -> None:
+    """The cached variants on Zipf ids: the hit rate is a share, the rows the servers counted
+    are the rows the trainer counted, and the exact cache changes no output."""
+    config = tmp_path / "ps.yaml"
+    config.write_text(
+        "kind: ps_overlap\ntables: [2]\nlatency_ms: [0.0]\ncompute: [light]\nrounds: 2\nsteps: 6\n"
+        "warmup: 1\nnum_rows: 2000\nembedding_dim: 8\nid_alpha: 1.05\ncache_fraction: 0.05\n"
+        "variants: [optimized, pipelined, cached, pipelined+cached]\npipeline_staleness: 1\n"
+        f"batching_fetches: 0\noutput_dir: {tmp_path / 'runs'}\n"
+    )
+    out = tmp_path / "out.json"
+    main(["bench", str(config), "--json", str(out)])
+    point = json.loads(out.read_text())["points"][0]
+    # Fresh batches every round: 2 rounds × 6 steps, and the static optimum is over all of them.
+    assert point["distinct_batches"] == 12
+    cache = point["cache"]
+    assert cache["rows"] == 100 and cache["reference"] == "optimized"
+    assert 0 < cache["static_optimal_hit_rate"] < 1
+    # Every step fetches 2 tables × 64 × 4 ids; uncached, the servers send each of them.
+    assert cache["reference_server_rows_per_step"] == 2 * 64 * 4
+    assert point["variants"]["pipelined"]["server_rows_per_step"] == 2 * 64 * 4
+    for name in ("cached", "pipelined+cached"):
+        v = cache["variants"][name]
+        assert 0 < v["hit_rate"] < 1
+        assert v["hit_vs_static_optimal"] == pytest.approx(
+            v["hit_rate"] / cache["static_optimal_hit_rate"]
+        )
+        assert v["server_rows_per_step"] == v["trainer_rows_per_step"]
+        assert v["server_rows_per_step"] == point["variants"][name]["server_rows_per_step"]
+        assert v["rows_vs_reference"] == v["server_rows_per_step"] / (2 * 64 * 4)
+        # Deduplicated ids: the servers send at most the misses.
+        assert v["rows_vs_reference"] <= 1 - v["hit_rate"] + 1e-9
+        assert v["cache_bytes"] > 0
+        check = v["exact_check"]
+        assert check["equal"] and check["hits"] > 0 and check["lookups"] == 4 * 2 * 64 * 4

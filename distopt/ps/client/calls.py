@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -213,6 +214,21 @@ def pin_rows(requests: Sequence[tuple[str, torch.Tensor]]) -> None:
     for table, cache in client.caches.items():
         pinned = by_table.get(table)
         cache.pin(torch.cat(pinned) if pinned else torch.zeros(0, dtype=torch.int64))
+
+
+@contextmanager
+def using_caches(caches: Mapping[str, TableCache]) -> Iterator[None]:
+    """Fetches and pushes use ``caches`` (empty: none) instead of the job's ``ps.cache`` until
+    the block ends: a benchmark compares models with and without a cache on one job's servers.
+    Everything issued in the block is waited for before it ends, so a push's answer updates the
+    caches it was issued with."""
+    client = current()
+    previous, client.caches = client.caches, dict(caches)
+    try:
+        yield
+    finally:
+        client.flush()
+        client.caches = previous
 
 
 def on_push(listener: Callable[[str, torch.Tensor], None]) -> Callable[[], None]:
