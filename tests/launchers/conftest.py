@@ -84,6 +84,15 @@ def assert_criteo_run(tmp_path: Path) -> None:
     assert [e.step for e in evals] == [3, 6] and 0.0 <= evals[-1].metrics["eval_auc"] <= 1.0
 
 
+def logged_steps(path: Path) -> list[int]:
+    """The steps a QPS log holds so far: read while its job runs, so a line still being written
+    (not yet ending in ``}``) is left for the next read."""
+    if not path.exists():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return [r["step"] for r in records if r.get("type") == "step"]
+
+
 def read_records(out: Path) -> dict[str, dict[str, Any]]:
     return {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.jsonl"))}
 

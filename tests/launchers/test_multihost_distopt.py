@@ -21,7 +21,7 @@ import pytest
 
 from distopt.metrics import load_run
 from distopt.metrics.qps_log import read_log
-from tests.launchers.conftest import REPO
+from tests.launchers.conftest import REPO, logged_steps
 
 pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
@@ -322,14 +322,10 @@ def test_a_ray_ps_job_from_the_login_host_on_actors_of_the_worker_node_survives_
 
 
 def _header_pid(log: Path) -> int | None:
-    """The PID in a QPS log's header (the trainer that writes it), once the log has steps."""
-    if not log.exists():
+    """The PID in a QPS log's header (the trainer that writes it), once it has logged step 5."""
+    if not any(step >= 5 for step in logged_steps(log)):
         return None
-    lines = log.read_text().splitlines()
-    steps = [json.loads(ln) for ln in lines[1:] if ln.endswith("}")]
-    if not any(r.get("type") == "step" and r["step"] >= 5 for r in steps):
-        return None
-    return int(json.loads(lines[0])["host"]["pid"])
+    return int(json.loads(log.read_text().splitlines()[0])["host"]["pid"])
 
 
 def test_a_ps_job_that_loses_its_trainer_node_mid_run_is_requeued_and_ends_as_an_uninterrupted_one(

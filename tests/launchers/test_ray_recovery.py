@@ -11,7 +11,6 @@ recovers once, then fails in one line.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
@@ -28,7 +27,7 @@ from distopt.data.generate import write_criteo
 from distopt.metrics.qps_log import load_run
 from distopt.training.checkpoint import latest_complete
 from distopt.training.state import read_tensors
-from tests.launchers.conftest import REPO, free_port_pair
+from tests.launchers.conftest import REPO, free_port_pair, logged_steps
 
 pytest.importorskip("ray")
 
@@ -51,13 +50,6 @@ def _overrides(
             "eval.every=10", "variant=optimized", "ps.backend=ray", f"ps.ray_address={cluster.gcs_address}",
             f"ps.ray_namespace={namespace}", f"ps.max_restarts={max_restarts}", "ps.latency_ms=20",
             "ps.rpc_timeout_s=30"]  # fmt: skip
-
-
-def _logged_steps(path: Path) -> list[int]:
-    if not path.exists():
-        return []
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-    return [r["step"] for r in records if r.get("type") == "step"]
 
 
 def _alive_actor(cluster: Any, prefix: str, name: str, killed: set[int]) -> Any | None:
@@ -94,10 +86,10 @@ def _launch(out: Path, run_id: str, overrides: list[str], *,
                     "a live actor ps0",
                     lambda: _alive_actor(cluster, f"{namespace}-", "ps0", killed),
                 )
-                _wait_for(f"step {step}", lambda at=step: at in _logged_steps(log))
+                _wait_for(f"step {step}", lambda at=step: at in logged_steps(log))
                 os.kill(actor.pid, signal.SIGKILL)
                 killed.add(actor.pid)
-                assert max(_logged_steps(log)) < STEPS - 1, "the kill came too late to land mid-run"
+                assert max(logged_steps(log)) < STEPS - 1, "the kill came too late to land mid-run"
         status = job.wait(interval_s=0.5)
     logs = "".join(
         p.read_text(errors="replace") for p in sorted((out / "logs" / run_id).rglob("stderr.log"))

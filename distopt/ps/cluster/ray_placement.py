@@ -85,11 +85,10 @@ def reserve(options: ServerOptions) -> Any:
         remove_placement_group(group)
         asked = {"CPU", "memory", *options.ray_resources}
         available = {k: v for k, v in ray.available_resources().items() if k in asked}
-        unknown = sorted(set(options.ray_resources) - set(ray.cluster_resources()))
+        cluster = ray.cluster_resources()
+        unknown = sorted(set(options.ray_resources) - set(cluster))
         key = "ps.ray_resources" if unknown else "ps.ray_num_cpus"
-        nodes = sorted(
-            k for k in ray.cluster_resources() if k.startswith("node:") and "__" not in k
-        )
+        nodes = sorted(k for k in cluster if k.startswith("node:") and "__" not in k)
         have = f"; no node has {', '.join(unknown)} (nodes: {', '.join(nodes)})" if unknown else ""
         raise ConfigError(
             f"{key}: the Ray cluster could not place "
