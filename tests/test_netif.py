@@ -77,3 +77,18 @@ def test_a_store_host_whose_own_name_is_loopback_fails_on_a_multi_node_job(
     assert str(caught.value).startswith(
         "localhost: MASTER_ADDR 'localhost' resolves to "
     ) and "(loopback) on this host, but the job spans 2 nodes" in str(caught.value)
+
+
+def test_pinned_restores_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Left set, one group's interface passed as the user's own setting to the process's next
+    # group (toward another host) and to every process it started.
+    for key in netif.ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    with netif.pinned("auto", toward="127.0.0.1", key="ps.interface") as name:
+        assert name == _loopback()
+        assert all(os.environ[key] == name for key in netif.ENV_KEYS)
+    assert not any(key in os.environ for key in netif.ENV_KEYS)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", _loopback())
+    with netif.pinned("auto", toward="127.0.0.1", key="ps.interface"):
+        pass
+    assert os.environ["GLOO_SOCKET_IFNAME"] == _loopback() and "TP_SOCKET_IFNAME" not in os.environ

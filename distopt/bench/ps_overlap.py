@@ -158,6 +158,10 @@ class PSOverlapConfig:
     this process ``tc tbf`` limits to ``rate_mbit`` each way, payloads over TCP (needs root, or
     CAP_NET_ADMIN and CAP_SYS_ADMIN, to create network namespaces; ``ps.backend: rpc``);
     null: servers on this host's loopback."""
+    loopback_reference: bool = False
+    """With ``link``: run every point twice, first with the servers on this host's loopback, then
+    on the far side of the link, and report what the link costs each variant and how much of the
+    baseline's extra step time the passes and the pipeline hide."""
 
     def __post_init__(self) -> None:
         check(all(k >= 1 for k in self.tables), "tables", "counts >= 1", self.tables)
@@ -222,6 +226,12 @@ class PSOverlapConfig:
             "link",
             "no link with ps.backend ray (its actors start where Ray places them)",
             to_dict(self.link) if self.link is not None else None,
+        )
+        check(
+            not self.loopback_reference or self.link is not None,
+            "loopback_reference",
+            "false without a link (there is nothing to compare loopback with)",
+            self.loopback_reference,
         )
 
 
@@ -419,18 +429,28 @@ def _cache_report(
 
 
 def _server_options(
-    bench: PSOverlapConfig, net: Network | None, *, num_servers: int, latency_ms: float
+    bench: PSOverlapConfig,
+    net: Network | None,
+    *,
+    num_servers: int,
+    latency_ms: float,
+    over_link: bool = True,
 ) -> ps.ServerOptions:
-    """``bench.ps`` for one point: on the link's far host when there is a link."""
+    """``bench.ps`` for one point: on the link's far host when there is a link; with
+    ``over_link`` false, the loopback reference of that point."""
     options = dataclasses.replace(bench.ps, num_servers=num_servers, latency_ms=latency_ms)
     if net is None:
         return options
     # The stores listen on this process's end of the link; TensorPipe (interface auto) binds
-    # the bridge here and the link's interface there, and sends payloads over TCP.
+    # the bridge here and the link's interface there, and sends payloads over TCP. The loopback
+    # reference keeps all of that but the servers' host: on this one, the kernel delivers to the
+    # bridge's own address through loopback, and this process keeps one interface for every
+    # group it joins (after a group on ``lo``, its next group toward the link's far host did not
+    # form: the far host's connections to this process were refused).
     return dataclasses.replace(
         options,
         host=net.gateway,
-        command_prefix=tuple(net.run(LINK_HOST)),
+        command_prefix=tuple(net.run(LINK_HOST)) if over_link else (),
         transports=("uv",),
         channels=("basic",),
     )
@@ -470,6 +490,8 @@ def _point(
     compute: Literal["light", "heavy"],
     console: Console,
     net: Network | None,
+    *,
+    over_link: bool = True,
 ) -> tuple[dict, GainPrediction]:
     cfg = DLRMConfig(
         num_tables=k,
@@ -479,7 +501,10 @@ def _point(
         embedding_dim=bench.embedding_dim,
         id_alpha=bench.id_alpha,
     )
-    options = _server_options(bench, net, num_servers=bench.num_servers, latency_ms=latency)
+    options = _server_options(
+        bench, net, num_servers=bench.num_servers, latency_ms=latency, over_link=over_link
+    )
+    link = net if over_link else None  # whose counters each variant's bytes are read from
     batches = [make_batch(cfg, step) for step in range(bench.steps)]
     cached = [name for name in bench.variants if name in CACHED_VARIANTS]
     cache_configs = {
@@ -556,7 +581,7 @@ def _point(
             shift = round_index % len(variants)
             for name in variants[shift:] + variants[:shift]:
                 counted = _Fetched.start()
-                before = netns.link_bytes(net, LINK_HOST) if net is not None else (0, 0)
+                before = netns.link_bytes(link, LINK_HOST) if link is not None else (0, 0)
                 with ps_calls.using_caches(caches.get(name, {})):
                     chunk = _chunk(
                         name,
@@ -572,8 +597,8 @@ def _point(
                     )
                 if name in depth:  # the next chunk starts where this one ended
                     depth[name] = memory[name]["depth"]
-                if net is not None:
-                    after = netns.link_bytes(net, LINK_HOST)
+                if link is not None:
+                    after = netns.link_bytes(link, LINK_HOST)
                     wire[name][0] += after[0] - before[0]
                     wire[name][1] += after[1] - before[1]
                     wire[name][2] += len(chunk)
@@ -667,7 +692,8 @@ def _point(
         "cache": (
             _cache_report(bench, cfg, fetched, caches, static_optimal, exact) if caches else None
         ),
-        "link": _wire_report(bench, cfg, wire) if net is not None else None,
+        "placement": "loopback" if link is None else "link",
+        "link": _wire_report(bench, cfg, wire) if link is not None else None,
     }
     return point, prediction
 
@@ -735,8 +761,10 @@ def _write_logs(
     within_step = dataclasses.replace(prediction, pipelined=None, pipeline_staleness=None)
     headers = {"optimized": within_step.to_header(), "pipelined": prediction.to_header()}
     for name in bench.variants:
+        where = f"-{point['placement']}" if bench.link is not None else ""
         run_id = (
-            f"{run_stamp}-K{point['tables']}-lat{point['latency_ms']:g}-{point['compute']}-{name}"
+            f"{run_stamp}-K{point['tables']}-lat{point['latency_ms']:g}-{point['compute']}"
+            f"{where}-{name}"
         )
         config = {
             **to_dict(bench),
@@ -782,6 +810,7 @@ def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
         "K",
         "lat ms",
         "compute",
+        *(("on",) if bench.link is not None else ()),
         "rounds",
         *bench.variants,
         "H",
@@ -806,6 +835,7 @@ def _table(points: list[dict], bench: PSOverlapConfig) -> Table:
             str(p["tables"]),
             f"{p['latency_ms']:g}",
             p["compute"],
+            *((p["placement"],) if bench.link is not None else ()),
             str(p["rounds"]),
             *cells,
             _ratio_cell(p["hidden_fraction"], bench.target_h),
@@ -833,6 +863,8 @@ def _link_table(points: list[dict], bench: PSOverlapConfig) -> Table:
         table.add_column(col, justify="right")
     for p in points:
         link = p["link"]
+        if link is None:  # the loopback reference of loopback_reference
+            continue
         for name in bench.variants:
             wire = link["variants"][name]
             table.add_row(
@@ -846,6 +878,73 @@ def _link_table(points: list[dict], bench: PSOverlapConfig) -> Table:
                 f"{link['payload_bytes_per_step'] / 1024:.1f}",
                 f"{wire['link_bound_qps']:.0f}",
             )
+    return table
+
+
+def link_cost(points: list[dict]) -> list[dict]:
+    """Per point run on loopback and over the link: each variant's median step on both and the
+    difference (what the link costs it), and the share of the baseline's extra step time that
+    ``optimized`` and ``pipelined`` hide: 1 − their extra / the baseline's."""
+    loopback = {
+        (p["tables"], p["latency_ms"], p["compute"]): p
+        for p in points
+        if p["placement"] == "loopback"
+    }
+    costs = []
+    for p in points:
+        ref = loopback.get((p["tables"], p["latency_ms"], p["compute"]))
+        if p["placement"] != "link" or ref is None:
+            continue
+        extra = {
+            name: v["median_step_s"] - ref["variants"][name]["median_step_s"]
+            for name, v in p["variants"].items()
+        }
+        base = extra.get("baseline")
+        hidden = {
+            name: 1 - extra[name] / base if base is not None and base > 0 else None
+            for name in ("optimized", "pipelined")
+            if name in extra
+        }
+        costs.append(
+            {
+                "tables": p["tables"],
+                "latency_ms": p["latency_ms"],
+                "compute": p["compute"],
+                "loopback_step_s": {n: v["median_step_s"] for n, v in ref["variants"].items()},
+                "link_step_s": {n: v["median_step_s"] for n, v in p["variants"].items()},
+                "link_extra_s": extra,
+                "hidden_share": hidden,
+            }
+        )
+    return costs
+
+
+def _link_cost_table(points: list[dict], bench: PSOverlapConfig) -> Table:
+    """What the link costs each variant, and how much of the baseline's cost the passes and
+    the pipeline hide."""
+    table = Table(
+        title="what the link costs: median step ms on loopback → over the link (+ extra); "
+        "hidden = 1 − a variant's extra / the baseline's extra"
+    )
+    for col in ("K", "lat ms", "compute", *bench.variants, "opt hides", "pipe hides"):
+        table.add_column(col, justify="right")
+    for cost in link_cost(points):
+        cells = [
+            f"{cost['loopback_step_s'][n] * 1e3:.1f} → {cost['link_step_s'][n] * 1e3:.1f} "
+            f"(+{cost['link_extra_s'][n] * 1e3:.1f})"
+            for n in bench.variants
+        ]
+        hidden = cost["hidden_share"]
+        table.add_row(
+            str(cost["tables"]),
+            f"{cost['latency_ms']:g}",
+            cost["compute"],
+            *cells,
+            *(
+                "-" if hidden.get(n) is None else f"{hidden[n]:.2f}"
+                for n in ("optimized", "pipelined")
+            ),
+        )
     return table
 
 
@@ -984,9 +1083,13 @@ def run(config: dict, args: argparse.Namespace) -> int:
                 f"process shaped both ways with tc {' '.join(bench.link.tbf_args())}; TensorPipe "
                 "over TCP (transport uv, channel basic)"
             )
-        for index, (k, latency, compute) in enumerate(sweep, 1):
+        # With loopback_reference each point runs on loopback, then over the link, back to back.
+        placements = [False, True] if bench.loopback_reference else [True]
+        runs = [(coords, over_link) for coords in sweep for over_link in placements]
+        for index, ((k, latency, compute), over_link) in enumerate(runs, 1):
+            where = "" if net is None else (" over the link" if over_link else " on loopback")
             console.print(
-                f"[{index}/{len(sweep)}] K={k} latency={latency:g} ms compute={compute}: "
+                f"[{index}/{len(runs)}] K={k} latency={latency:g} ms compute={compute}{where}: "
                 f"{bench.rounds} rounds × {bench.steps} steps × {len(bench.variants)} variants"
                 + (
                     f" (more, up to {bench.max_rounds}, until each variant has {bench.min_variant_s:g} s)"
@@ -995,7 +1098,9 @@ def run(config: dict, args: argparse.Namespace) -> int:
                 )
                 + "…"
             )
-            point, prediction = _point(bench, k, latency, compute, console, net)
+            point, prediction = _point(
+                bench, k, latency, compute, console, net, over_link=over_link
+            )
             _write_logs(bench, point, prediction, run_stamp)
             points.append(point)
         if bench.batching_fetches:
@@ -1006,6 +1111,8 @@ def run(config: dict, args: argparse.Namespace) -> int:
     console.print(_table(points, bench))
     if bench.link is not None:
         console.print(_link_table(points, bench))
+    if bench.loopback_reference:
+        console.print(_link_cost_table(points, bench))
     if any(p["cache"] for p in points):
         console.print(_cache_table(points))
     if batching is not None:
@@ -1039,6 +1146,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
                     "kind": "ps_overlap",
                     "config": to_dict(bench),
                     "points": points,
+                    "link_cost": link_cost(points) if bench.loopback_reference else None,
                     "batching": batching,
                 },
                 indent=2,

@@ -20,7 +20,8 @@ import ipaddress
 import os
 import socket
 import struct
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from distopt.errors import ConfigError
 
@@ -117,12 +118,28 @@ def choose(setting: str, *, toward: str, key: str, address_key: str = "MASTER_AD
     return setting
 
 
-def pin(setting: str, *, toward: str, key: str, address_key: str = "MASTER_ADDR") -> str:
-    """Make gloo and TensorPipe listen only on :func:`choose`'s interface; returns it."""
+@contextmanager
+def pinned(
+    setting: str, *, toward: str, key: str, address_key: str = "MASTER_ADDR"
+) -> Iterator[str]:
+    """Within the block, gloo and TensorPipe listen only on :func:`choose`'s interface (they read
+    the environment when a group is made); yields it.
+
+    The environment is restored after the block: left set, the interface chosen for one group
+    would pass as the user's own setting to this process's next group, toward another host, and
+    to every process it starts (a benchmark's servers on the far side of a link then bound
+    ``lo``)."""
     name = choose(setting, toward=toward, key=key, address_key=address_key)
-    for env_key in ENV_KEYS:
-        os.environ[env_key] = name
-    return name
+    before = {env_key: os.environ.get(env_key) for env_key in ENV_KEYS}
+    os.environ.update(dict.fromkeys(ENV_KEYS, name))
+    try:
+        yield name
+    finally:
+        for env_key, value in before.items():
+            if value is None:
+                os.environ.pop(env_key, None)
+            else:
+                os.environ[env_key] = value
 
 
 def pin_gloo(toward: str) -> str:

@@ -220,7 +220,6 @@ def init_rpc(
 
     Call :func:`meet` first: torch connects to the store itself, without our probe.
     """
-    netif.pin(transport.interface, toward=plan.host, key=_interface_key(transport.interface))
     backend = rpc.TensorPipeRpcBackendOptions(
         init_method=f"{_RPC_SCHEME}://{plan.host}:{plan.port('rpc')}",
         rpc_timeout=timeout_s,
@@ -230,13 +229,20 @@ def init_rpc(
     )
     _fresh_process_rpc_state()
     _register_rpc_scheme()
+    interface = transport.interface
     try:
-        with _agent_store_mode(), warnings.catch_warnings():
+        with (
+            netif.pinned(interface, toward=plan.host, key=_interface_key(interface)),
+            _agent_store_mode(),
+            warnings.catch_warnings(),
+        ):
             # torch's own init_rpc gathers device maps through a ProcessGroupGloo backend object
             # (torch/distributed/rpc/backend_registry.py), which torch itself deprecates; nothing
             # the caller can change, so only that warning, and only inside this call.
             warnings.filterwarnings("ignore", message=_GLOO_BACKEND_WARNING, category=UserWarning)
             rpc.init_rpc(name, rank=rank, world_size=world_size, rpc_backend_options=backend)
+    except ConfigError:  # the interface setting, checked before anything is made
+        raise
     except Exception as err:
         raise RemoteCallError(
             f"{name}: RPC group of {world_size} did not form within {timeout_s:g} s through the "

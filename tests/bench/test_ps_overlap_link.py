@@ -33,6 +33,7 @@ DISTOPT = str(Path(sys.executable).with_name("distopt"))
         ({"link": {"rate_mbit": 0}}, "link.rate_mbit: expected a number > 0, got 0.0"),
         ({"link": {"rate_mbit": 10, "burst_kib": 1}}, "link.burst_kib: expected a number >= 2, got 1.0"),
         ({"link": {"rate": 10}}, "link.rate: unknown key (known keys: burst_kib, latency_ms, rate_mbit)"),
+        ({"loopback_reference": True}, "loopback_reference: expected false without a link (there is nothing to compare loopback with), got True"),
         (
             {"link": {"rate_mbit": 10}, "ps": {"backend": "ray"}},
             "link: expected no link with ps.backend ray (its actors start where Ray places them), got "
@@ -62,7 +63,7 @@ def _config(tmp_path: Path, **values: object) -> Path:
 @pytest.mark.cluster
 def test_rows_cross_the_shaped_link_and_nothing_is_left_behind(tmp_path: Path) -> None:
     require_namespaces()
-    config = _config(tmp_path, link={"rate_mbit": 50})
+    config = _config(tmp_path, link={"rate_mbit": 50}, loopback_reference=True)
     out = tmp_path / "out.json"
     bench = subprocess.Popen(
         [DISTOPT, "bench", str(config), "--json", str(out)],
@@ -75,7 +76,16 @@ def test_rows_cross_the_shaped_link_and_nothing_is_left_behind(tmp_path: Path) -
     stdout, stderr = bench.communicate(timeout=300)
     assert bench.returncode == 0 and stderr == "", stdout[-3000:] + stderr[-3000:]
     assert "TensorPipe over TCP (transport uv, channel basic)" in stdout
-    point = json.loads(out.read_text())["points"][0]
+    report = json.loads(out.read_text())
+    # The point on loopback first, then over the link, in one process: the second group forms
+    # on the link although the first was on this host.
+    loopback, point = report["points"]
+    assert (loopback["placement"], loopback["link"], point["placement"]) == ("loopback", None, "link")
+    (cost,) = report["link_cost"]
+    for name in ("optimized", "no_network"):
+        extra = cost["link_step_s"][name] - cost["loopback_step_s"][name]
+        assert cost["link_extra_s"][name] == pytest.approx(extra)
+    assert "what the link costs" in stdout
     link = point["link"]
     payload = link["payload_bytes_per_step"]
     assert link["rows_per_step"] == 64 * 4 and payload == 64 * 4 * 64 * 4
