@@ -134,8 +134,13 @@ class Network:
         """The /etc/hosts every host sees: loopback names, then every host's address."""
         lines = ["127.0.0.1 localhost", "::1 localhost ip6-localhost ip6-loopback"]
         login = {GATEWAY_NAME, os.uname().nodename.split(".")[0]}
-        lines.append(f"{self.gateway} {' '.join(sorted(login))}")
-        lines += [f"{h.addr} {h.name}" for h in self.hosts]
+        named = [(self.gateway, " ".join(sorted(login))), *((h.addr, h.name) for h in self.hosts)]
+        lines += [f"{addr} {names}" for addr, names in named]
+        # c10d's sockets are IPv6 ones holding IPv4-mapped addresses, and it names each socket
+        # it connects (getnameinfo) for its log: with no DNS here, a mapped address missing from
+        # this file printed "The hostname of the client socket cannot be retrieved" per store
+        # connection.
+        lines += [f"::ffff:{addr} {names}" for addr, names in [("127.0.0.1", "localhost"), *named]]
         return "\n".join(lines) + "\n"
 
     def to_json(self) -> str:

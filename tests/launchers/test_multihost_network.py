@@ -85,6 +85,29 @@ def test_each_host_has_its_name_and_address_and_resolves_every_host_alike(net_cl
     assert net_cluster.network.subnet.rsplit(".", 1)[0] not in Path("/etc/hosts").read_text()
 
 
+STORE_CLIENT = """
+import json, socket, sys
+import torch.distributed as dist
+store = dist.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False)
+store.set(socket.gethostname(), "here")
+print(json.dumps({"mapped": socket.getnameinfo(("::ffff:" + sys.argv[1], 0), 0)[0]}))
+"""
+
+
+def test_a_store_client_on_a_host_connects_without_a_warning(net_cluster) -> None:
+    # c10d names each socket it connects (getnameinfo of an IPv4-mapped IPv6 address); with no
+    # DNS on the hosts, a name missing from their /etc/hosts logged a warning per connection.
+    import torch.distributed as dist
+
+    gateway = net_cluster.network.gateway
+    store = dist.TCPStore(gateway, 0, is_master=True, wait_for_workers=False)
+    cmd = [*net_cluster.run("node0"), sys.executable, "-c", STORE_CLIENT, gateway, str(store.port)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-2000:]
+    assert json.loads(out.stdout) == {"mapped": "login"}
+    assert store.get("node0") == b"here"
+
+
 LISTEN = """
 import json, socket, sys
 lo = socket.create_server(("127.0.0.1", 0))
