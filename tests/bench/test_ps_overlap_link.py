@@ -29,6 +29,11 @@ DISTOPT = str(Path(sys.executable).with_name("distopt"))
         ({"cache_fraction": 0}, "cache_fraction: expected a fraction of the rows in (0, 1], got 0.0"),
         ({"cache_policy": "fifo"}, "cache_policy: expected one of 'lru', 'lfu', got 'fifo'"),
         ({"cache_staleness": -1}, "cache_staleness: expected an integer >= 0 (0: exact), got -1"),
+        (
+            {"cache_warmup_steps": 100},
+            "cache_warmup_steps: expected 0, or steps > 0 with a cached variant (cached or pipelined+cached) among variants, got 100",
+        ),
+        ({"cache_warmup_steps": -1, "variants": ["cached"]}, "cache_warmup_steps: expected 0, or steps > 0 with a cached variant (cached or pipelined+cached) among variants, got -1"),
         ({"variants": ["cached", "lru"]}, "variants: expected names among baseline, optimized, hand, pipelined, no_network, cached, pipelined+cached, got ('cached', 'lru')"),
         ({"link": {"rate_mbit": 0}}, "link.rate_mbit: expected a number > 0, got 0.0"),
         ({"link": {"rate_mbit": 10, "burst_kib": 1}}, "link.burst_kib: expected a number >= 2, got 1.0"),
