@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -95,6 +96,70 @@ def test_rows_cross_the_shaped_link_and_nothing_is_left_behind(tmp_path: Path) -
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{prefix}-ps" not in namespaces
     assert subprocess.run(["ip", "link", "show", f"{prefix}-br"], capture_output=True).returncode
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (an exited one not yet reaped is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stopped_bench_leaves_nothing_behind(tmp_path: Path, sig: signal.Signals) -> None:
+    """Stopped mid-run, as ``timeout`` (SIGTERM to the bench's process group) or Ctrl-C
+    (SIGINT) stop it, the bench stops its servers and removes its namespace, the veth pair,
+    the bridge and the namespace's /etc/netns files."""
+    require_namespaces()
+    config = _config(tmp_path, link={"rate_mbit": 50}, rounds=64, steps=20)
+    bench = subprocess.Popen(
+        [DISTOPT, "bench", str(config)],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as under `timeout`
+    )
+    prefix = f"dl{bench.pid % 65536:04x}"
+    netns = f"{prefix}-ps"
+    try:
+        assert bench.stdout is not None
+        seen = []
+        for line in bench.stdout:  # the servers answered a whole round: the run is under way
+            seen.append(line)
+            if line.startswith("  round 1/"):
+                break
+        else:
+            pytest.fail("".join(seen) + bench.communicate(timeout=60)[1])
+        servers = subprocess.run(
+            ["ip", "netns", "pids", netns], capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert servers, f"no process in {netns}"
+        if sig == signal.SIGTERM:
+            os.killpg(bench.pid, sig)
+        else:
+            bench.send_signal(sig)
+        _, stderr = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    # SIGTERM ends it as a SystemExit, Ctrl-C as the CLI's one line: no traceback either way.
+    assert bench.returncode == 128 + sig, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if sig == signal.SIGINT:
+        assert stderr.endswith("distopt bench: interrupted\n"), stderr[-3000:]
+    assert [pid for pid in servers if _running(int(pid))] == []
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert netns not in namespaces
+    for dev in (netns, f"{prefix}-br"):  # the outer end of the veth pair, the bridge
+        assert subprocess.run(["ip", "link", "show", dev], capture_output=True).returncode
+    assert not Path("/etc/netns", netns).exists()
 
 
 def test_a_bench_that_cannot_make_namespaces_fails_in_one_line(tmp_path: Path) -> None:
