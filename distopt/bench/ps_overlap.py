@@ -29,7 +29,10 @@ next to the static-optimal one, the rows the servers sent per step (their ``rows
 against the uncached ``optimized`` run's, and the caches' memory; and a check that the cached
 model's outputs equal the uncached ones bitwise on the run's last batches. Replaying ``steps``
 batches every round would let the run's distinct ids fit in the cache: with a cached variant
-every round draws fresh batches instead (round ``r`` step ``i`` is batch ``r × steps + i``).
+every round draws fresh batches instead. An ``lfu`` cache needs thousands of steps to tell the
+hot rows from the tail: ``cache_warmup_steps`` lets each cached variant first train that many
+fresh batches alone, untimed (batch ``i`` of the warm-up is batch ``i`` of the run; round ``r``
+step ``i`` is batch ``cache_warmup_steps + r × steps + i``). Long work prints its progress.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
@@ -141,6 +144,12 @@ class PSOverlapConfig:
     cache_staleness: int = 0
     """0: the cached variants' caches are ``exact``; s >= 1: ``consistency: staleness`` with
     bound s (with one trainer, every update is its own: nothing is ever stale)."""
+    cache_warmup_steps: int = 0
+    """Steps each cached variant trains on fresh batches of its own before the timed rounds.
+    An ``lfu`` cache ranks rows by their counts over the run, which take thousands of steps to
+    tell the hot rows from the tail; the uncached variants have no such state to build. Not
+    timed; their fetches count in the hit rate and the rows the servers
+    sent, their ids in the static-optimal hit rate (the whole run, cold start included)."""
     target_hit_vs_static_optimal: float = 0.9
     """Target: a cached variant's hit rate >= this × the static-optimal hit rate (scored with
     ``id_alpha`` set, where the run's distinct ids do not all fit in the cache)."""
@@ -220,6 +229,13 @@ class PSOverlapConfig:
             "cache_staleness",
             "an integer >= 0 (0: exact)",
             self.cache_staleness,
+        )
+        check(
+            self.cache_warmup_steps == 0
+            or (self.cache_warmup_steps > 0 and any(v in CACHED_VARIANTS for v in self.variants)),
+            "cache_warmup_steps",
+            f"0, or steps > 0 with a cached variant ({' or '.join(CACHED_VARIANTS)}) among variants",
+            self.cache_warmup_steps,
         )
         check(
             self.link is None or self.ps.backend == "rpc",
@@ -361,6 +377,46 @@ class _Fetched:
         self.hits += counts.hits
         self.steps += steps
 
+    def merge(self, other: _Fetched) -> None:
+        self.server_rows += other.server_rows
+        self.rows += other.rows
+        self.lookups += other.lookups
+        self.hits += other.hits
+        self.steps += other.steps
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.lookups if self.lookups else None
+
+
+PROGRESS_EVERY_S = 15.0
+"""How often long work (a cache's warm-up) says how far it got."""
+
+
+def _warm_up(
+    name: str,
+    batches: list,
+    chunk_steps: int,
+    train: Callable[[str, list], tuple[list[float], _Fetched]],
+    console: Console,
+) -> None:
+    """Variant ``name`` trains on ``batches``, ``chunk_steps`` at a time, untimed; says how far
+    it got every :data:`PROGRESS_EVERY_S` seconds."""
+    started = last = time.perf_counter()
+    console.print(f"  warm-up of {name}'s caches: {len(batches)} steps…")
+    done = _Fetched()
+    for offset in range(0, len(batches), chunk_steps):
+        _, took = train(name, batches[offset : offset + chunk_steps])
+        done.merge(took)
+        now = time.perf_counter()
+        if now - last >= PROGRESS_EVERY_S or done.steps == len(batches):
+            last = now
+            hit = "-" if done.hit_rate is None else f"{done.hit_rate:.3f}"
+            console.print(
+                f"  warm-up of {name}: {done.steps}/{len(batches)} steps ({now - started:.0f} s), "
+                f"hit rate so far {hit}"
+            )
+
 
 def _cache_rows(bench: PSOverlapConfig, cfg: DLRMConfig) -> int:
     return max(1, int(bench.cache_fraction * cfg.num_rows))
@@ -392,12 +448,14 @@ def _cache_report(
     bench: PSOverlapConfig,
     cfg: DLRMConfig,
     fetched: dict[str, _Fetched],
+    timed: dict[str, _Fetched],
     caches: dict[str, dict[str, TableCache]],
     static_optimal: float,
     exact: dict[str, dict],
 ) -> dict:
-    """Per cached variant: hit rate vs static-optimal, rows the servers sent per step vs the
-    uncached reference's (``optimized``, else ``pipelined``), the caches' memory."""
+    """Per cached variant: hit rate over the run vs static-optimal, rows the servers sent per
+    step vs the uncached reference's (``optimized``, else ``pipelined``), the caches' memory;
+    and the hit rate of the timed rounds alone (after the warm-up: the cache the QPS saw)."""
     reference = next((n for n in ("optimized", "pipelined") if n in fetched), None)
     reference_rows = (
         fetched[reference].server_rows / fetched[reference].steps if reference else None
@@ -405,10 +463,12 @@ def _cache_report(
     variants = {}
     for name, held in caches.items():
         f = fetched[name]
-        hit = f.hits / f.lookups if f.lookups else None
+        hit = f.hit_rate
         rows = f.server_rows / f.steps
         variants[name] = {
             "hit_rate": hit,
+            "rounds_hit_rate": timed[name].hit_rate,
+            "steps": f.steps,
             "hit_vs_static_optimal": hit / static_optimal if hit is not None else None,
             "server_rows_per_step": rows,
             "trainer_rows_per_step": f.rows / f.steps,
@@ -422,6 +482,7 @@ def _cache_report(
         "policy": bench.cache_policy,
         "staleness": bench.cache_staleness,
         "static_optimal_hit_rate": static_optimal,
+        "warmup_steps": bench.cache_warmup_steps,
         "reference": reference,
         "reference_server_rows_per_step": reference_rows,
         "variants": variants,
@@ -505,8 +566,11 @@ def _point(
         bench, net, num_servers=bench.num_servers, latency_ms=latency, over_link=over_link
     )
     link = net if over_link else None  # whose counters each variant's bytes are read from
-    batches = [make_batch(cfg, step) for step in range(bench.steps)]
     cached = [name for name in bench.variants if name in CACHED_VARIANTS]
+    # Batch i of the run: the cached variants' warm-up takes the first ones, the rounds the rest.
+    warm_batches = [make_batch(cfg, step) for step in range(bench.cache_warmup_steps)]
+    first = len(warm_batches)
+    batches = [make_batch(cfg, first + step) for step in range(bench.steps)]
     cache_configs = {
         table: ps.CacheConfig(
             capacity_rows=_cache_rows(bench, cfg),
@@ -523,8 +587,9 @@ def _point(
             dlrm_tables(cfg),
             available=None if room is None else room // len(cached),
         )
-    drawn = list(batches)
+    drawn = warm_batches + batches
     fetched = {name: _Fetched() for name in bench.variants}
+    timed = {name: _Fetched() for name in bench.variants}  # the rounds' alone, after warm-ups
     # Bytes the servers' host received and sent during each variant's chunks, and their steps.
     wire: dict[str, list[int]] = {name: [0, 0, 0] for name in bench.variants}
     with ps.local_job(dlrm_tables(cfg), options):
@@ -569,43 +634,61 @@ def _point(
         predicted_staleness = staleness
         # Automatic staleness is the cost model's guess; the run deepens it while reads are late.
         adapt_to = bench.max_staleness if bench.pipeline_staleness == "auto" else None
+
+        def train(name: str, chunk_batches: list) -> tuple[list[float], _Fetched]:
+            """Variant ``name`` trains once on ``chunk_batches``: its step times and fetches."""
+            counted = _Fetched.start()
+            with ps_calls.using_caches(caches.get(name, {})):
+                chunk = _chunk(
+                    name,
+                    models[name],
+                    cfg,
+                    chunk_batches,
+                    optimizers[name],
+                    bench=bench,
+                    latency=latency,
+                    staleness=depth.get(name, staleness),
+                    max_staleness=adapt_to,
+                    memory=memory.get(name, {}),
+                )
+            if name in depth:  # the next chunk starts where this one ended
+                depth[name] = memory[name]["depth"]
+            took = _Fetched()
+            took.add(counted, steps=len(chunk))
+            fetched[name].merge(took)
+            return chunk, took
+
+        for name in cached if warm_batches else ():
+            _warm_up(name, warm_batches, bench.steps, train, console)
         round_index = 0
+        started = time.perf_counter()
         while round_index < bench.rounds or (
             round_index < bench.max_rounds
             and min(sum(t) for t in times.values()) < bench.min_variant_s
         ):
             if cached and round_index:  # fresh batches: the run's ids outgrow the cache
-                start = round_index * bench.steps
+                start = first + round_index * bench.steps
                 batches = [make_batch(cfg, start + step) for step in range(bench.steps)]
                 drawn.extend(batches)
             shift = round_index % len(variants)
             for name in variants[shift:] + variants[:shift]:
-                counted = _Fetched.start()
                 before = netns.link_bytes(link, LINK_HOST) if link is not None else (0, 0)
-                with ps_calls.using_caches(caches.get(name, {})):
-                    chunk = _chunk(
-                        name,
-                        models[name],
-                        cfg,
-                        batches,
-                        optimizers[name],
-                        bench=bench,
-                        latency=latency,
-                        staleness=depth.get(name, staleness),
-                        max_staleness=adapt_to,
-                        memory=memory.get(name, {}),
-                    )
-                if name in depth:  # the next chunk starts where this one ended
-                    depth[name] = memory[name]["depth"]
+                chunk, took = train(name, batches)
                 if link is not None:
                     after = netns.link_bytes(link, LINK_HOST)
                     wire[name][0] += after[0] - before[0]
                     wire[name][1] += after[1] - before[1]
                     wire[name][2] += len(chunk)
-                fetched[name].add(counted, steps=len(chunk))
+                timed[name].merge(took)
                 times[name].extend(chunk[bench.warmup :])
                 round_medians[name].append(median(chunk[bench.warmup :]))
             round_index += 1
+            of = f"/{bench.rounds}" if round_index <= bench.rounds else f" (of ≤{bench.max_rounds})"
+            steps = ", ".join(f"{n} {round_medians[n][-1] * 1e3:.1f}" for n in variants)
+            console.print(
+                f"  round {round_index}{of} ({time.perf_counter() - started:.0f} s): "
+                f"median ms per step: {steps}"
+            )
         exact = {
             name: _exact_check(models[name], batches[-4:], held)
             for name, held in caches.items()
@@ -690,7 +773,9 @@ def _point(
         "static_optimal_hit_rate": static_optimal,
         "distinct_batches": len(drawn),
         "cache": (
-            _cache_report(bench, cfg, fetched, caches, static_optimal, exact) if caches else None
+            _cache_report(bench, cfg, fetched, timed, caches, static_optimal, exact)
+            if caches
+            else None
         ),
         "placement": "loopback" if link is None else "link",
         "link": _wire_report(bench, cfg, wire) if link is not None else None,
@@ -953,10 +1038,22 @@ def _cache_table(points: list[dict]) -> Table:
     vs the uncached reference's, the caches' memory and the exactness check."""
     table = Table(
         title="ps_overlap's row caches: hit rate (share of fetched ids served from the cache) vs "
-        "static-optimal (the run's cache-rows most frequent ids' share); rows the servers sent "
-        "per step vs the uncached run's, bound (1 − hit) + slack"
+        "static-optimal (the run's cache-rows most frequent ids' share), both over the run "
+        "(warm-up included); rounds hit: the timed rounds' alone; rows the servers sent per step "
+        "vs the uncached run's, bound (1 − hit) + slack"
     )
-    columns = ("K", "lat ms", "compute", "variant", "rows", "hit", "static-opt.", "ratio")
+    columns = (
+        "K",
+        "lat ms",
+        "compute",
+        "variant",
+        "rows",
+        "steps",
+        "hit",
+        "static-opt.",
+        "ratio",
+        "rounds hit",
+    )
     for col in (*columns, "ps rows/step", "ref rows/step", "rows ratio", "bound", "MiB", "exact"):
         table.add_column(col, justify="right")
     for p in points:
@@ -972,9 +1069,11 @@ def _cache_table(points: list[dict]) -> Table:
                 p["compute"],
                 name,
                 str(cache["rows"]),
+                str(v["steps"]),
                 "-" if hit is None else f"{hit:.3f}",
                 f"{cache['static_optimal_hit_rate']:.3f}",
                 "-" if v["hit_vs_static_optimal"] is None else f"{v['hit_vs_static_optimal']:.2f}",
+                "-" if v["rounds_hit_rate"] is None else f"{v['rounds_hit_rate']:.3f}",
                 f"{v['server_rows_per_step']:.0f}",
                 "-" if ref is None else f"{ref:.0f}",
                 "-" if v["rows_vs_reference"] is None else f"{v['rows_vs_reference']:.3f}",
@@ -1091,6 +1190,11 @@ def run(config: dict, args: argparse.Namespace) -> int:
             console.print(
                 f"[{index}/{len(runs)}] K={k} latency={latency:g} ms compute={compute}{where}: "
                 f"{bench.rounds} rounds × {bench.steps} steps × {len(bench.variants)} variants"
+                + (
+                    f", after {bench.cache_warmup_steps} warm-up steps of each cached variant"
+                    if bench.cache_warmup_steps
+                    else ""
+                )
                 + (
                     f" (more, up to {bench.max_rounds}, until each variant has {bench.min_variant_s:g} s)"
                     if bench.min_variant_s

@@ -7,6 +7,7 @@ import argparse
 import importlib
 import os
 import re
+import signal
 import sys
 
 from distopt.errors import DistoptError
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except FileNotFoundError as err:
         print(f"distopt {args.command}: error: {err.strerror}: {err.filename}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what was started has been stopped on the way out
+        print(f"distopt {args.command}: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

@@ -38,9 +38,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from distopt.config import check
 
@@ -456,21 +458,71 @@ def link_bytes(net: Network, name: str) -> tuple[int, int]:
 def host_on_link(name: str, spec: LinkShape, *, prefix: str) -> Iterator[Network]:
     """A network of one host ``name`` whose link to this machine (the login host, at the
     network's ``gateway``) is shaped to ``spec`` both ways; everything is stopped and removed on
-    exit. Raises :class:`NetworkError` (one line) where namespaces cannot be made."""
+    exit, a SIGTERM's or SIGINT's too (:func:`_terminate_unwinds`). Raises
+    :class:`NetworkError` (one line) where namespaces cannot be made."""
     why = rights_missing()
     if why is not None:
         raise NetworkError(why)
     net = plan(prefix, (name,))
+    with _terminate_unwinds():
+        try:
+            create(net)
+            shape_host(net, name, spec)
+            yield net
+        finally:
+            with _signals_ignored():  # a second signal must not leave half of it behind
+                for pids in processes(net).values():
+                    for pid in pids:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                destroy(net)
+
+
+_UNWINDING_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _in_main_thread() -> bool:
+    """Whether signal handlers can be set here (Python runs them in the main thread only)."""
+    return threading.current_thread() is threading.main_thread()
+
+
+def _restore(handlers: dict[signal.Signals, Any]) -> None:
+    for sig, handler in handlers.items():
+        # None: a handler set outside Python, which Python cannot set back.
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+
+
+@contextlib.contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """While inside, SIGTERM (``kill``, ``timeout``) ends this process as Ctrl-C does: by an
+    exception (``SystemExit(128 + SIGTERM)``), so ``finally`` blocks and context managers run
+    and stop what they started. By default SIGTERM ends the process at once, and the network
+    namespaces, links and ``/etc/netns`` files it made outlive it."""
+    if not _in_main_thread():
+        yield
+        return
+
+    def unwind(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, unwind)}
     try:
-        create(net)
-        shape_host(net, name, spec)
-        yield net
+        yield
     finally:
-        for pids in processes(net).values():
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-        destroy(net)
+        _restore(previous)
+
+
+@contextlib.contextmanager
+def _signals_ignored() -> Iterator[None]:
+    """SIGTERM and SIGINT are ignored while inside (in the main thread)."""
+    if not _in_main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in _UNWINDING_SIGNALS}
+    try:
+        yield
+    finally:
+        _restore(previous)
 
 
 def set_link(net: Network, name: str, *, up: bool) -> None:

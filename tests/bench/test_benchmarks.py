@@ -196,22 +196,26 @@ def test_ps_overlap_cached_variants_report_consistent_counts(tmp_path) -> None:
         "kind: ps_overlap\ntables: [2]\nlatency_ms: [0.0]\ncompute: [light]\nrounds: 2\nsteps: 6\n"
         "warmup: 1\nnum_rows: 2000\nembedding_dim: 8\nid_alpha: 1.05\ncache_fraction: 0.05\n"
         "variants: [optimized, pipelined, cached, pipelined+cached]\npipeline_staleness: 1\n"
+        "cache_warmup_steps: 5\n"
         f"batching_fetches: 0\noutput_dir: {tmp_path / 'runs'}\n"
     )
     out = tmp_path / "out.json"
     main(["bench", str(config), "--json", str(out)])
     point = json.loads(out.read_text())["points"][0]
-    # Fresh batches every round: 2 rounds × 6 steps, and the static optimum is over all of them.
-    assert point["distinct_batches"] == 12
+    # Fresh batches every round: 5 warm-up steps of the cached variants, then 2 rounds × 6
+    # steps of every variant; the static optimum is over all of them.
+    assert point["distinct_batches"] == 5 + 12
     cache = point["cache"]
     assert cache["rows"] == 100 and cache["reference"] == "optimized"
+    assert cache["warmup_steps"] == 5
     assert 0 < cache["static_optimal_hit_rate"] < 1
     # Every step fetches 2 tables × 64 × 4 ids; uncached, the servers send each of them.
     assert cache["reference_server_rows_per_step"] == 2 * 64 * 4
     assert point["variants"]["pipelined"]["server_rows_per_step"] == 2 * 64 * 4
     for name in ("cached", "pipelined+cached"):
         v = cache["variants"][name]
-        assert 0 < v["hit_rate"] < 1
+        assert v["steps"] == 5 + 12
+        assert 0 < v["hit_rate"] < 1 and 0 < v["rounds_hit_rate"] < 1
         assert v["hit_vs_static_optimal"] == pytest.approx(
             v["hit_rate"] / cache["static_optimal_hit_rate"]
         )

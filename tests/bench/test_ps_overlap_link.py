@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,11 @@ DISTOPT = str(Path(sys.executable).with_name("distopt"))
         ({"cache_fraction": 0}, "cache_fraction: expected a fraction of the rows in (0, 1], got 0.0"),
         ({"cache_policy": "fifo"}, "cache_policy: expected one of 'lru', 'lfu', got 'fifo'"),
         ({"cache_staleness": -1}, "cache_staleness: expected an integer >= 0 (0: exact), got -1"),
+        (
+            {"cache_warmup_steps": 100},
+            "cache_warmup_steps: expected 0, or steps > 0 with a cached variant (cached or pipelined+cached) among variants, got 100",
+        ),
+        ({"cache_warmup_steps": -1, "variants": ["cached"]}, "cache_warmup_steps: expected 0, or steps > 0 with a cached variant (cached or pipelined+cached) among variants, got -1"),
         ({"variants": ["cached", "lru"]}, "variants: expected names among baseline, optimized, hand, pipelined, no_network, cached, pipelined+cached, got ('cached', 'lru')"),
         ({"link": {"rate_mbit": 0}}, "link.rate_mbit: expected a number > 0, got 0.0"),
         ({"link": {"rate_mbit": 10, "burst_kib": 1}}, "link.burst_kib: expected a number >= 2, got 1.0"),
@@ -100,6 +106,70 @@ def test_rows_cross_the_shaped_link_and_nothing_is_left_behind(tmp_path: Path) -
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{prefix}-ps" not in namespaces
     assert subprocess.run(["ip", "link", "show", f"{prefix}-br"], capture_output=True).returncode
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (an exited one not yet reaped is not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.cluster
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stopped_bench_leaves_nothing_behind(tmp_path: Path, sig: signal.Signals) -> None:
+    """Stopped mid-run, as ``timeout`` (SIGTERM to the bench's process group) or Ctrl-C
+    (SIGINT) stop it, the bench stops its servers and removes its namespace, the veth pair,
+    the bridge and the namespace's /etc/netns files."""
+    require_namespaces()
+    config = _config(tmp_path, link={"rate_mbit": 50}, rounds=64, steps=20)
+    bench = subprocess.Popen(
+        [DISTOPT, "bench", str(config)],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as under `timeout`
+    )
+    prefix = f"dl{bench.pid % 65536:04x}"
+    netns = f"{prefix}-ps"
+    try:
+        assert bench.stdout is not None
+        seen = []
+        for line in bench.stdout:  # the servers answered a whole round: the run is under way
+            seen.append(line)
+            if line.startswith("  round 1/"):
+                break
+        else:
+            pytest.fail("".join(seen) + bench.communicate(timeout=60)[1])
+        servers = subprocess.run(
+            ["ip", "netns", "pids", netns], capture_output=True, text=True, check=True
+        ).stdout.split()
+        assert servers, f"no process in {netns}"
+        if sig == signal.SIGTERM:
+            os.killpg(bench.pid, sig)
+        else:
+            bench.send_signal(sig)
+        _, stderr = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+    # SIGTERM ends it as a SystemExit, Ctrl-C as the CLI's one line: no traceback either way.
+    assert bench.returncode == 128 + sig, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    if sig == signal.SIGINT:
+        assert stderr.endswith("distopt bench: interrupted\n"), stderr[-3000:]
+    assert [pid for pid in servers if _running(int(pid))] == []
+    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert netns not in namespaces
+    for dev in (netns, f"{prefix}-br"):  # the outer end of the veth pair, the bridge
+        assert subprocess.run(["ip", "link", "show", dev], capture_output=True).returncode
+    assert not Path("/etc/netns", netns).exists()
 
 
 def test_a_bench_that_cannot_make_namespaces_fails_in_one_line(tmp_path: Path) -> None:
