@@ -67,7 +67,11 @@ def test_one_module_per_name() -> None:
 
 # What distopt may import inside a function, and why (each such import says so where it is).
 DEFERRED = {
-    "ray": "optional (distopt[ray]), slow to import",
+    # Loaded by name, as TorchX loads a scheduler: the modules that need Ray import it at their
+    # top, and the one place that picks each imports it when a job asks for it (the Ray backend,
+    # distopt.ps.cluster.session.BACKENDS; the Ray scheduler, distopt.torchx.schedulers).
+    # structure_counts lists such a load as "ray via <module>".
+    "ray": "optional (distopt[ray]), slow to import; only ps.backend: ray jobs and -s ray use it",
     "transformers": "optional (distopt[coverage])",
     "deepctr_torch": "optional (distopt[coverage])",
     "matplotlib": "optional (distopt[plot])",
@@ -85,14 +89,17 @@ def _deferred(module: str) -> bool:
 
 def test_imports_inside_functions_only_for_optional_heavy_dependencies() -> None:
     # Issue 23: "distopt imports inside functions only for optional heavy dependencies (at most
-    # 15)": none of distopt's own modules, and other modules only those of DEFERRED.
+    # 15)": none of distopt's own modules but those loaded for an optional dependency ("ray via
+    # distopt.ps.cluster.ray_backend"), and other modules only those of DEFERRED.
     numbers, details = structure_counts.counts(REPO)
     assert numbers["imports_in_functions"] == 0, details["imports_in_functions"]
     unexplained = [
-        line for line in details["deferred_imports"] if not _deferred(line.rsplit(": ", 1)[1])
+        line
+        for line in details["deferred_imports"]
+        if not _deferred(line.rsplit(": ", 1)[1].split()[0])
     ]
     assert unexplained == [], "import these at module level, or say in DEFERRED why not"
-    assert numbers["modules_deferring_imports"] <= 14, details["deferred_imports"]
+    assert numbers["deferred_imports"] <= 15, details["deferred_imports"]
 
 
 def test_folders_import_only_from_layers_below() -> None:
@@ -108,3 +115,28 @@ def test_folders_import_only_from_layers_below() -> None:
         and (module.name, target) not in ALLOWED_UPWARD
     )
     assert upward == []
+
+
+def test_only_a_module_that_imports_an_optional_dependency_counts_as_its_deferred_load(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "pyproject.toml").write_text(
+        '[project]\nname = "distopt"\n'
+        '[project.optional-dependencies]\nray = ["ray[default]>=2.9"]\ndev = ["pytest"]\n'
+    )
+    package = tmp_path / "distopt"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "ray_part.py").write_text("import ray\n")
+    (package / "plain.py").write_text("import os\nimport pytest\n")
+    (package / "picker.py").write_text(
+        "def pick(name):\n"
+        "    if name == 'ray':\n"
+        "        from distopt import ray_part\n"
+        "        return ray_part\n"
+        "    from distopt import plain\n"
+        "    return plain\n"
+    )
+    numbers, details = structure_counts.counts(tmp_path)
+    assert details["deferred_imports"] == ["distopt.picker:3: ray via distopt.ray_part"]
+    assert details["imports_in_functions"] == ["distopt.picker: 1"]  # plain: dev is no extra

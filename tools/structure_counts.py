@@ -13,10 +13,16 @@ What is counted, over every ``.py`` file under ``distopt/``:
   ``a/b.py`` (the parent packages' ``__init__`` files it also runs are not edges: no file names
   them). ``files_in_cycles`` is how many files those components hold.
 - ``imports_in_functions``: distopt modules (or names of one) imported inside a function body,
-  one per imported name: ``from distopt.x import a, b`` in a function counts 2, as issue 23 does.
+  one per imported name: ``from distopt.x import a, b`` in a function counts 2, as issue 23 does;
+  apart from the loads of an optional dependency (next item).
 - ``deferred_imports``: other modules (third-party, torch, the standard library) imported inside
   a function body, counted the same way; ``modules_deferring_imports`` is how many distopt
   modules hold one. Issue 23 keeps these for optional or slow-to-import dependencies only.
+  A distopt module that imports an optional dependency at its top (one that ``pyproject.toml``'s
+  extras declare, ``dev`` apart), imported inside a function, is a deferred import of that
+  dependency and is counted here, listed as ``ray via distopt.ps.cluster.ray_backend``: such a
+  module is loaded when a job asks for it (the Ray backend of a ``ps.backend: ray`` job), as
+  TorchX loads a scheduler's module by name.
 - ``private_reads``: one module using another distopt module's ``_private`` name:
   ``from distopt.x import _name`` or ``alias._name`` where ``alias`` is an imported distopt
   module (dotted chains such as ``ps.client._CLIENT`` resolved).
@@ -35,10 +41,16 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # distopt[dev] brings tomli on Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "distopt"
@@ -164,20 +176,64 @@ def _external(module: Module, node: ast.Import | ast.ImportFrom) -> list[str]:
     return [] if base.split(".")[0] == PACKAGE else [base] * len(node.names)
 
 
-def deferred_imports(modules: dict[str, Module]) -> list[tuple[str, int, str]]:
+def optional_dependencies(root: Path = ROOT) -> set[str]:
+    """The import names of the optional dependencies ``pyproject.toml``'s extras declare, ``dev``
+    (the tools that develop distopt) apart: ``ray[default]>=2.9`` is ``ray``."""
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    extras = project.get("optional-dependencies", {})
+    found = set()
+    for extra, requirements in extras.items():
+        if extra == "dev":
+            continue
+        for requirement in requirements:
+            name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", requirement)
+            if name:
+                found.add(name.group(0).lower().replace("-", "_").replace(".", "_"))
+    return found
+
+
+def loads_optional(module: Module, optional: set[str]) -> list[str]:
+    """The optional dependencies ``module`` imports at its top (outside functions)."""
+    parents = _parents(module.tree)
+    return sorted(
+        {
+            name.split(".")[0]
+            for node in ast.walk(module.tree)
+            if isinstance(node, ast.Import | ast.ImportFrom) and not _in_function(node, parents)
+            for name in _external(module, node)
+        }
+        & optional
+    )
+
+
+def deferred_imports(
+    modules: dict[str, Module], optional: set[str] | None = None
+) -> list[tuple[str, int, str]]:
     """``(module, line, imported module)`` of every name from outside distopt imported inside a
-    function."""
+    function, and (``"ray via distopt.x"``) of every distopt module imported inside a function
+    that imports an ``optional`` dependency at its top (:func:`optional_dependencies` by default)."""
+    optional = optional_dependencies() if optional is None else optional
+    loads = {name: loads_optional(m, optional) for name, m in modules.items()}
     out = []
     for module in modules.values():
         parents = _parents(module.tree)
         for node in ast.walk(module.tree):
             if isinstance(node, ast.Import | ast.ImportFrom) and _in_function(node, parents):
                 out.extend((module.name, node.lineno, name) for name in _external(module, node))
+                out.extend(
+                    (module.name, node.lineno, f"{', '.join(loads[target])} via {target}")
+                    for target in _targets(module, node, modules)
+                    if loads[target]
+                )
     return sorted(out)
 
 
-def analyse_imports(modules: dict[str, Module]) -> list[tuple[str, int]]:
-    """Fill each module's imports; (module, line) of every name imported inside a function."""
+def analyse_imports(
+    modules: dict[str, Module], optional: set[str] | None = None
+) -> list[tuple[str, int]]:
+    """Fill each module's imports; (module, line) of every distopt name imported inside a
+    function, but those that load an ``optional`` dependency (see :func:`deferred_imports`)."""
+    optional = optional_dependencies() if optional is None else optional
     in_functions = []
     for module in modules.values():
         parents = _parents(module.tree)
@@ -188,8 +244,8 @@ def analyse_imports(modules: dict[str, Module]) -> list[tuple[str, int]]:
             targets = _targets(module, node, modules)
             for target in targets:
                 module.imports.append((target, node.lineno, inside))
-            if inside:
-                in_functions.extend((module.name, node.lineno) for _ in targets)
+                if inside and not loads_optional(modules[target], optional):
+                    in_functions.append((module.name, node.lineno))
     return in_functions
 
 
@@ -351,8 +407,9 @@ def singletons(modules: dict[str, Module]) -> tuple[list[tuple[str, str]], list[
 
 def counts(root: Path = ROOT) -> tuple[dict[str, int], dict[str, list[str]]]:
     modules = load(root)
-    in_functions = analyse_imports(modules)
-    deferred = deferred_imports(modules)
+    optional = optional_dependencies(root)
+    in_functions = analyse_imports(modules, optional)
+    deferred = deferred_imports(modules, optional)
     found = cycles(modules)
     reads = private_reads(modules)
     skips = fmt_skips(modules)

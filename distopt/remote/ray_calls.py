@@ -24,8 +24,10 @@ the ``@ray.remote`` function; anything else is a write. **Batching**: :func:`reg
 names a method (or task) serving several calls in one request; ``batch_fetch`` then merges
 concurrent reads of one actor (or task).
 
-Ray is imported only once a model's code has imported it (:func:`~distopt.remote.registry.
-register_on_import`): distopt imports without Ray installed.
+distopt never imports Ray: the declarations are made with the ``ray`` module the model's code
+imported (:func:`~distopt.remote.registry.register_on_import`), and a call of a Ray object finds
+Ray in ``sys.modules`` (no model holds one without having imported Ray). distopt imports without
+Ray installed.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from __future__ import annotations
 import inspect
 import sys
 from collections.abc import Callable, Hashable, Mapping, Sequence
+from types import ModuleType
 from typing import Any, cast
 
 import torch.fx
@@ -82,8 +85,7 @@ def ray_call(
     options: Mapping[str, Any] | None = None,
 ) -> Any:
     """``ray.get(ray_remote(...))``: the blocking form the spec is named after."""
-    import ray
-
+    ray = sys.modules["ray"]  # ``target`` is a Ray object: the model's code has imported Ray
     return ray.get(ray_remote(target, method, args, kwargs, options))
 
 
@@ -252,11 +254,9 @@ def _task_call(
     return _CANONICAL["issue"], (fn, None, tuple(args or ()), dict(kwargs or {}), given)
 
 
-def _install() -> None:
-    import ray
-    import ray.actor
-    import ray.remote_function
-
+def _install(ray: ModuleType) -> None:
+    """Declare Ray's idioms, once the model's code has imported ``ray`` (importing it loads
+    ``ray.actor`` and ``ray.remote_function`` too)."""
     _CANONICAL["issue"] = ray_remote
     torch.fx.node.has_side_effect(ray.get)  # an unused ray.get still waits (for a write)
     register_remote(

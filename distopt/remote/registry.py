@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Literal
 
 import torch.fx
@@ -277,7 +278,7 @@ _CONSTANT_TYPES: list[type] = []
 _ROUTED_METHODS: list[
     tuple[type, str, Callable[..., tuple[Callable[..., Any], tuple[Any, ...]]]]
 ] = []
-_LAZY: dict[str, Callable[[], None]] = {}
+_LAZY: dict[str, Callable[[ModuleType], None]] = {}
 
 
 def register_constant_type(cls: type) -> None:
@@ -308,12 +309,14 @@ def routed_methods() -> tuple[tuple[type, str, Callable[..., Any]], ...]:
     return tuple(_ROUTED_METHODS)
 
 
-def register_on_import(module: str, install: Callable[[], None]) -> None:
-    """Run ``install`` (registrations that import ``module``) once ``module`` has been imported.
+def register_on_import(module: str, install: Callable[[ModuleType], None]) -> None:
+    """Run ``install(module)`` (registrations about ``module``'s objects) once the module has been
+    imported, with the module imported.
 
     distopt must import without optional libraries (Ray), and importing them costs time; a model
-    that uses one has imported it before it is traced, so :func:`install_imported` (called when a
-    model's remote calls are routed) is early enough.
+    that uses one has imported it before it is traced (a model cannot hold a Ray object unless
+    ``ray`` is in ``sys.modules``), so :func:`install_imported` (called when a model's remote calls
+    are routed) is early enough, and distopt never imports the library itself.
     """
     with _LOCK:
         _LAZY[module] = install
@@ -325,9 +328,6 @@ def install_imported() -> None:
     with _LOCK:
         # A module set to None in sys.modules is one an import refused (absent, or blocked).
         ready = [name for name in _LAZY if sys.modules.get(name) is not None]
-        installs = [_LAZY.pop(name) for name in ready]
-    for install in installs:
-        try:
-            install()
-        except ImportError:
-            pass  # a partial install of the library: its calls stay unrecognized, as without it
+        installs = [(_LAZY.pop(name), sys.modules[name]) for name in ready]
+    for install, module in installs:
+        install(module)

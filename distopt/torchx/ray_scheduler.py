@@ -16,6 +16,9 @@ The app id is ``HOST:PORT-SUBMISSION_ID`` (the dashboard address and the Ray sub
 ``torchx status``, ``log`` and ``cancel`` find the cluster from the handle alone. Replicas' log
 lines reach the job log as ``[role/replica] line``; :meth:`RayJobScheduler.log_iter` selects one
 replica's. Role retries (``max_retries``) are not supported: a failing replica fails the app.
+
+This module imports Ray's job submission client (Ray is optional: ``distopt[ray]``); nothing
+imports it until a scheduler is made (:mod:`.schedulers`, ``plugins/torchx-ray``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypedDict
 
+from ray.job_submission import JobSubmissionClient
 from torchx.schedulers.api import (
     DescribeAppResponse,
     ListAppResponse,
@@ -131,8 +135,6 @@ def dashboard_netloc(address: str) -> str:
 
 
 def _client(netloc: str) -> Any:
-    from ray.job_submission import JobSubmissionClient  # optional (distopt[ray])
-
     try:
         return JobSubmissionClient(f"http://{netloc}")
     except (ConnectionError, RuntimeError) as err:

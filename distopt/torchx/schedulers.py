@@ -6,7 +6,9 @@ declares no ``torchx.schedulers`` entry point, and its Ray scheduler
 
 * **distopt's own Runner.** :func:`get_runner` builds ``torchx.runner.Runner`` from TorchX's
   scheduler factories plus ``distopt_ray`` (always ours) and ``ray`` (ours only where TorchX has
-  none). ``distopt launch -s ray`` and :func:`distopt.launch` work on any TorchX this way.
+  none). ``distopt launch -s ray`` and :func:`distopt.launch` work on any TorchX this way. As in
+  TorchX's registry, a scheduler's module (and Ray with it) is imported when the scheduler is
+  made, not when the schedulers are listed.
 * **The opt-in ``distopt-torchx-ray`` distribution** (``plugins/torchx-ray``) for ``torchx run -s
   ray`` on TorchX without a ``ray`` scheduler. It registers through TorchX's plugin namespace
   package ``torchx_plugins.schedulers``, which TorchX 0.7 never reads.
@@ -26,22 +28,37 @@ from __future__ import annotations
 
 import configparser
 from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
 
 from torchx.runner import Runner
 from torchx.runner import config as torchx_config
 from torchx.schedulers import SchedulerFactory, get_scheduler_factories
-
-from distopt.torchx.ray_scheduler import create_ray_scheduler, create_scheduler
+from torchx.schedulers.api import Scheduler
 
 __all__ = ["apply_torchxconfig", "distopt_schedulers", "get_runner", "scheduler_factories"]
+
+
+def _ray_scheduler(create: str) -> SchedulerFactory:
+    """The factory ``create`` of :mod:`.ray_scheduler`, whose module is imported when a scheduler
+    is made, not when the schedulers are listed: it imports Ray's job submission client (Ray is
+    optional, ``distopt[ray]``). TorchX's own registry defers each scheduler's module the same way
+    (``torchx.schedulers.get_scheduler_factories``)."""
+
+    def run(session_name: str, **kwargs: Any) -> Scheduler:
+        from distopt.torchx import ray_scheduler  # imports Ray: see above
+
+        factory: SchedulerFactory = getattr(ray_scheduler, create)
+        return factory(session_name, **kwargs)
+
+    return run
 
 
 def distopt_schedulers(torchx_names: Mapping[str, object]) -> dict[str, SchedulerFactory]:
     """distopt's scheduler factories by name, given TorchX's: ``ray`` only where TorchX has
     none (TorchX 0.7's own ``ray`` stays TorchX's)."""
-    ours: dict[str, SchedulerFactory] = {"distopt_ray": create_scheduler}
+    ours: dict[str, SchedulerFactory] = {"distopt_ray": _ray_scheduler("create_scheduler")}
     if "ray" not in torchx_names:
-        ours["ray"] = create_ray_scheduler
+        ours["ray"] = _ray_scheduler("create_ray_scheduler")
     return ours
 
 

@@ -53,7 +53,7 @@ import distopt.ps as ps
 from distopt.errors import DistoptError, RemoteCallError
 from distopt.ps.cluster.session import backend_for
 from distopt.ps.spec import ServerOptions
-from distopt.ps.transport.ray import ACTOR_EXITED, ACTOR_UNAVAILABLE
+from distopt.ps.transport.base import ACTOR_EXITED, ACTOR_UNAVAILABLE
 from distopt.training import state as job_state
 from distopt.training.checkpoint import Checkpoint
 

@@ -108,7 +108,43 @@ def test_local_job_rounds_leave_stderr_and_server_logs_quiet(tmp_path: Path, rou
     logs = proc.stdout.split()
     assert len(logs) == 2 * rounds
     for log in logs:
-        assert [ln for ln in noise(Path(log).read_text()) if "runpy" not in ln] == [], log
+        # Also no "RuntimeWarning: 'distopt.ps.cluster.rpc_process' found in sys.modules after
+        # import of package ..." from runpy: the servers run distopt.ps.cluster.rpc_main.
+        assert noise(Path(log).read_text()) == [], log
+
+
+_WITHOUT_RAY = textwrap.dedent(
+    """
+    import sys
+    from importlib.util import find_spec
+    import torch
+    import distopt
+    import distopt.ps as ps
+    from distopt.ps.cluster.session import backend_for
+    from distopt.ps.spec import ServerOptions, TableSpec
+
+    assert "ray" not in sys.modules, "import distopt imported ray"
+    assert backend_for(ServerOptions()).name == "rpc"
+    assert "ray" not in sys.modules, "the RPC backend imported ray"
+    with ps.local_job((TableSpec(name="t", num_rows=10, dim=4),), ServerOptions()):
+        ps.fetch("t", torch.tensor([1, 2])).sum().backward()
+        ps.push_gradients(lr=0.1)
+    assert "ray" not in sys.modules, "an RPC job imported ray"
+    if find_spec("ray") is not None:  # distopt[ray]
+        assert backend_for(ServerOptions(backend="ray")).name == "ray"
+        assert "ray" in sys.modules  # the Ray backend, loaded when a job picks it, imports it
+    """
+)
+
+
+def test_distopt_and_an_rpc_job_never_import_ray(tmp_path: Path) -> None:
+    """Ray is optional and slow to import: only a job with ``ps.backend: ray`` loads it."""
+    script = tmp_path / "without_ray.py"
+    script.write_text(_WITHOUT_RAY)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _cpu_seconds(pid: int) -> float:

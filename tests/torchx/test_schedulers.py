@@ -155,3 +155,21 @@ def test_torchxconfig_sections_of_distopt_schedulers(tmp_path: Path) -> None:
         local: dict[str, object] = {}
         apply_torchxconfig(runner, "local_cwd", local, [str(tmp_path)])  # TorchX's own loader
         assert local == {"log_dir": "runs/x"}
+
+
+def test_listing_distopt_schedulers_imports_no_ray() -> None:
+    """The Ray scheduler's module imports Ray (optional): it is loaded when the scheduler is made,
+    as TorchX loads its own, not when a Runner lists schedulers."""
+    code = (
+        "import sys\n"
+        "from distopt.torchx.schedulers import get_runner\n"
+        "with get_runner() as runner:\n"
+        "    assert 'distopt_ray' in runner.scheduler_backends()\n"
+        "assert 'ray' not in sys.modules, 'listing schedulers imported ray'\n"
+        "assert 'distopt.torchx.ray_scheduler' not in sys.modules\n"
+        "with get_runner() as runner:\n"
+        "    assert runner.scheduler_run_opts('distopt_ray').get('dashboard_address')\n"
+        "assert 'distopt.torchx.ray_scheduler' in sys.modules\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -5,6 +5,10 @@ server ``i`` is the actor ``ps{i}`` (:class:`~distopt.ps.transport.ray_actor.PSS
 namespace of the job's own, in one placement group (:mod:`distopt.ps.cluster.ray_placement`),
 owned by the process that created it. Faults, restarts and why per-table order never relies on
 Ray: ``docs/ps_runtime.md`` ("Ray jobs").
+
+This module, and the Ray-only modules it imports, import Ray (optional: ``distopt[ray]``) at their
+top; :data:`distopt.ps.cluster.session.BACKENDS` imports this one when a job picks ``ps.backend:
+ray``, so that ``import distopt`` and RPC jobs do not import Ray.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import dataclasses
 import os
 import uuid
 from typing import Any, ClassVar
+
+import ray
 
 from distopt.dist import rendezvous
 from distopt.dist.rendezvous import StorePlan
@@ -26,17 +32,12 @@ from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.ps.transport.ray import RayTransport, ray_message
 from distopt.ps.transport.ray_actor import PSServerActor
 
-# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
-# use it, so that `import distopt` does not.
-
 
 def ensure_ray(address: str, options: ServerOptions) -> bool:
     """Connect this process to Ray at ``address`` unless it already is; whether it connected now.
 
     ``local`` starts a private instance bound to ``options.host`` with no dashboard.
     """
-    import ray
-
     if ray.is_initialized():
         return False
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # loopback-only head, nothing to guard
@@ -74,8 +75,6 @@ class ServerActors:
 
 def lookup_actors(address: str, namespace: str, options: ServerOptions) -> dict[str, Any]:
     """Handles of the job's actors by server name, once each answers (within ``start_timeout_s``)."""
-    import ray
-
     ensure_ray(address, options)
     handles: dict[str, Any] = {}
     for name in (server_name(i) for i in range(options.num_servers)):
@@ -127,8 +126,6 @@ class RayBackend(Backend):
     ) -> tuple[PSJob, ServerActors]:
         """Create the job's server actors in a namespace of their own; returns at once (the
         trainers' lookups wait for the actors). Their logs are Ray's (``log_dir`` is unused)."""
-        import ray
-
         started_ray = ensure_ray(options.ray_address, options)
         namespace = f"{options.ray_namespace}-{uuid.uuid4().hex[:8]}"
         record = record_path(options, namespace)
@@ -190,8 +187,6 @@ class RayBackend(Backend):
     def stop(self, job: PSJob, servers: Servers | None, *, timeout_s: float) -> list[int | None]:
         """Kill the actors (no restart) and remove their placement group; stop Ray if it was
         started for them. Actors have no exit codes: ``None`` each."""
-        import ray
-
         if isinstance(servers, ServerActors) and ray.is_initialized():
             for handle in servers.handles:
                 with contextlib.suppress(ray.exceptions.RayActorError):  # already gone

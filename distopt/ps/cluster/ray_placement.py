@@ -12,13 +12,15 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import ray
+from ray._private import ray_constants
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from distopt.dist import rendezvous
 from distopt.errors import ConfigError
 from distopt.ps.spec import ServerOptions, ray_endpoint
 from distopt.text import plural
-
-# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
-# use it, so that `import distopt` does not.
 
 
 def gcs_endpoint(address: str) -> tuple[str, int] | None:
@@ -32,8 +34,6 @@ def gcs_endpoint(address: str) -> tuple[str, int] | None:
 def connect(address: str, *, timeout_s: float) -> None:
     """``ray.init(address=address)``, or a one-line :class:`ConfigError` naming ``ps.ray_address``
     within ``timeout_s`` when no cluster answers there."""
-    import ray
-
     endpoint = gcs_endpoint(address)
     if endpoint is not None:
         refused = rendezvous.probe(*endpoint, timeout_s=timeout_s)
@@ -61,8 +61,6 @@ def single_host() -> None:
     host alone: ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, which Ray reads once, when it is imported
     (here it already is), into the constant set below.
     """
-    from ray._private import ray_constants
-
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
 
@@ -71,9 +69,6 @@ def reserve(options: ServerOptions) -> Any:
     """A ready placement group of ``options.num_servers`` bundles, or a one-line error naming
     ``ps.ray_num_cpus`` (with what the cluster has) when it cannot be placed within
     ``options.start_timeout_s``."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-
     bundle: dict[str, float] = {"CPU": options.ray_num_cpus, **options.ray_resources}
     if options.ray_memory_mb:
         bundle["memory"] = options.ray_memory_mb * 2**20
@@ -101,8 +96,6 @@ def reserve(options: ServerOptions) -> Any:
 
 def placed(options: ServerOptions, group: Any, index: int) -> dict[str, Any]:
     """``ActorClass.options(...)`` arguments putting server ``index`` in its bundle of ``group``."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     resources: dict[str, Any] = {"num_cpus": options.ray_num_cpus}
     if options.ray_resources:
         resources["resources"] = dict(options.ray_resources)
@@ -116,8 +109,6 @@ def placed(options: ServerOptions, group: Any, index: int) -> dict[str, Any]:
 
 def release(group: Any) -> None:
     """Remove the placement group (killing whatever still runs in it)."""
-    from ray.util.placement_group import remove_placement_group
-
     remove_placement_group(group)
 
 

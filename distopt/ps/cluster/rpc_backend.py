@@ -1,6 +1,6 @@
 """Parameter servers as processes in one ``torch.distributed.rpc`` group (``ps.backend: rpc``).
 
-:class:`RpcBackend` spawns the server processes (:mod:`distopt.ps.cluster.rpc_process`), forms
+:class:`RpcBackend` spawns the server processes (:mod:`distopt.ps.cluster.rpc_main`), forms
 one RPC group of trainers ``trainer0..`` (ranks ``0..T-1``) and servers ``ps0..`` (ranks
 ``T..T+S-1``), keeps each trainer's :class:`Heartbeat`, and ends the job. Who hosts the stores and
 how a job ends, whoever launched it: ``docs/ps_runtime.md`` ("RPC jobs").
@@ -38,6 +38,10 @@ from distopt.ps.cluster.lifecycle import (
 )
 from distopt.ps.spec import ServerOptions, TableSpec, server_name
 from distopt.ps.transport.rpc import RpcTransport
+
+SERVER_COMMAND = "distopt.ps.cluster.rpc_main"
+"""The module a server process runs (``python -m``); named, not imported, so that ``-m`` runs it
+fresh (:mod:`distopt.ps.cluster.rpc_main`)."""
 
 _ABORT_TIMEOUT_S = 5.0
 
@@ -125,7 +129,7 @@ class RpcBackend(Backend):
         num_trainers: int,
         log_dir: str | None,
     ) -> tuple[PSJob, ServerProcesses]:
-        """Spawn ``options.num_servers`` ``python -m distopt.ps.cluster.rpc_process`` processes,
+        """Spawn ``options.num_servers`` ``python -m distopt.ps.cluster.rpc_main`` processes,
         each logging to ``<log_dir>/ps<i>.log`` (a new temporary directory by default)."""
         logs_dir = (
             Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="distopt-ps-"))
@@ -149,7 +153,7 @@ class RpcBackend(Backend):
                             *options.command_prefix,
                             sys.executable,
                             "-m",
-                            rpc_process.__name__,
+                            SERVER_COMMAND,
                             json.dumps(config),
                         ],
                         stdout=log,

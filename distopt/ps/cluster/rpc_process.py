@@ -1,8 +1,8 @@
 """One parameter-server process of an RPC job: joins the job's RPC group and serves until done.
 
-Run by :class:`~distopt.ps.cluster.rpc_backend.RpcBackend` as ``python -m distopt.ps.cluster.rpc_process
+Run by :class:`~distopt.ps.cluster.rpc_backend.RpcBackend` as ``python -m distopt.ps.cluster.rpc_main
 CONFIG_JSON`` (:func:`config` builds it), and by ``distopt.train``'s ``ps`` role
-(:mod:`distopt.roles.ps_roles`) through :func:`serve`. Server ``i`` joins the RPC group as ``ps{i}``
+(:mod:`distopt.roles.ps_roles`), both through :func:`serve`. Server ``i`` joins the RPC group as ``ps{i}``
 with rank ``num_trainers + i``; trainer ``j`` has rank ``j``. The config's store plan
 (:class:`distopt.dist.rendezvous.StorePlan`) says who hosts the job's stores: the launcher for
 ``start_servers``, ``ps0`` for ``distopt.train``; a hosting server keeps them until every trainer
@@ -16,7 +16,6 @@ the :class:`~distopt.ps.server.parameter_server.ParameterServer` this process se
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import sys
 import threading
@@ -27,7 +26,6 @@ import torch
 
 from distopt.dist import rendezvous
 from distopt.dist.rendezvous import StorePlan
-from distopt.errors import ConfigError, RemoteCallError
 from distopt.ps.server.parameter_server import ParameterServer
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
 from distopt.ps.transport.rpc import serve_here
@@ -132,23 +130,3 @@ def _exit_with_launcher(launcher_pid: int | None) -> None:
         os._exit(3)
 
     threading.Thread(target=watch, name="distopt-ps-launcher-watch", daemon=True).start()
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print(
-            f"usage: python -m {__spec__.name if __spec__ else __name__} CONFIG_JSON",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        serve(json.loads(args[0]))
-    except (ConfigError, RemoteCallError) as err:
-        print(f"distopt.ps.server: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,13 +15,14 @@ The module's functions are the public API (:func:`start_servers`, :func:`init_tr
 process's session, which holds what the process launched (servers and the stores it hosts for
 their job) and the job it joined (membership, transport, client), and hands the work to the job's
 backend (:mod:`distopt.ps.cluster.lifecycle`: ``rpc`` or ``ray``). How each backend starts and ends
-a job: :mod:`distopt.ps.cluster.rpc_backend`, :mod:`distopt.ps.cluster.ray_backend`.
+a job: :mod:`distopt.ps.cluster.rpc_backend`, :mod:`distopt.ps.cluster.ray_backend` (imported, and
+Ray with it, only by a process whose job picks ``ps.backend: ray``: :data:`BACKENDS`).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from distopt.dist import rendezvous
@@ -38,17 +39,26 @@ from distopt.ps.cluster.lifecycle import (
     leave_process_groups,
     not_recoverable,
 )
-from distopt.ps.cluster.ray_backend import RayBackend
 from distopt.ps.cluster.rpc_backend import RpcBackend
 from distopt.ps.spec import ServerOptions, TableSpec, check_tables, trainer_name
 
-BACKENDS: dict[str, Backend] = {backend.name: backend for backend in (RpcBackend(), RayBackend())}
-"""Every ``ps.backend``, by name (:data:`distopt.ps.spec.BACKENDS` lists the names)."""
+
+def _ray_backend() -> Backend:
+    # Ray is optional (distopt[ray]) and slow to import; the Ray backend imports it, so it is
+    # loaded only when a job picks it (`import distopt` and RPC jobs never import Ray).
+    from distopt.ps.cluster.ray_backend import RayBackend
+
+    return RayBackend()
+
+
+BACKENDS: dict[str, Callable[[], Backend]] = {"rpc": RpcBackend, "ray": _ray_backend}
+"""Every ``ps.backend`` by name (:data:`distopt.ps.spec.BACKENDS` lists the names), as a factory:
+a backend's module is imported when a job picks it, as TorchX loads a scheduler by name."""
 
 
 def backend_for(options: ServerOptions) -> Backend:
-    """The backend of a job with ``options`` (``ps.backend``)."""
-    return BACKENDS[options.backend]
+    """The backend of a job with ``options`` (``ps.backend``); backends hold no state."""
+    return BACKENDS[options.backend]()
 
 
 class Session:

@@ -13,6 +13,12 @@ from typing import Any, Protocol
 
 from torch.futures import Future
 
+ACTOR_EXITED = "the actor process exited or was killed"
+ACTOR_UNAVAILABLE = "the actor is unreachable or restarting"
+"""How the Ray transport says, in a call's ``<why>``, that a server actor died or is being
+restarted (:func:`~distopt.ps.transport.ray.ray_message`). A job that can recover looks for them
+(:func:`distopt.training.recovery.lost_server`) without importing Ray, which only Ray jobs load."""
+
 
 class Transport(Protocol):
     """How requests reach the job's servers (the job's ``ps.backend``)."""

@@ -17,24 +17,18 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
+import ray
 from torch.futures import Future
 
 from distopt.errors import RemoteCallError
 from distopt.ps.server.parameter_server import OPERATIONS
+from distopt.ps.transport.base import ACTOR_EXITED, ACTOR_UNAVAILABLE
 from distopt.ps.transport.ray_wire import from_wire, to_wire
-
-# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
-# use it, so that `import distopt` does not.
 
 METHODS: frozenset[str] = frozenset(
     name for name, op in OPERATIONS.items() if "ray" in op.transports
 )
 """The operations a server actor answers (its methods of the same names)."""
-
-ACTOR_EXITED = "the actor process exited or was killed"
-ACTOR_UNAVAILABLE = "the actor is unreachable or restarting"
-"""How :func:`ray_message` says an actor died or is being restarted (a job that can recover looks
-for them: :func:`distopt.training.recovery.lost_server`)."""
 
 
 def ray_message(err: BaseException) -> str:
@@ -43,8 +37,6 @@ def ray_message(err: BaseException) -> str:
     Ray wraps an actor method's exception in a ``RayTaskError`` whose ``cause`` is the original;
     a dead actor raises ``ActorDiedError`` with a multi-line explanation.
     """
-    import ray.exceptions
-
     cause = getattr(err, "cause", None)
     if isinstance(err, ray.exceptions.RayTaskError) and isinstance(cause, BaseException):
         text = (
@@ -114,8 +106,6 @@ class RayTransport:
         """``op(*args)`` on every actor at once, outside the reactor (recovery asks actors that
         may be dead or restarting): each answer, or its exception, by server; ``None`` for no
         answer within ``timeout_s``."""
-        import ray
-
         refs = {
             name: getattr(handle, op).remote(*to_wire(args))
             for name, handle in self.handles.items()

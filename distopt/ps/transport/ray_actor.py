@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import ray
 import torch
 
 from distopt.errors import ConfigError
@@ -29,9 +30,6 @@ from distopt.ps.server.parameter_server import OPERATIONS, ParameterServer
 from distopt.ps.server.shard_files import read_record
 from distopt.ps.spec import ServerOptions, TableSpec
 from distopt.ps.transport.ray_wire import from_wire, to_wire
-
-# Ray is optional (distopt[ray]) and slow to import: the functions below import it where they
-# use it, so that `import distopt` does not.
 
 
 class PSServerActor:
@@ -47,8 +45,6 @@ class PSServerActor:
         options: ServerOptions,
         record: str | None = None,
     ) -> None:
-        import ray
-
         # Handlers are small index_select/index_add calls: one intra-op thread each avoids
         # oversubscribing the cores that trainers and other servers share (as the RPC server).
         torch.set_num_threads(1)
