@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 
 class DistoptError(Exception):
     """Base class of every error distopt raises on purpose."""
@@ -43,3 +45,15 @@ class DistoptFallbackWarning(UserWarning):
 class DistoptUnverifiedWarning(UserWarning):
     """distopt could not check (part of) an optimized model, and only the user can change that:
     the message names the remote function to declare and how. Given once per function."""
+
+
+def extra_missing(err: ModuleNotFoundError, *, extra: str, key: str) -> ConfigError:
+    """The one-line error for ``key``'s choice when its optional dependency ``extra`` (a module,
+    and the name of distopt's extra that installs it) is not installed; ``err`` itself when a
+    different module is missing (a broken installation is not a missing extra)."""
+    if (err.name or "").split(".")[0] != extra:
+        raise err
+    return ConfigError(
+        f"{key} needs {extra}, which is not installed in {sys.executable}: "
+        f"pip install 'distopt[{extra}]'"
+    )

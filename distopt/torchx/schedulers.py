@@ -35,17 +35,22 @@ from torchx.runner import config as torchx_config
 from torchx.schedulers import SchedulerFactory, get_scheduler_factories
 from torchx.schedulers.api import Scheduler
 
+from distopt.errors import extra_missing
+
 __all__ = ["apply_torchxconfig", "distopt_schedulers", "get_runner", "scheduler_factories"]
 
 
-def _ray_scheduler(create: str) -> SchedulerFactory:
+def _ray_scheduler(name: str, create: str) -> SchedulerFactory:
     """The factory ``create`` of :mod:`.ray_scheduler`, whose module is imported when a scheduler
     is made, not when the schedulers are listed: it imports Ray's job submission client (Ray is
     optional, ``distopt[ray]``). TorchX's own registry defers each scheduler's module the same way
     (``torchx.schedulers.get_scheduler_factories``)."""
 
     def run(session_name: str, **kwargs: Any) -> Scheduler:
-        from distopt.torchx import ray_scheduler  # imports Ray: see above
+        try:
+            from distopt.torchx import ray_scheduler  # imports Ray: see above
+        except ModuleNotFoundError as err:
+            raise extra_missing(err, extra="ray", key=f"scheduler {name!r}") from None
 
         factory: SchedulerFactory = getattr(ray_scheduler, create)
         return factory(session_name, **kwargs)
@@ -56,9 +61,11 @@ def _ray_scheduler(create: str) -> SchedulerFactory:
 def distopt_schedulers(torchx_names: Mapping[str, object]) -> dict[str, SchedulerFactory]:
     """distopt's scheduler factories by name, given TorchX's: ``ray`` only where TorchX has
     none (TorchX 0.7's own ``ray`` stays TorchX's)."""
-    ours: dict[str, SchedulerFactory] = {"distopt_ray": _ray_scheduler("create_scheduler")}
+    ours: dict[str, SchedulerFactory] = {
+        "distopt_ray": _ray_scheduler("distopt_ray", "create_scheduler")
+    }
     if "ray" not in torchx_names:
-        ours["ray"] = _ray_scheduler("create_ray_scheduler")
+        ours["ray"] = _ray_scheduler("ray", "create_ray_scheduler")
     return ours
 
 

@@ -173,3 +173,27 @@ def test_listing_distopt_schedulers_imports_no_ray() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+WITHOUT_RAY = """
+import sys
+sys.modules["ray"] = None  # as if Ray were not installed: `import ray` raises ModuleNotFoundError
+from distopt.errors import ConfigError
+from distopt.ps.cluster.session import BACKENDS
+from distopt.torchx.schedulers import distopt_schedulers
+for make in (BACKENDS["ray"], lambda: distopt_schedulers({})["distopt_ray"]("s")):
+    try:
+        make()
+    except ConfigError as err:
+        print(err)
+"""
+
+
+def test_a_ray_choice_without_ray_installed_is_one_line() -> None:
+    out = subprocess.run([sys.executable, "-c", WITHOUT_RAY], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    install = f"is not installed in {sys.executable}: pip install 'distopt[ray]'"
+    assert out.stdout.splitlines() == [
+        f"ps.backend: ray needs ray, which {install}",
+        f"scheduler 'distopt_ray' needs ray, which {install}",
+    ]

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from distopt.dist import rendezvous
 from distopt.dist.rendezvous import StorePlan
-from distopt.errors import RemoteCallError
+from distopt.errors import RemoteCallError, extra_missing
 from distopt.ps.client import calls
 from distopt.ps.client.cache import check_caches
 from distopt.ps.cluster.job import LAUNCHER, PSJob
@@ -46,8 +46,10 @@ from distopt.ps.spec import ServerOptions, TableSpec, check_tables, trainer_name
 def _ray_backend() -> Backend:
     # Ray is optional (distopt[ray]) and slow to import; the Ray backend imports it, so it is
     # loaded only when a job picks it (`import distopt` and RPC jobs never import Ray).
-    from distopt.ps.cluster.ray_backend import RayBackend
-
+    try:
+        from distopt.ps.cluster.ray_backend import RayBackend
+    except ModuleNotFoundError as err:
+        raise extra_missing(err, extra="ray", key="ps.backend: ray") from None
     return RayBackend()
 
 
