@@ -175,7 +175,8 @@ def _render_parallel(record: ParallelRecord, console: Console) -> None:
     if schedule is not None:
         console.print(
             f"  FSDP2 schedule: units left to the root {sorted(schedule.root_held) or 'none'}, "
-            f"kept from forward into backward {sorted(schedule.keep_after_forward) or 'none'}; "
+            f"kept from forward into backward {sorted(schedule.keep_after_forward) or 'none'}, "
+            f"not gathered in backward {sorted(schedule.backward_free) or 'none'}; "
             f"{schedule.gathered_bytes / 2**20:.1f} MiB gathered per step, "
             f"{schedule.memory_bytes / 2**20:.1f} MiB parameter peak per rank"
         )

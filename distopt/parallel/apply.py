@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+import torch.fx
 from torch import nn
 from torch.distributed._composable.replicate import replicate
-from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
 
 from distopt.dist.rendezvous import keep_group
@@ -62,7 +63,8 @@ def apply_fsdp(
     ``units`` are in execution order (the partition knows it from the graph). ``schedule`` (see
     :mod:`distopt.parallel.fsdp_schedule`) leaves some units to the root and keeps the last ones
     gathered from forward into backward; without it only the last unit is kept (backward needs it
-    at once; torchtitan does the same for its last block). With ``prefetch`` each unit's forward
+    at once; torchtitan does the same for its last block). Its backward-free units (see
+    :func:`backward_free_units`) are not gathered again in backward. With ``prefetch`` each unit's forward
     issues the next unit's all-gather (FSDP2 prefetches implicitly only in backward). None of this
     changes numerics; ``mp_policy`` does (e.g. bf16 parameters for compute, fp32 gradient
     reduction), the same policy on every unit and the root.
@@ -72,6 +74,7 @@ def apply_fsdp(
     held = schedule.root_held if schedule is not None else frozenset()
     kept = schedule.keep_after_forward if schedule is not None else frozenset({len(units) - 1})
     sharded = [(i, unit) for i, unit in enumerate(units) if i not in held]
+    backward_free = schedule.backward_free if schedule is not None else frozenset()
     for index, unit in sharded:
         fully_shard(
             unit,
@@ -79,6 +82,8 @@ def apply_fsdp(
             reshard_after_forward=reshard_after_forward and index not in kept,
             **precision,
         )
+        if index in backward_free:
+            unit.set_unshard_in_backward(False)  # type: ignore[operator]
     # FSDP2 keeps the root's own parameters unsharded after forward whatever this says (they are
     # needed again at once by backward), so the setting only matters for the inner units.
     fully_shard(root, mesh=mesh, reshard_after_forward=reshard_after_forward, **precision)
@@ -86,6 +91,26 @@ def apply_fsdp(
         for (_, unit), (_, following) in zip(sharded, sharded[1:], strict=False):
             unit.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
     return root
+
+
+def backward_free_units(units: Sequence[nn.Module]) -> frozenset[int]:
+    """Indices of the units whose backward reads none of their parameters: every parameter is the
+    table of an ``nn.Embedding`` the unit's graph only calls (embedding's gradient needs the
+    indices, not the table). A table also read another way (a tied output head, ``get_attr``),
+    renormalized in place (``max_norm``) or with sparse gradients does not qualify. Only FSDP2
+    releases that know ``set_unshard_in_backward`` can skip the gather: older ones get none."""
+    if not hasattr(FSDPModule, "set_unshard_in_backward"):
+        return frozenset()
+    free = set()
+    for index, unit in enumerate(units):
+        if not isinstance(unit, torch.fx.GraphModule) or not any(True for _ in unit.parameters()):
+            continue
+        if any(node.op == "get_attr" for node in unit.graph.nodes):
+            continue
+        owners = [m for m in unit.modules() if any(p is not None for p in m._parameters.values())]
+        if all(isinstance(m, nn.Embedding) and m.max_norm is None and not m.sparse for m in owners):
+            free.add(index)
+    return frozenset(free)
 
 
 def apply_fsdp1(

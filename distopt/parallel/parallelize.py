@@ -19,7 +19,13 @@ from distopt.dist.rendezvous import collective
 from distopt.errors import ConfigError
 from distopt.estimate.collectives import alpha_beta, min_unit_bytes
 from distopt.optimize import optimize
-from distopt.parallel.apply import apply_compile, apply_ddp, apply_fsdp, apply_fsdp1
+from distopt.parallel.apply import (
+    apply_compile,
+    apply_ddp,
+    apply_fsdp,
+    apply_fsdp1,
+    backward_free_units,
+)
 from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
 from distopt.parallel.regions import compilable_regions
 from distopt.parallel.units import agree_across_ranks, materialize_units, plan_of, unit_modules
@@ -223,7 +229,10 @@ def parallelize(
         timing.regions = len(regions)
     if cfg.strategy == "fsdp":
         schedule = plan_fsdp_schedule(
-            timing.unit_bytes, world_size=_world_size(mesh), memory_slack=cfg.memory_slack
+            timing.unit_bytes,
+            world_size=_world_size(mesh),
+            memory_slack=cfg.memory_slack,
+            backward_free=backward_free_units(units),
         )
         timing.schedule = schedule
         result = apply_fsdp(
