@@ -163,3 +163,33 @@ def test_an_idle_job_burns_no_cpu() -> None:
         time.sleep(1.0)
         used = [_cpu_seconds(p) - b for p, b in zip(pids, before, strict=True)]
     assert max(used) < 0.3, f"CPU seconds used in 1 s idle (trainer, servers): {used}"
+
+
+_RAY_JOB = textwrap.dedent(
+    """
+    import torch
+    import distopt.ps as ps
+    from distopt.ps.spec import ServerOptions, TableSpec
+
+    with ps.local_job((TableSpec(name="t", num_rows=10, dim=4),), ServerOptions(backend="ray")):
+        ps.fetch("t", torch.tensor([1, 2])).sum().backward()
+        ps.push_gradients(lr=0.1)
+    """
+)
+
+
+def test_a_local_ray_job_leaves_stderr_empty(tmp_path: Path) -> None:
+    # Ray logged "INFO worker.py:... -- Started a local Ray instance." on the user's stderr for
+    # every job (ps_overlap with ps.backend=ray: one line per sweep point).
+    pytest.importorskip("ray")
+    script = tmp_path / "ray_job.py"
+    script.write_text(_RAY_JOB)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr == ""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import os
 import uuid
 from typing import Any, ClassVar
@@ -52,6 +53,9 @@ def ensure_ray(address: str, options: ServerOptions) -> bool:
             include_dashboard=False,
             _node_ip_address=options.host,
             log_to_driver=False,
+            # Ray's own INFO line per start ("Started a local Ray instance.") on the job's stderr:
+            # a successful run is quiet; warnings still show.
+            logging_level=logging.WARNING,
             _system_config={"worker_niceness": 0},
         )
     else:

@@ -9,6 +9,7 @@ removes the group at the end of a job.
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -46,7 +47,7 @@ def connect(address: str, *, timeout_s: float) -> None:
         if rendezvous.is_loopback(endpoint[0]):
             single_host()
     try:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     except (ConnectionError, RuntimeError, ValueError) as err:  # e.g. auto with no cluster
         raise ConfigError(
             f"ps.ray_address: cannot connect to Ray at {address!r}: {rendezvous.first_line(err)}"
