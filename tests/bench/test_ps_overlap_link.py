@@ -125,7 +125,10 @@ def test_a_stopped_bench_leaves_nothing_behind(tmp_path: Path, sig: signal.Signa
     (SIGINT) stop it, the bench stops its servers and removes its namespace, the veth pair,
     the bridge and the namespace's /etc/netns files."""
     require_namespaces()
-    config = _config(tmp_path, link={"rate_mbit": 50}, rounds=64, steps=20)
+    # Far longer than the test waits: 64 rounds (about 13 s) could end under load before the
+    # signal came, which then found the bench removing its link (signals ignored there) and
+    # exiting 0.
+    config = _config(tmp_path, link={"rate_mbit": 50}, rounds=5000, max_rounds=5000, steps=20)
     bench = subprocess.Popen(
         [DISTOPT, "bench", str(config)],
         cwd=tmp_path,
