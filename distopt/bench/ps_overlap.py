@@ -1004,7 +1004,7 @@ def link_cost(points: list[dict]) -> list[dict]:
     return costs
 
 
-def _link_cost_table(points: list[dict], bench: PSOverlapConfig) -> Table:
+def _link_cost_table(costs: list[dict], bench: PSOverlapConfig) -> Table:
     """What the link costs each variant, and how much of the baseline's cost the passes and
     the pipeline hide."""
     table = Table(
@@ -1013,7 +1013,7 @@ def _link_cost_table(points: list[dict], bench: PSOverlapConfig) -> Table:
     )
     for col in ("K", "lat ms", "compute", *bench.variants, "opt hides", "pipe hides"):
         table.add_column(col, justify="right")
-    for cost in link_cost(points):
+    for cost in costs:
         cells = [
             f"{cost['loopback_step_s'][n] * 1e3:.1f} → {cost['link_step_s'][n] * 1e3:.1f} "
             f"(+{cost['link_extra_s'][n] * 1e3:.1f})"
@@ -1215,8 +1215,9 @@ def run(config: dict, args: argparse.Namespace) -> int:
     console.print(_table(points, bench))
     if bench.link is not None:
         console.print(_link_table(points, bench))
-    if bench.loopback_reference:
-        console.print(_link_cost_table(points, bench))
+    costs = link_cost(points) if bench.loopback_reference else None
+    if costs is not None:
+        console.print(_link_cost_table(costs, bench))
     if any(p["cache"] for p in points):
         console.print(_cache_table(points))
     if batching is not None:
@@ -1250,7 +1251,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
                     "kind": "ps_overlap",
                     "config": to_dict(bench),
                     "points": points,
-                    "link_cost": link_cost(points) if bench.loopback_reference else None,
+                    "link_cost": costs,
                     "batching": batching,
                 },
                 indent=2,
