@@ -1,8 +1,10 @@
-"""ResNet-50-shaped CNN: eval latency (eager, fx ``fuse``, distopt fold + channels-last,
-``torch.compile``) and training step time with and without channels-last.
+"""ResNet-50-shaped CNN: eval latency (eager, fx ``fuse``, distopt with its default passes and
+with fold + channels-last alone, ``torch.compile``) and training step time with and without
+channels-last.
 
-Target (issue 4): distopt eval ≥ 1.3× eager and ≥ fx ``fuse``. Variants are timed interleaved
-(round-robin, one call each per turn); tables quote medians.
+Target (issue 4): distopt eval with the default passes (what ``distopt.optimize(model.eval(), x)``
+gives) ≥ 1.3× eager and ≥ fx ``fuse``. Variants are timed interleaved (round-robin, one call each
+per turn); tables quote medians.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.models.resnet import ResNet
+
+DEFAULT = "default passes"
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -98,11 +102,15 @@ def _eval_variants(
         config={"verify": {"check_grads": False, "rtol": 1e-3, "atol": 1e-3}},
         strict=True,
     )
-    setup["distopt optimize()"] = time.perf_counter() - start
+    setup["distopt optimize() (fold + channels-last)"] = time.perf_counter() - start
+    start = time.perf_counter()
+    default = distopt.optimize(model, x, strict=True)
+    setup[f"distopt optimize() ({DEFAULT})"] = time.perf_counter() - start
     variants: dict[str, Callable[[], object]] = {
         "eager": lambda: model(x),
         "fx fuse": lambda: fx_fused(x),
         "distopt (fold + channels-last)": lambda: ours(x),
+        f"distopt ({DEFAULT})": lambda: default(x),
     }
     if cfg.compile:
         console.print("compiling with inductor (first call)…")
@@ -183,13 +191,15 @@ def run(config: dict, args: argparse.Namespace) -> int:
     console.print(
         _table(f"eval latency (median of {cfg.rounds}, interleaved)", eval_times, "eager")
     )
-    ours = eval_times["distopt (fold + channels-last)"]
+    # The target is what a user gets from ``distopt.optimize(model.eval(), x)``; the fixed pair
+    # of passes stays beside it, the row this benchmark scored before the measured defaults.
+    ours = eval_times[f"distopt ({DEFAULT})"]
     speedup = eval_times["eager"] / ours
     vs_fuse = eval_times["fx fuse"] / ours
     ok = speedup >= cfg.target_speedup and vs_fuse >= 1.0
     console.print(
-        f"distopt eval: {speedup:.2f}× eager (target ≥ {cfg.target_speedup}), {vs_fuse:.2f}× fx fuse "
-        f"(target ≥ 1.0): {'ok' if ok else 'MISSED'}"
+        f"distopt eval ({DEFAULT}): {speedup:.2f}× eager (target ≥ {cfg.target_speedup}), "
+        f"{vs_fuse:.2f}× fx fuse (target ≥ 1.0): {'ok' if ok else 'MISSED'}"
     )
     train_times: dict[str, float] = {}
     if cfg.train_steps:
@@ -215,6 +225,8 @@ def run(config: dict, args: argparse.Namespace) -> int:
             "setup_s": setup,
             "eval_speedup_vs_eager": speedup,
             "eval_speedup_vs_fx_fuse": vs_fuse,
+            "eval_speedup_fold_channels_last_vs_eager": eval_times["eager"]
+            / eval_times["distopt (fold + channels-last)"],
             "target_met": ok,
         }
         with open(args.json, "w") as fh:
