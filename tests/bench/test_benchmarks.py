@@ -57,16 +57,19 @@ def test_ps_overlap_runs_and_logs(tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_ps_overlap_adds_rounds_until_each_variant_has_its_seconds(tmp_path) -> None:
+def test_ps_overlap_adds_rounds_until_each_variant_has_its_seconds(tmp_path, capsys) -> None:
     config = tmp_path / "ps.yaml"
     config.write_text(  # 30 s per variant is out of reach: the rounds stop at max_rounds
         "kind: ps_overlap\ntables: [1]\nlatency_ms: [1.0]\ncompute: [light]\nrounds: 1\nsteps: 3\n"
         "warmup: 1\nmin_variant_s: 30\nmax_rounds: 3\nvariants: [baseline, optimized, hand]\n"
-        f"batching_fetches: 0\noutput_dir: {tmp_path / 'runs'}\n"
+        f"warmup_rounds: 2\nbatching_fetches: 0\noutput_dir: {tmp_path / 'runs'}\n"
     )
     out = tmp_path / "out.json"
     main(["bench", str(config), "--json", str(out)])
     point = json.loads(out.read_text())["points"][0]
+    # The warm-up rounds ran first and are in neither the rounds nor the steps.
+    printed = capsys.readouterr().out
+    assert printed.index("warm-up round 2/2 (untimed)") < printed.index("round 1/1")
     assert point["rounds"] == 3
     assert all(v["steps"] == 3 * 2 for v in point["variants"].values())
     assert 0 <= point["hand_faster_rounds"] <= 3
@@ -85,6 +88,8 @@ def test_ps_overlap_config_errors_name_the_key() -> None:
         from_dict(PSOverlapConfig, {"rounds": 8, "max_rounds": 4})
     with pytest.raises(ConfigError, match=r"h_consistency"):
         from_dict(PSOverlapConfig, {"h_consistency": 1.5})
+    with pytest.raises(ConfigError, match=r"warmup_rounds: expected an integer >= 0, got -1"):
+        from_dict(PSOverlapConfig, {"warmup_rounds": -1})
 
 
 @pytest.mark.slow
