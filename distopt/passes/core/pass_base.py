@@ -52,6 +52,16 @@ class PassResult:
 
 PassFn = Callable[[torch.fx.GraphModule, PassContext], PassResult]
 
+TIMED = "distopt_timed"
+"""``GraphModule.meta`` key: median seconds of one call of the graphs a measured pass timed
+(:mod:`distopt.passes.local.measured`), keyed on their generated code."""
+
+
+def measured_seconds(gm: torch.fx.GraphModule) -> float | None:
+    """Median seconds of one call of ``gm`` as it is now, if a measured pass timed this graph."""
+    timed: dict[str, float] = gm.meta.get(TIMED, {})
+    return timed.get(gm.code)
+
 
 @dataclass(frozen=True)
 class PassSpec:
