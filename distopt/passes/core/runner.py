@@ -113,7 +113,8 @@ def run_passes(
             changed = [run_one(spec, round_index) for spec in group]
     record.code_after = gm.code
     record.reorders_float = any(n.meta.get(REORDERS_FLOAT) for n in gm.graph.nodes)
-    record.measured_seconds = measured_seconds(gm)
+    if example_inputs is not None:
+        record.measured_seconds = measured_seconds(gm, example_inputs)
     return record
 
 

@@ -9,8 +9,8 @@ user's RNG, buffers and input tensors left as they were): there a layout or kern
 speed choice, while in training it also changes the gradients' round-off, which BatchNorm on a
 small batch amplifies, so training graphs get such rewrites only on request.
 
-Each timing is kept with the graph (:func:`distopt.passes.core.pass_base.measured_seconds`, keyed on its
-generated code): a
+Each median is kept with the graph (``GraphModule.meta``, by
+:func:`~distopt.passes.core.pass_base.timing_key`: its generated code and the inputs' shapes): a
 later measured pass whose "without" is a graph timed already — the "with" of the pass before it,
 or its "without" when that pass was declined — starts from that median instead of calling the
 graph again, and :func:`distopt.optimize`'s final check takes the optimized graph's median from
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from distopt.passes.core.pass_base import TIMED, PassContext, PassResult
+from distopt.passes.core.pass_base import TIMED, PassContext, PassResult, timing_key
 from distopt.remote.isolation import isolated, preserved_state
 from distopt.remote.ops import remote_ops
 from distopt.remote.side_effects import eliminate_dead_code
@@ -92,14 +92,14 @@ def keep_if_faster(gm: torch.fx.GraphModule, ctx: PassContext, rewrite: Rewrite)
     inputs = ctx.example_inputs
     assert inputs is not None  # _why_unmeasurable checked
     assert measurer is not None  # _why_unmeasurable checked
-    timed: dict[str, float] = gm.meta.setdefault(TIMED, {})
+    timed: dict[tuple[str, tuple[Any, ...]], float] = gm.meta.setdefault(TIMED, {})
     result = measurer.compare(
         lambda: _workload(baseline, inputs),
         lambda: _workload(gm, inputs),
-        baseline_s=timed.get(baseline.code),
+        baseline_s=timed.get(timing_key(baseline, inputs)),
     )
-    timed[baseline.code] = result.baseline_s
-    timed[gm.code] = result.candidate_s
+    timed[timing_key(baseline, inputs)] = result.baseline_s
+    timed[timing_key(gm, inputs)] = result.candidate_s
     if measurer.keeps(result):
         return PassResult(modified=True, detail=f"{detail}; kept: measured {result.describe()}")
     gm.graph = saved

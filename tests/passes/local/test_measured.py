@@ -107,7 +107,8 @@ def test_a_graph_timed_by_one_pass_is_not_timed_again_by_the_next() -> None:
     gm = torch.fx.symbolic_trace(ConvRelu().eval())
     ctx = _eval_ctx(Measurer(clock=clock))
     assert not mkldnn_fusion(gm, ctx).modified  # declined: the graph is as it was
-    assert measured_seconds(gm) == 1.0
+    assert measured_seconds(gm, ctx.example_inputs or ()) == 1.0
+    assert measured_seconds(gm, (torch.randn(4, 3, 8, 8),)) is None  # timed on other shapes
     calls.clear()
     assert not channels_last(gm, ctx).modified
     assert calls == ["candidate"]  # its "without" is the graph mkldnn_fusion timed
