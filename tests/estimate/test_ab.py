@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
-from distopt.estimate.ab import Measurer
+from distopt.estimate.ab import Measurer, one_time_work, wall_clock
 
 
 def clock_of(
@@ -75,3 +76,22 @@ def test_warm_variants_count_their_first_round() -> None:
     m = Measurer(clock=clock_of({"baseline": 1.0, "candidate": 0.5}, calls))
     result = m.compare(lambda: None, lambda: None, warm=True)
     assert result.rounds == 1 and len(calls) == 2
+
+
+def test_a_variant_timed_already_is_not_called_again() -> None:
+    calls: list[str] = []
+    m = Measurer(clock=clock_of({"baseline": 1.0, "candidate": 0.5}, calls))
+    result = m.compare(lambda: None, lambda: None, warm=True, baseline_s=1.0, candidate_s=0.5)
+    assert result.rounds == 1 and calls == []  # the known times decide alone
+    result = m.compare(lambda: None, lambda: None, baseline_s=1.0)
+    assert result.rounds == 1 and calls == ["candidate"]
+
+
+def test_the_clock_leaves_out_one_time_work() -> None:
+    def call() -> None:
+        with one_time_work():
+            time.sleep(0.05)
+
+    assert wall_clock("candidate", call) < 0.01
+    with one_time_work():  # outside a timed call it is just work
+        pass

@@ -7,9 +7,11 @@ from torch import nn
 
 import distopt
 from distopt import models
+from distopt.config import OptimizeConfig
 from distopt.errors import ConfigError, VerificationError
+from distopt.optimize.api import _keep_if_not_slower
 from distopt.passes import PassResult, register_pass, unregister_pass
-from distopt.report import report_of
+from distopt.report import GraphRecord, OptimizeReport, report_of
 
 EXAMPLES = ["mlp", "cnn", "gpt", "control_flow"]
 
@@ -223,3 +225,42 @@ def test_leaves_by_path_and_by_class_are_accepted() -> None:
     )
     assert isinstance(gm, torch.fx.GraphModule)
     assert any(n.op == "call_module" and n.target == "blocks.0" for n in gm.graph.nodes)
+
+
+class _Counted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x + 1
+
+
+class _CountedLeaf(torch.fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, _Counted) or super().is_leaf_module(m, qualname)
+
+
+@pytest.mark.parametrize(("graph_s", "timed_again"), [(0.5, False), (0.05, True)])
+def test_the_final_check_reuses_a_long_graph_timing_from_the_passes(
+    graph_s: float, timed_again: bool
+) -> None:
+    # Verification ran both models (warm: no warm-up), the original took 1 s there, and a
+    # measured pass timed the optimized graph. A long call is decided without calling it again; a
+    # short one is timed anew (what a model adds around its graph shows only on short calls).
+    wrapper = nn.Sequential(_Counted())
+    optimized = torch.fx.GraphModule(wrapper, _CountedLeaf().trace(wrapper))
+    counted = optimized.get_submodule("0")
+    report = OptimizeReport(model="M", tier="symbolic_trace", original_seconds=1.0)
+    report.graphs.append(GraphRecord(code_before="", measured_seconds=graph_s))
+    kept = _keep_if_not_slower(
+        _Counted(), optimized, (torch.ones(2),), OptimizeConfig(), report, warm=True
+    )
+    assert kept is optimized
+    assert (counted.calls > 0) == timed_again
+    if not timed_again:
+        assert report.speed == (
+            "optimized 500 ms vs original 1.00 s (median of 1 interleaved round): "
+            "optimized model kept"
+        )

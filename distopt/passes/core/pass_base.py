@@ -52,6 +52,27 @@ class PassResult:
 
 PassFn = Callable[[torch.fx.GraphModule, PassContext], PassResult]
 
+TIMED = "distopt_timed"
+"""``GraphModule.meta`` key: median seconds of one call of the graphs a measured pass timed
+(:mod:`distopt.passes.local.measured`), by :func:`timing_key`."""
+
+
+def timing_key(gm: torch.fx.GraphModule, inputs: tuple[Any, ...]) -> tuple[str, tuple[Any, ...]]:
+    """What a timing of ``gm`` holds for: its generated code and the inputs' shapes and types."""
+    return gm.code, tuple(
+        (tuple(t.shape), t.dtype, t.device, t.is_contiguous())
+        if isinstance(t, torch.Tensor)
+        else type(t).__name__
+        for t in inputs
+    )
+
+
+def measured_seconds(gm: torch.fx.GraphModule, inputs: tuple[Any, ...]) -> float | None:
+    """Median seconds of one call of ``gm`` as it is now on such ``inputs``, if a measured pass
+    timed it."""
+    timed: dict[tuple[str, tuple[Any, ...]], float] = gm.meta.get(TIMED, {})
+    return timed.get(timing_key(gm, inputs))
+
 
 @dataclass(frozen=True)
 class PassSpec:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch.fx
 
 from distopt.errors import PassError
-from distopt.passes.core.pass_base import PassContext, PassSpec
+from distopt.passes.core.pass_base import PassContext, PassSpec, measured_seconds
 from distopt.remote.side_effects import eliminate_dead_code
 from distopt.report import GraphRecord, PassRecord
 
@@ -113,6 +113,8 @@ def run_passes(
             changed = [run_one(spec, round_index) for spec in group]
     record.code_after = gm.code
     record.reorders_float = any(n.meta.get(REORDERS_FLOAT) for n in gm.graph.nodes)
+    if example_inputs is not None:
+        record.measured_seconds = measured_seconds(gm, example_inputs)
     return record
 
 

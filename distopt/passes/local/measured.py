@@ -9,6 +9,13 @@ user's RNG, buffers and input tensors left as they were): there a layout or kern
 speed choice, while in training it also changes the gradients' round-off, which BatchNorm on a
 small batch amplifies, so training graphs get such rewrites only on request.
 
+Each median is kept with the graph (``GraphModule.meta``, by
+:func:`~distopt.passes.core.pass_base.timing_key`: its generated code and the inputs' shapes): a
+later measured pass whose "without" is a graph timed already — the "with" of the pass before it,
+or its "without" when that pass was declined — starts from that median instead of calling the
+graph again, and :func:`distopt.optimize`'s final check takes the optimized graph's median from
+it.
+
 The pass option ``measure: false`` applies the rewrite unmeasured (unit tests of a rewrite,
 ``parallelize(channels_last=True)``, where every rank must make the same choice). Without a
 measurer (``config.measure.enabled: false``) or without example inputs the rewrite is not applied.
@@ -25,9 +32,10 @@ from typing import Any
 import torch
 import torch.fx
 
-from distopt.passes.core.pass_base import PassContext, PassResult
+from distopt.passes.core.pass_base import TIMED, PassContext, PassResult, timing_key
 from distopt.remote.isolation import isolated, preserved_state
 from distopt.remote.ops import remote_ops
+from distopt.remote.side_effects import eliminate_dead_code
 
 Rewrite = Callable[[torch.fx.GraphModule], tuple[bool, str]]
 """Changes the graph in place; returns whether it changed anything and the report line."""
@@ -77,12 +85,21 @@ def keep_if_faster(gm: torch.fx.GraphModule, ctx: PassContext, rewrite: Rewrite)
     if not changed:
         _drop_added(gm, had_container, children_before)
         return PassResult(modified=False, detail=detail)
+    # Time the graph the runner will keep: its dead-code elimination would change the code.
+    eliminate_dead_code(gm)
     gm.recompile()
     baseline = torch.fx.GraphModule(gm, copy.deepcopy(saved))
     inputs = ctx.example_inputs
     assert inputs is not None  # _why_unmeasurable checked
     assert measurer is not None  # _why_unmeasurable checked
-    result = measurer.compare(lambda: _workload(baseline, inputs), lambda: _workload(gm, inputs))
+    timed: dict[tuple[str, tuple[Any, ...]], float] = gm.meta.setdefault(TIMED, {})
+    result = measurer.compare(
+        lambda: _workload(baseline, inputs),
+        lambda: _workload(gm, inputs),
+        baseline_s=timed.get(timing_key(baseline, inputs)),
+    )
+    timed[timing_key(baseline, inputs)] = result.baseline_s
+    timed[timing_key(gm, inputs)] = result.candidate_s
     if measurer.keeps(result):
         return PassResult(modified=True, detail=f"{detail}; kept: measured {result.describe()}")
     gm.graph = saved

@@ -6,14 +6,18 @@ The clock is injected (``Measurer(clock=...)``): the verdict is tested without t
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
 
+from distopt.estimate import ab
 from distopt.estimate.ab import Measurer
 from distopt.passes import PassContext
+from distopt.passes.core.pass_base import measured_seconds
 from distopt.passes.local.channels_last import channels_last, to_channels_last
+from distopt.passes.local.fused import FusedConv2d
 from distopt.passes.local.measured import CONTAINER
 from distopt.passes.local.mkldnn_fusion import mkldnn_fusion
 
@@ -91,3 +95,43 @@ def test_training_graphs_get_layouts_only_on_request() -> None:
     )
     result = channels_last(gm, ctx)
     assert not result.modified and "training mode" in result.detail
+
+
+def test_a_graph_timed_by_one_pass_is_not_timed_again_by_the_next() -> None:
+    calls: list[str] = []
+
+    def clock(label: str, fn: Callable[[], object]) -> float:
+        calls.append(label)
+        return {"baseline": 1.0, "candidate": 1.5}[label]
+
+    gm = torch.fx.symbolic_trace(ConvRelu().eval())
+    ctx = _eval_ctx(Measurer(clock=clock))
+    assert not mkldnn_fusion(gm, ctx).modified  # declined: the graph is as it was
+    assert measured_seconds(gm, ctx.example_inputs or ()) == 1.0
+    assert measured_seconds(gm, (torch.randn(4, 3, 8, 8),)) is None  # timed on other shapes
+    calls.clear()
+    assert not channels_last(gm, ctx).modified
+    assert calls == ["candidate"]  # its "without" is the graph mkldnn_fusion timed
+
+
+def test_packing_weights_on_first_use_is_left_out_of_the_timing() -> None:
+    gm = torch.fx.symbolic_trace(ConvRelu().eval())
+    x = torch.randn(2, 3, 8, 8)
+    mkldnn_fusion(gm, _eval_ctx(None, measure=False))
+    gm.recompile()
+    (fused,) = [m for m in gm.modules() if isinstance(m, FusedConv2d)]
+    marked: list[bool] = []
+    derive = fused.packed.get
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        timing = ab._TIMING.get()
+        before = timing.one_time_s if timing is not None else None
+        out = derive(*args, **kwargs)
+        marked.append(timing is not None and timing.one_time_s > (before or 0.0))
+        return out
+
+    fused.packed.get = watched  # type: ignore[method-assign]
+    with torch.no_grad():
+        ab.wall_clock("candidate", lambda: gm(x))
+        ab.wall_clock("candidate", lambda: gm(x))
+    assert marked == [True, False]  # packed once, on the first call, and left out of its time
