@@ -33,7 +33,9 @@ class Trainer:
                 continue
             mine = ids[pos]
             lookup = self.cache.lookup(shard.shard, mine, torch.ones_like(mine))
-            answer = shard.fetch_versioned(mine, lookup.held, lookup.epoch, self.cache.config.bound)
+            answer = shard.fetch_versioned(
+                mine, lookup.held, lookup.epoch, lookup.bound, self.cache.writer
+            )
             rows, served, missed = self.cache.merge(lookup, VersionedRows(*answer.fields()))
             self.served += int(served.sum())
             self.missed_max = max(self.missed_max, missed)
@@ -44,7 +46,7 @@ class Trainer:
         for shard in self.shards:
             pos = (ids % len(self.shards) == shard.shard).nonzero().squeeze(1)
             if pos.numel():
-                epoch, before = shard.push(ids[pos], grads[pos], lr)
+                epoch, before = shard.push(ids[pos], grads[pos], lr, self.cache.writer)
                 self.cache.apply_own(shard.shard, ids[pos], grads[pos], lr, epoch, before)
 
 
@@ -115,6 +117,84 @@ def test_own_updates_make_cached_rows_hits_and_others_updates_misses() -> None:
     assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 6
     shards[1].push(torch.tensor([3]), torch.ones(1, 4), 0.5)  # another trainer updates row 3
     assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 6 + 5
+
+
+def _push_unanswered(
+    me: Trainer, ids: torch.Tensor, grads: torch.Tensor, lr: float
+) -> list[tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]]:
+    """Push as ``me`` does, but keep the answers: the push is applied on the servers and still
+    in flight for the cache (what a pipeline's prefetch can look up in between)."""
+    answers = []
+    for shard in me.shards:
+        pos = (ids % len(me.shards) == shard.shard).nonzero().squeeze(1)
+        if pos.numel():
+            epoch, before = shard.push(ids[pos], grads[pos], lr, me.cache.writer)
+            answers.append((shard.shard, ids[pos], grads[pos], epoch, before))
+    return answers
+
+
+def _answer(me: Trainer, answers: list, lr: float) -> None:
+    for shard, ids, grads, epoch, before in answers:
+        me.cache.apply_own(shard, ids, grads, lr, epoch, before)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_own_pushes_not_yet_answered_leave_a_copy_current(optimizer: str) -> None:
+    spec = TableSpec(name="t", num_rows=10, dim=4, optimizer=optimizer)
+    shards = _shards(spec)
+    me = Trainer(shards, CacheConfig(capacity_rows=10))
+    ids = torch.arange(6)
+    before = me.fetch(ids)
+    gen = torch.Generator().manual_seed(0)
+    first = _push_unanswered(me, ids, torch.randn(6, 4, generator=gen), 0.5)
+    second = _push_unanswered(me, ids[:3], torch.randn(3, 4, generator=gen), 0.5)
+    # Served from the copies, as they were before the pushes the cache has not taken yet: what
+    # the servers held when the fetch was issued, ahead of these pushes.
+    assert torch.equal(me.fetch(ids), before) and me.served == 6 and me.missed_max == 0
+    _answer(me, first, 0.5)
+    _answer(me, second, 0.5)
+    # The answers bring the copies (and Adagrad's state) bitwise to the servers' rows.
+    assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 12
+    for shard in shards:
+        mine = ids[ids % 2 == shard.shard]
+        slots = me.cache.slot[mine].long()
+        assert torch.equal(me.cache.weight[slots], shard.fetch(mine))
+        if shard.accum is not None and me.cache.state is not None:
+            assert torch.equal(me.cache.state[slots], shard.accum[mine // 2])
+
+
+@pytest.mark.parametrize("others_first", [False, True])
+def test_another_writers_push_beside_an_unanswered_own_push_is_a_miss(others_first: bool) -> None:
+    spec = TableSpec(name="t", num_rows=4, dim=2)
+    shards = _shards(spec, 1)
+    me = Trainer(shards, CacheConfig(capacity_rows=4))
+    other = Trainer(shards, CacheConfig(capacity_rows=4))  # another cache: another writer
+    row = torch.tensor([1])
+    me.fetch(row)
+    if others_first:
+        other.push(row, torch.ones(1, 2), 0.1)
+    pending = _push_unanswered(me, row, torch.ones(1, 2), 0.1)
+    if not others_first:
+        shards[0].push(row, torch.ones(1, 2), 0.1)  # a trainer without a cache
+    assert torch.equal(me.fetch(row), _whole(shards, row)) and me.served == 0
+    _answer(me, pending, 0.1)  # fetched after the push was applied: already newer, left alone
+    assert torch.equal(me.fetch(row), _whole(shards, row)) and me.served == 1
+
+
+def test_staleness_does_not_count_own_unanswered_pushes() -> None:
+    spec = TableSpec(name="t", num_rows=4, dim=2)
+    shards = _shards(spec, 1)
+    me = Trainer(shards, CacheConfig(capacity_rows=4, consistency="staleness", staleness=1))
+    row = torch.tensor([2])
+    first = me.fetch(row)
+    shards[0].push(row, torch.ones(1, 2), 0.1)  # another trainer's update: 1 missed
+    pending = [_push_unanswered(me, row, torch.ones(1, 2), 0.1) for _ in range(3)]
+    assert torch.equal(me.fetch(row), first) and me.missed_max == 1
+    for answers in pending:  # the copy takes its own pushes, and counts the other one missed
+        _answer(me, answers, 0.1)
+    assert me.fetch(row).shape == (1, 2) and me.served == 2 and me.missed_max == 1
+    shards[0].push(row, torch.ones(1, 2), 0.1)  # a second one: beyond the bound, sent again
+    assert torch.equal(me.fetch(row), _whole(shards, row)) and me.served == 2
 
 
 @pytest.mark.parametrize("bound", [1, 2])

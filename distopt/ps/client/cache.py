@@ -3,10 +3,11 @@
 A fetch of a cached table asks each server for the rows the cache lacks or cannot prove current:
 it sends the versions it holds, the server answers every row's version and sends only the rows
 that are out of date (:meth:`~distopt.ps.server.table.ShardTable.fetch_versioned`). The trainer's
-own pushes still go to the servers; once a push is answered, the cache applies it to its copies
-with the servers' arithmetic (:func:`~distopt.ps.server.table.step_rows`), so a copy that took
-exactly the updates the server took is bitwise the server's row. Why and how:
-``docs/cache.md``.
+own pushes still go to the servers, marked with the cache's writer token; once a push is
+answered, the cache applies it to its copies with the servers' arithmetic
+(:func:`~distopt.ps.server.table.step_rows`), so a copy that took exactly the updates the server
+took is bitwise the server's row, and the server does not count the cache's own pushes not yet
+answered against its copies. Why and how: ``docs/cache.md``.
 
 Every method runs under the cache's lock: fetch answers and push answers arrive on transport
 threads while the training loop looks rows up and pins them.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -26,8 +28,9 @@ from distopt.errors import ConfigError
 from distopt.ps.server.table import VersionedRows, accumulate, step_rows
 from distopt.ps.spec import CacheConfig, TableSpec
 
-SLOT_BYTES = 8 + 8 + 8 + 1
-"""Bookkeeping per cached row: its id, version and last use (int64) and whether it is exact."""
+SLOT_BYTES = 8 + 8 + 8 + 4
+"""Bookkeeping per cached row: its id, version and last use (int64) and the updates it lacks
+(int32)."""
 
 
 def row_bytes(spec: TableSpec) -> int:
@@ -174,20 +177,27 @@ class Lookup:
     ids: torch.Tensor
     """The ids asked, unique and ascending."""
     held: torch.Tensor
-    """The version held of each id, -1 where none is (or, ``exact``, none provably current)."""
+    """The version held of each id, -1 where none is that the consistency could serve (an
+    ``exact`` cache's inexact copies, a copy lacking more updates than ``staleness``)."""
     epoch: int
     """The shard's epoch the versions belong to (-1: none known)."""
     rows: torch.Tensor
     """``[len(ids), dim]``: copies of the held rows (where ``held >= 0``), as they were."""
+    missed: torch.Tensor
+    """Per id, the updates up to its held version that the copy lacks (0 where not held)."""
+    bound: int | torch.Tensor
+    """Other writers' pushes since the held version that the server may leave unsent: the
+    consistency's bound, less each copy's ``missed`` where one lacks any (then per id)."""
 
 
 class TableCache:
     """Rows of one table held by this trainer: at most ``capacity`` rows in fixed slots.
 
-    Per slot: the row, its optimizer state, its id, its version (the server's version it
-    holds, counting the trainer's own pushes applied since), whether it is exact (every update
-    up to that version applied in the server's order) and its last use. Per table row: its slot
-    (-1: not held) and, for ``lfu``, how often it was fetched.
+    Per slot: the row, its optimizer state, its id, its version (the server's version it took
+    every update up to, but ``missed`` of them: its own pushes answered since included), the
+    updates up to that version it lacks (0: exact, bitwise the server's row at that version)
+    and its last use. Per table row: its slot (-1: not held) and, for ``lfu``, how often it
+    was fetched. Its pushes carry :attr:`writer`, so the servers tell them from others'.
     """
 
     def __init__(self, spec: TableSpec, config: CacheConfig, *, num_shards: int) -> None:
@@ -203,7 +213,7 @@ class TableCache:
             self.state = torch.zeros(self.capacity)
         self.ids = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.version = torch.zeros(self.capacity, dtype=torch.int64)
-        self.exact = torch.zeros(self.capacity, dtype=torch.bool)
+        self.missed = torch.zeros(self.capacity, dtype=torch.int32)
         self.used = torch.zeros(self.capacity, dtype=torch.int64)
         self.slot = torch.full((spec.num_rows,), -1, dtype=torch.int32)
         self.uses = (
@@ -214,6 +224,8 @@ class TableCache:
         self.epochs: dict[int, int] = {}
         """Shard → the epoch the held rows of that shard belong to."""
         self.clock = 0
+        self.writer = secrets.randbits(62) + 1
+        """This cache's token on its pushes (never 0, which marks a push without a cache)."""
         self.lock = threading.Lock()
 
     @property
@@ -223,7 +235,7 @@ class TableCache:
             self.state,
             self.ids,
             self.version,
-            self.exact,
+            self.missed,
             self.used,
             self.slot,
             self.uses,
@@ -260,35 +272,36 @@ class TableCache:
             self.used.index_fill_(0, at, self.clock)
             if self.uses is not None:
                 self.uses.index_add_(0, ids, counts.to(torch.int64))
-            if self.config.consistency == "exact":
-                current = self.exact.index_select(0, at)
-                pos, at = pos[current], at[current]
+            bound = self.config.bound
+            lacks = self.missed.index_select(0, at).to(torch.int64)
+            usable = lacks <= bound  # exact: only exact copies; staleness: within the bound
+            pos, at, lacks = pos[usable], at[usable], lacks[usable]
             held = torch.full((ids.numel(),), -1, dtype=torch.int64)
             held.index_copy_(0, pos, self.version.index_select(0, at))
             rows = torch.empty(ids.numel(), self.spec.dim)
             rows.index_copy_(0, pos, self.weight.index_select(0, at))
-            return Lookup(shard, ids, held, self.epochs.get(shard, -1), rows)
+            missed = torch.zeros(ids.numel(), dtype=torch.int64)
+            missed.index_copy_(0, pos, lacks)
+            limit: int | torch.Tensor = bound - missed if bool(lacks.any()) else bound
+            return Lookup(shard, ids, held, self.epochs.get(shard, -1), rows, missed, limit)
 
     def merge(
         self, lookup: Lookup, answer: VersionedRows
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The rows of ``lookup.ids``: those the server sent, the rest from the cache; keeps what
         the server sent. Returns the rows, which ids were served from the cache, and the most
-        updates one of those had missed."""
+        updates of other writers one of those had missed."""
         rows = lookup.rows
         rows.index_copy_(0, answer.sent, answer.rows)
         served = torch.ones(lookup.ids.numel(), dtype=torch.bool)
         served[answer.sent] = False
-        missed = (answer.versions - lookup.held)[served]
+        missed = answer.missed + lookup.missed[served]
         with self.lock:
             if self.epochs.get(lookup.shard) != answer.epoch:
                 self._drop(self._slots_of_shard(lookup.shard))
                 self.epochs[lookup.shard] = answer.epoch
             self._install(
-                lookup.ids.index_select(0, answer.sent),
-                answer.rows,
-                answer.state,
-                answer.versions.index_select(0, answer.sent),
+                lookup.ids.index_select(0, answer.sent), answer.rows, answer.state, answer.versions
             )
         return rows, served, int(missed.max().clamp(min=0)) if missed.numel() else 0
 
@@ -308,7 +321,7 @@ class TableCache:
         have = (slots >= 0).nonzero().squeeze(1)
         at = slots.index_select(0, have)
         newer = versions.index_select(0, have) >= self.version.index_select(0, at)
-        self._write(at[newer], have[newer], rows, state, versions, exact=True)
+        self._write(at[newer], have[newer], rows, state, versions)
         new = (slots < 0).nonzero().squeeze(1)
         if new.numel() == 0:
             return
@@ -332,7 +345,7 @@ class TableCache:
         placed = ids.index_select(0, new)
         self.ids.index_copy_(0, targets, placed)
         self.slot.index_copy_(0, placed, targets.to(torch.int32))
-        self._write(targets, new, rows, state, versions, exact=True)
+        self._write(targets, new, rows, state, versions)
 
     def _write(
         self,
@@ -341,15 +354,14 @@ class TableCache:
         rows: torch.Tensor,
         state: torch.Tensor | None,
         versions: torch.Tensor,
-        *,
-        exact: bool,
     ) -> None:
-        """Slots ``at`` take ``rows[pos]`` (and their state) at ``versions[pos]``."""
+        """Slots ``at`` take ``rows[pos]`` (and their state) as the server sent them, exact at
+        ``versions[pos]``."""
         self.weight.index_copy_(0, at, rows.index_select(0, pos))
         if self.state is not None and state is not None:
             self.state.index_copy_(0, at, state.index_select(0, pos))
         self.version.index_copy_(0, at, versions.index_select(0, pos))
-        self.exact.index_fill_(0, at, exact)
+        self.missed.index_fill_(0, at, 0)
         self.used.index_fill_(0, at, self.clock)
 
     def _victims(self, count: int) -> torch.Tensor:
@@ -373,7 +385,6 @@ class TableCache:
         ids = self.ids.index_select(0, at)
         self.slot.index_fill_(0, ids[ids >= 0], -1)
         self.ids.index_fill_(0, at, -1)
-        self.exact.index_fill_(0, at, False)
 
     # --- the trainer's own pushes ---------------------------------------------------------------
 
@@ -392,8 +403,9 @@ class TableCache:
         The gradients are summed and the step taken exactly as the server did, on tensors of
         the same shapes (:func:`~distopt.ps.server.table.step_rows`), so a copy at the version
         the push was applied to becomes bitwise the server's row. A copy already newer holds
-        the push (it was fetched after); an older one missed other trainers' updates and stays
-        inexact (served under ``staleness`` only).
+        the push (it was fetched after) or counted it missed; an older one lacks the updates in
+        between (others' pushes, or its own answered out of order): it takes the push, moves to
+        the version after it and counts them missed (served under ``staleness`` only).
         """
         unique, summed = accumulate(ids, grads.to(self.weight.dtype))
         with self.lock:
@@ -419,6 +431,6 @@ class TableCache:
             self.weight.index_copy_(0, at, weight.index_select(0, pos))
             if self.state is not None and state is not None:
                 self.state.index_copy_(0, at, state.index_select(0, pos))
-            exact = self.exact.index_select(0, at) & (held == applied)
-            self.exact.index_copy_(0, at, exact)
-            self.version.index_copy_(0, at, held + 1)
+            lacks = self.missed.index_select(0, at) + (applied - held).to(torch.int32)
+            self.missed.index_copy_(0, at, lacks)
+            self.version.index_copy_(0, at, applied + 1)
