@@ -163,6 +163,23 @@ def test_own_pushes_not_yet_answered_leave_a_copy_current(optimizer: str) -> Non
             assert torch.equal(me.cache.state[slots], shard.accum[mine // 2])
 
 
+def test_a_row_read_before_an_own_push_answered_meanwhile_is_not_held_without_it() -> None:
+    spec = TableSpec(name="t", num_rows=4, dim=2)
+    shards = _shards(spec, 1)
+    me = Trainer(shards, CacheConfig(capacity_rows=4))
+    row = torch.tensor([3])
+    # A prefetch looks the row up (not held) and the server reads it; then this trainer's push
+    # of the row is applied and answered (no copy to update) before the prefetch's answer.
+    lookup = me.cache.lookup(0, row, torch.ones(1, dtype=torch.int64))
+    answer = shards[0].fetch_versioned(row, lookup.held, lookup.epoch, lookup.bound, 0)
+    _answer(me, _push_unanswered(me, row, torch.ones(1, 2), 0.1), 0.1)
+    me.cache.merge(lookup, answer)
+    # Held at the version it was read at, it would pass for current: the server's last push is
+    # this cache's. It is not held, and the next fetch reads the pushed row.
+    assert torch.equal(me.fetch(row), _whole(shards, row)) and me.served == 0
+    assert torch.equal(me.fetch(row), _whole(shards, row)) and me.served == 1
+
+
 @pytest.mark.parametrize("others_first", [False, True])
 def test_another_writers_push_beside_an_unanswered_own_push_is_a_miss(others_first: bool) -> None:
     spec = TableSpec(name="t", num_rows=4, dim=2)

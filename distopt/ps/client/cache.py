@@ -15,6 +15,7 @@ threads while the training loop looks rows up and pins them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 import secrets
@@ -27,6 +28,9 @@ import torch
 from distopt.errors import ConfigError
 from distopt.ps.server.table import VersionedRows, accumulate, step_rows
 from distopt.ps.spec import CacheConfig, TableSpec
+
+ANSWER_LOG = 256
+"""Own pushes whose answers found rows not held that a cache remembers (:meth:`TableCache.merge`)."""
 
 SLOT_BYTES = 8 + 8 + 8 + 4
 """Bookkeeping per cached row: its id, version and last use (int64) and the updates it lacks
@@ -188,6 +192,8 @@ class Lookup:
     bound: int | torch.Tensor
     """Other writers' pushes since the held version that the server may leave unsent: the
     consistency's bound, less each copy's ``missed`` where one lacks any (then per id)."""
+    answered: int
+    """How many of the cache's own pushes were answered when the request left."""
 
 
 class TableCache:
@@ -226,6 +232,15 @@ class TableCache:
         self.clock = 0
         self.writer = secrets.randbits(62) + 1
         """This cache's token on its pushes (never 0, which marks a push without a cache)."""
+        self.answered = 0
+        """Own pushes answered so far (:meth:`apply_own`)."""
+        self.unheld: collections.deque[tuple[int, int, torch.Tensor, torch.Tensor]] = (
+            collections.deque()
+        )
+        """The last :data:`ANSWER_LOG` answers that found rows not held: ``(answer number,
+        shard, those rows' ids, their versions before the push)``."""
+        self.forgotten = 0
+        """The number of the last answer dropped from :attr:`unheld`."""
         self.lock = threading.Lock()
 
     @property
@@ -283,27 +298,48 @@ class TableCache:
             missed = torch.zeros(ids.numel(), dtype=torch.int64)
             missed.index_copy_(0, pos, lacks)
             limit: int | torch.Tensor = bound - missed if bool(lacks.any()) else bound
-            return Lookup(shard, ids, held, self.epochs.get(shard, -1), rows, missed, limit)
+            epoch = self.epochs.get(shard, -1)
+            return Lookup(shard, ids, held, epoch, rows, missed, limit, self.answered)
 
     def merge(
         self, lookup: Lookup, answer: VersionedRows
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The rows of ``lookup.ids``: those the server sent, the rest from the cache; keeps what
-        the server sent. Returns the rows, which ids were served from the cache, and the most
-        updates of other writers one of those had missed."""
+        the server sent (but rows read before an own push that was answered while they
+        travelled, which no copy took). Returns the rows, which ids were served from the
+        cache, and the most updates of other writers one of those had missed."""
         rows = lookup.rows
         rows.index_copy_(0, answer.sent, answer.rows)
         served = torch.ones(lookup.ids.numel(), dtype=torch.bool)
         served[answer.sent] = False
         missed = answer.missed + lookup.missed[served]
+        ids = lookup.ids.index_select(0, answer.sent)
         with self.lock:
             if self.epochs.get(lookup.shard) != answer.epoch:
                 self._drop(self._slots_of_shard(lookup.shard))
                 self.epochs[lookup.shard] = answer.epoch
-            self._install(
-                lookup.ids.index_select(0, answer.sent), answer.rows, answer.state, answer.versions
-            )
+            keep = ~self._lack_own(lookup, ids, answer.versions)
+            state = None if answer.state is None else answer.state[keep]
+            self._install(ids[keep], answer.rows[keep], state, answer.versions[keep])
         return rows, served, int(missed.max().clamp(min=0)) if missed.numel() else 0
+
+    def _lack_own(
+        self, lookup: Lookup, ids: torch.Tensor, versions: torch.Tensor
+    ) -> torch.Tensor:
+        """Which of rows ``ids``, sent at ``versions`` for ``lookup``, lack an own push answered
+        since the lookup that found them not held: held, they would look current to the server
+        (its last pushes are this cache's) without that push. All, when the log has forgotten."""
+        if lookup.answered < self.forgotten:
+            return torch.ones(ids.numel(), dtype=torch.bool)
+        lack = torch.zeros(ids.numel(), dtype=torch.bool)
+        for number, shard, pushed, before in reversed(self.unheld):
+            if number <= lookup.answered:
+                break
+            if shard != lookup.shard:
+                continue
+            at = torch.searchsorted(pushed, ids).clamp(max=pushed.numel() - 1)
+            lack |= (pushed.index_select(0, at) == ids) & (before.index_select(0, at) >= versions)
+        return lack
 
     def _install(
         self,
@@ -410,6 +446,12 @@ class TableCache:
         unique, summed = accumulate(ids, grads.to(self.weight.dtype))
         with self.lock:
             slots = self.slot.index_select(0, unique).to(torch.int64)
+            self.answered += 1
+            unheld = slots < 0
+            if bool(unheld.any()):  # a fetch still travelling may bring these rows without it
+                if len(self.unheld) == ANSWER_LOG:
+                    self.forgotten = self.unheld.popleft()[0]
+                self.unheld.append((self.answered, shard, unique[unheld], before[unheld]))
             if self.epochs.get(shard) != epoch:
                 self._drop(slots[slots >= 0])  # the shard was reloaded: nothing held is known
                 return
