@@ -323,9 +323,7 @@ class TableCache:
             self._install(ids[keep], answer.rows[keep], state, answer.versions[keep])
         return rows, served, int(missed.max().clamp(min=0)) if missed.numel() else 0
 
-    def _lack_own(
-        self, lookup: Lookup, ids: torch.Tensor, versions: torch.Tensor
-    ) -> torch.Tensor:
+    def _lack_own(self, lookup: Lookup, ids: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
         """Which of rows ``ids``, sent at ``versions`` for ``lookup``, lack an own push answered
         since the lookup that found them not held: held, they would look current to the server
         (its last pushes are this cache's) without that push. All, when the log has forgotten."""
