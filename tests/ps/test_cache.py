@@ -46,8 +46,8 @@ class Trainer:
         for shard in self.shards:
             pos = (ids % len(self.shards) == shard.shard).nonzero().squeeze(1)
             if pos.numel():
-                epoch, before = shard.push(ids[pos], grads[pos], lr, self.cache.writer)
-                self.cache.apply_own(shard.shard, ids[pos], grads[pos], lr, epoch, before)
+                epoch, before, run = shard.push(ids[pos], grads[pos], lr, self.cache.writer)
+                self.cache.apply_own(shard.shard, ids[pos], grads[pos], lr, epoch, before, run)
 
 
 def _shards(spec: TableSpec, n: int = 2) -> list[ShardTable]:
@@ -128,14 +128,14 @@ def _push_unanswered(
     for shard in me.shards:
         pos = (ids % len(me.shards) == shard.shard).nonzero().squeeze(1)
         if pos.numel():
-            epoch, before = shard.push(ids[pos], grads[pos], lr, me.cache.writer)
-            answers.append((shard.shard, ids[pos], grads[pos], epoch, before))
+            epoch, before, run = shard.push(ids[pos], grads[pos], lr, me.cache.writer)
+            answers.append((shard.shard, ids[pos], grads[pos], epoch, before, run))
     return answers
 
 
 def _answer(me: Trainer, answers: list, lr: float) -> None:
-    for shard, ids, grads, epoch, before in answers:
-        me.cache.apply_own(shard, ids, grads, lr, epoch, before)
+    for shard, ids, grads, epoch, before, run in answers:
+        me.cache.apply_own(shard, ids, grads, lr, epoch, before, run)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
@@ -155,6 +155,27 @@ def test_own_pushes_not_yet_answered_leave_a_copy_current(optimizer: str) -> Non
     _answer(me, second, 0.5)
     # The answers bring the copies (and Adagrad's state) bitwise to the servers' rows.
     assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 12
+    for shard in shards:
+        mine = ids[ids % 2 == shard.shard]
+        slots = me.cache.slot[mine].long()
+        assert torch.equal(me.cache.weight[slots], shard.fetch(mine))
+        if shard.accum is not None and me.cache.state is not None:
+            assert torch.equal(me.cache.state[slots], shard.accum[mine // 2])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_own_answers_out_of_order_are_applied_in_the_servers_order(optimizer: str) -> None:
+    spec = TableSpec(name="t", num_rows=8, dim=3, optimizer=optimizer)
+    shards = _shards(spec)
+    me = Trainer(shards, CacheConfig(capacity_rows=8))
+    ids = torch.arange(8)
+    me.fetch(ids)
+    gen = torch.Generator().manual_seed(1)
+    pushes = [_push_unanswered(me, ids, torch.randn(8, 3, generator=gen), 0.3) for _ in range(3)]
+    for answers in reversed(pushes):  # the last applied is answered first
+        _answer(me, answers, 0.3)
+    assert not me.cache.waiting
+    assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 8
     for shard in shards:
         mine = ids[ids % 2 == shard.shard]
         slots = me.cache.slot[mine].long()

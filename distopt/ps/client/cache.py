@@ -32,6 +32,9 @@ from distopt.ps.spec import CacheConfig, TableSpec
 ANSWER_LOG = 256
 """Own pushes whose answers found rows not held that a cache remembers (:meth:`TableCache.merge`)."""
 
+WAITING_LIMIT = 64
+"""Own pushes a cache keeps waiting for the answers of the pushes the servers applied first."""
+
 SLOT_BYTES = 8 + 8 + 8 + 4
 """Bookkeeping per cached row: its id, version and last use (int64) and the updates it lacks
 (int32)."""
@@ -173,6 +176,25 @@ class FetchCounts:
         return self.hits / self.lookups if self.lookups else None
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class _Waiting:
+    """An own push answered before pushes the servers applied ahead of it, for the rows whose
+    copies wait for those answers (:meth:`TableCache.apply_own`)."""
+
+    unique: torch.Tensor
+    """The push's rows (ascending) and their summed gradients: the server's shapes."""
+    summed: torch.Tensor
+    lr: float
+    before: torch.Tensor
+    """Each row's version before the push."""
+    run: torch.Tensor
+    """Each row's version when the cache's unbroken run of pushes to it (this one's) began."""
+    pos: torch.Tensor
+    """Positions in ``unique`` of the rows still waiting."""
+    marks: torch.Tensor
+    """What each of them added to its copy's ``missed`` while it waits."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Lookup:
     """What a cache holds of one server's share of a fetch, when the request left."""
@@ -241,6 +263,8 @@ class TableCache:
         shard, those rows' ids, their versions before the push)``."""
         self.forgotten = 0
         """The number of the last answer dropped from :attr:`unheld`."""
+        self.waiting: collections.deque[_Waiting] = collections.deque()
+        """Own pushes whose rows wait for the answers of pushes applied before them."""
         self.lock = threading.Lock()
 
     @property
@@ -396,6 +420,10 @@ class TableCache:
             self.state.index_copy_(0, at, state.index_select(0, pos))
         self.version.index_copy_(0, at, versions.index_select(0, pos))
         self.missed.index_fill_(0, at, 0)
+        if self.waiting:  # the server's rows hold every push they wait with
+            written = self.ids.index_select(0, at)
+            for entry in self.waiting:
+                entry.pos, entry.marks = _without(entry, written)
         self.used.index_fill_(0, at, self.clock)
 
     def _victims(self, count: int) -> torch.Tensor:
@@ -430,15 +458,19 @@ class TableCache:
         lr: float,
         epoch: int,
         before: torch.Tensor,
+        run: torch.Tensor,
     ) -> None:
         """Apply this trainer's push of ``grads`` to rows ``ids`` of ``shard``, which the server
-        answered with its ``epoch`` and each unique row's version ``before`` it.
+        answered with its ``epoch``, each unique row's version ``before`` it and the version
+        this cache's unbroken run of pushes to the row began at (``run``).
 
         The gradients are summed and the step taken exactly as the server did, on tensors of
         the same shapes (:func:`~distopt.ps.server.table.step_rows`), so a copy at the version
         the push was applied to becomes bitwise the server's row. A copy already newer holds
-        the push (it was fetched after) or counted it missed; an older one lacks the updates in
-        between (others' pushes, or its own answered out of order): it takes the push, moves to
+        the push (it was fetched after) or counted it missed. An older one lacks the updates
+        in between: when they are all this cache's own (``run`` at or below its version),
+        whose answers are still to come, the push waits for them and is then applied in the
+        servers' order; else (another writer's among them) it takes the push now, moves to
         the version after it and counts them missed (served under ``staleness`` only).
         """
         unique, summed = accumulate(ids, grads.to(self.weight.dtype))
@@ -454,23 +486,77 @@ class TableCache:
                 self._drop(slots[slots >= 0])  # the shard was reloaded: nothing held is known
                 return
             pos = (slots >= 0).nonzero().squeeze(1)
-            at = slots.index_select(0, pos)
-            held = self.version.index_select(0, at)
-            applied = before.index_select(0, pos)
-            take = held <= applied
-            pos, at, held, applied = pos[take], at[take], held[take], applied[take]
-            if pos.numel() == 0:
-                return
-            weight = torch.zeros(unique.numel(), self.spec.dim)
-            weight.index_copy_(0, pos, self.weight.index_select(0, at))
-            state = None
-            if self.state is not None:
-                state = torch.zeros((unique.numel(), *self.state.shape[1:]))
-                state.index_copy_(0, pos, self.state.index_select(0, at))
-            step_rows(self.spec, weight, state, torch.arange(unique.numel()), summed, lr)
-            self.weight.index_copy_(0, at, weight.index_select(0, pos))
-            if self.state is not None and state is not None:
-                self.state.index_copy_(0, at, state.index_select(0, pos))
-            lacks = self.missed.index_select(0, at) + (applied - held).to(torch.int32)
-            self.missed.index_copy_(0, at, lacks)
-            self.version.index_copy_(0, at, applied + 1)
+            push = _Waiting(unique, summed, lr, before, run, pos, torch.zeros(0, dtype=torch.int32))
+            self._take(push)
+            while self._retry():
+                pass
+
+    def _take(self, push: _Waiting) -> bool:
+        """Apply ``push`` to the held copies of its rows ``push.pos`` that are at the version
+        it was applied to; rows held at an older one wait (:attr:`waiting`) for the own pushes
+        applied in between, counting the gap and the push itself missed meanwhile, or take it
+        now, inexact, where another writer's push is in the gap. Returns whether a row took
+        it."""
+        slots = self.slot.index_select(0, push.unique.index_select(0, push.pos)).to(torch.int64)
+        kept = slots >= 0
+        pos, at = push.pos[kept], slots[kept]
+        marks = push.marks[kept] if push.marks.numel() else None
+        held = self.version.index_select(0, at)
+        applied = push.before.index_select(0, pos)
+        ready = held == applied
+        if bool(ready.any()):
+            self._step(push, pos[ready], at[ready])
+            self.version.index_copy_(0, at[ready], applied[ready] + 1)
+            if marks is not None:  # it waited: its copies lack what it counted no more
+                lacks = self.missed.index_select(0, at[ready]) - marks[ready]
+                self.missed.index_copy_(0, at[ready], lacks)
+        ahead = held < applied
+        if marks is None:
+            others = ahead & (push.run.index_select(0, pos) > held)
+            if bool(others.any()):
+                self._step(push, pos[others], at[others])
+                lacks = (applied - held)[others].to(torch.int32)
+                self.missed.index_add_(0, at[others], lacks)
+                self.version.index_copy_(0, at[others], applied[others] + 1)
+            ahead &= ~others
+        if marks is None and bool(ahead.any()):
+            gap = (applied - held + 1)[ahead].to(torch.int32)
+            self.missed.index_add_(0, at[ahead], gap)
+            if len(self.waiting) == WAITING_LIMIT:  # its copies stay counted missed
+                self.waiting.popleft()
+            self.waiting.append(
+                _Waiting(push.unique, push.summed, push.lr, push.before, push.run, pos[ahead], gap)
+            )
+        elif marks is not None:
+            push.pos, push.marks = pos[ahead], marks[ahead]
+        return bool(ready.any()) or marks is None and bool(others.any())
+
+    def _retry(self) -> bool:
+        """Give the waiting pushes their turn; whether one was applied."""
+        progress = False
+        for entry in list(self.waiting):
+            progress = self._take(entry) or progress
+            if entry.pos.numel() == 0:
+                self.waiting.remove(entry)
+        return progress
+
+    def _step(self, push: _Waiting, pos: torch.Tensor, at: torch.Tensor) -> None:
+        """Slots ``at`` take ``push`` for its rows ``pos``: the servers' step, on tensors of the
+        shapes the server used (all the push's rows), so the result is bitwise the server's."""
+        n = push.unique.numel()
+        weight = torch.zeros(n, self.spec.dim)
+        weight.index_copy_(0, pos, self.weight.index_select(0, at))
+        state = None
+        if self.state is not None:
+            state = torch.zeros((n, *self.state.shape[1:]))
+            state.index_copy_(0, pos, self.state.index_select(0, at))
+        step_rows(self.spec, weight, state, torch.arange(n), push.summed, push.lr)
+        self.weight.index_copy_(0, at, weight.index_select(0, pos))
+        if self.state is not None and state is not None:
+            self.state.index_copy_(0, at, state.index_select(0, pos))
+
+
+def _without(entry: _Waiting, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``entry``'s waiting rows and marks, less rows ``ids``."""
+    keep = ~torch.isin(entry.unique.index_select(0, entry.pos), ids)
+    return entry.pos[keep], entry.marks[keep]

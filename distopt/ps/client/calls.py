@@ -507,12 +507,12 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
             return
         for (server, items), answer in zip(plan, answers, strict=True):
             applied = [answer] if len(items) == 1 else answer
-            for (table, ids, rows), shard, (epoch, before) in zip(
+            for (table, ids, rows), shard, (epoch, before, run) in zip(
                 items, shards[server], applied, strict=True
             ):
                 cache = client.caches.get(table)
                 if cache is not None:
-                    cache.apply_own(shard, ids, rows, float(lr), epoch, before)
+                    cache.apply_own(shard, ids, rows, float(lr), epoch, before, run)
 
     for listener in list(client.push_listeners):
         for table, flat in named:

@@ -163,10 +163,10 @@ class ParameterServer:
         grads: torch.Tensor,
         lr: float,
         writer: int | None = None,
-    ) -> tuple[int, torch.Tensor] | None:
+    ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
         """Apply the table's sparse optimizer step to rows ``ids``; with a ``writer`` (the
-        pushing cache's token, 0 for none), answer the shard's epoch and the rows' versions
-        before it (for the trainer's cache)."""
+        pushing cache's token, 0 for none), answer the shard's epoch, the rows' versions
+        before it and where the writer's run of pushes began (for the trainer's cache)."""
         self.begin("push")
         answer = self.table(table).push(ids, grads, float(lr), int(writer or 0))
         self.count("pushed", ids.numel(), grads.numel() * grads.element_size())
@@ -178,7 +178,7 @@ class ParameterServer:
         pushes: list[tuple[str, torch.Tensor, torch.Tensor]],
         lr: float,
         writers: list[int] | None = None,
-    ) -> list[tuple[int, torch.Tensor]] | None:
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]] | None:
         """Several pushes in one request (one latency), applied in request order; ``writers``
         (one per push) as ``writer`` for :meth:`push`, one answer per push.
 

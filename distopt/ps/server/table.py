@@ -227,20 +227,23 @@ class ShardTable:
 
     def push(
         self, ids: torch.Tensor, grads: torch.Tensor, lr: float, writer: int = 0
-    ) -> tuple[int, torch.Tensor]:
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Apply the table's sparse optimizer to rows ``ids`` with gradient rows ``grads``;
         returns what :meth:`apply` does."""
         return self.apply(*self.checked(ids, grads), lr, writer)
 
     def apply(
         self, local: torch.Tensor, grads: torch.Tensor, lr: float, writer: int = 0
-    ) -> tuple[int, torch.Tensor]:
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """:meth:`push` of rows and gradients :meth:`checked` already returned, by ``writer``
-        (a cache's token; 0: none). Returns the shard's epoch and each updated row's version
-        before this push (rows in ascending id order, duplicates once): what a cache needs to
-        know its copies took the same updates."""
+        (a cache's token; 0: none). Returns the shard's epoch, each updated row's version
+        before this push and the version the writer's unbroken run of pushes to it, this one
+        included, began at (rows in ascending id order, duplicates once): what a cache needs
+        to know its copies took the same updates, and whether the versions it lacks are its
+        own."""
         if local.numel() == 0:
-            return self.epoch, torch.zeros(0, dtype=torch.int64)
+            empty = torch.zeros(0, dtype=torch.int64)
+            return self.epoch, empty, empty
         rows, summed = accumulate(local, grads.to(self.weight.dtype))
         with self.lock:
             before = self.version.index_select(0, rows)
@@ -249,12 +252,13 @@ class ShardTable:
             if writer and self.writer is None:
                 self.writer = torch.zeros_like(self.version)
                 self.run_from = torch.zeros_like(self.version)
+            run = before
             if self.writer is not None and self.run_from is not None:
-                run_from = self.run_from.index_select(0, rows)
                 same = self.writer.index_select(0, rows) == writer
-                self.run_from.index_copy_(0, rows, torch.where(same, run_from, before))
+                run = torch.where(same, self.run_from.index_select(0, rows), before)
+                self.run_from.index_copy_(0, rows, run)
                 self.writer.index_fill_(0, rows, writer)
-            return self.epoch, before
+            return self.epoch, before, run
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of this shard's tensors plus where it sits, for checkpoints."""
