@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from distopt.config import from_dict
@@ -182,6 +182,82 @@ def test_own_answers_out_of_order_are_applied_in_the_servers_order(optimizer: st
         assert torch.equal(me.cache.weight[slots], shard.fetch(mine))
         if shard.accum is not None and me.cache.state is not None:
             assert torch.equal(me.cache.state[slots], shard.accum[mine // 2])
+
+
+@settings(max_examples=100, deadline=None)
+@example(  # the second push's answer first: the copy must not pass for current without it
+    actions=[("fetch", [0], 0), ("push", [0], 0), ("push", [0], 0), ("answer", [0], 1)]
+    + [("fetch", [0], 0)],
+    optimizer="adagrad",
+    capacity=4,
+)
+@given(
+    actions=st.lists(
+        st.tuples(
+            st.sampled_from(["fetch", "push", "answer", "other"]),
+            st.lists(st.integers(0, 4), min_size=1, max_size=4),
+            st.integers(0, 5),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    optimizer=st.sampled_from(["sgd", "adagrad"]),
+    capacity=st.integers(1, 12),
+)
+def test_exact_cache_serves_the_servers_row_less_only_own_unanswered_pushes(
+    actions: list[tuple[str, list[int], int]], optimizer: str, capacity: int
+) -> None:
+    """Fetches, own pushes whose answers come late and in any order, other writers' pushes: a
+    row is served as the server holds it, or as it held it before pushes that are all this
+    cache's and all unanswered; once every answer is in, every exact copy is the server's row
+    at its version."""
+    spec = TableSpec(name="t", num_rows=12, dim=3, optimizer=optimizer)
+    shards = _shards(spec)
+    me = Trainer(shards, CacheConfig(capacity_rows=capacity))
+    gen = torch.Generator().manual_seed(len(actions))
+    history = {row: [_whole(shards, torch.tensor([row]))] for row in range(12)}
+    writers: dict[int, list[int]] = {row: [] for row in range(12)}  # per version: push number
+    pending: list[tuple[int, list]] = []  # (push number, its answers), own pushes unanswered
+    pushes = 0
+
+    def record(rows: list[int], who: int) -> None:
+        for row in set(rows):
+            history[row].append(_whole(shards, torch.tensor([row])))
+            writers[row].append(who)
+
+    for kind, rows, pick in actions:
+        ids = torch.tensor(rows)
+        grads = torch.randn(len(rows), 3, generator=gen)
+        if kind == "fetch":
+            unique = torch.tensor(sorted(set(rows)))
+            got = me.fetch(unique)
+            unanswered = {number for number, _ in pending}
+            for row, value in zip(unique.tolist(), got, strict=True):
+                # The served version: any whose later versions are all own, unanswered pushes.
+                allowed = [history[row][-1]]
+                for version in range(len(writers[row]), 0, -1):
+                    if writers[row][version - 1] not in unanswered:
+                        break
+                    allowed.append(history[row][version - 1])
+                assert any(torch.equal(value, a[0]) for a in allowed), (row, kind)
+        elif kind == "push":
+            pushes += 1
+            pending.append((pushes, _push_unanswered(me, ids, grads, 0.1)))
+            record(rows, pushes)
+        elif kind == "answer" and pending:
+            _, answers = pending.pop(pick % len(pending))
+            _answer(me, answers, 0.1)
+        elif kind == "other":
+            for shard in shards:
+                pos = (ids % 2 == shard.shard).nonzero().squeeze(1)
+                shard.push(ids[pos], grads[pos], 0.1)
+            record(rows, 0)
+    for _, answers in pending:
+        _answer(me, answers, 0.1)
+    exact = (me.cache.ids >= 0) & (me.cache.missed == 0)
+    for slot in exact.nonzero().squeeze(1).tolist():
+        row, version = int(me.cache.ids[slot]), int(me.cache.version[slot])
+        assert torch.equal(me.cache.weight[slot], history[row][version][0])
 
 
 def test_a_row_read_before_an_own_push_answered_meanwhile_is_not_held_without_it() -> None:
