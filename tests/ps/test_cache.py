@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from distopt.config import from_dict
@@ -33,7 +33,9 @@ class Trainer:
                 continue
             mine = ids[pos]
             lookup = self.cache.lookup(shard.shard, mine, torch.ones_like(mine))
-            answer = shard.fetch_versioned(mine, lookup.held, lookup.epoch, self.cache.config.bound)
+            answer = shard.fetch_versioned(
+                mine, lookup.held, lookup.epoch, lookup.bound, self.cache.writer
+            )
             rows, served, missed = self.cache.merge(lookup, VersionedRows(*answer.fields()))
             self.served += int(served.sum())
             self.missed_max = max(self.missed_max, missed)
@@ -44,8 +46,8 @@ class Trainer:
         for shard in self.shards:
             pos = (ids % len(self.shards) == shard.shard).nonzero().squeeze(1)
             if pos.numel():
-                epoch, before = shard.push(ids[pos], grads[pos], lr)
-                self.cache.apply_own(shard.shard, ids[pos], grads[pos], lr, epoch, before)
+                epoch, before, run = shard.push(ids[pos], grads[pos], lr, self.cache.writer)
+                self.cache.apply_own(shard.shard, ids[pos], grads[pos], lr, epoch, before, run)
 
 
 def _shards(spec: TableSpec, n: int = 2) -> list[ShardTable]:
@@ -115,6 +117,198 @@ def test_own_updates_make_cached_rows_hits_and_others_updates_misses() -> None:
     assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 6
     shards[1].push(torch.tensor([3]), torch.ones(1, 4), 0.5)  # another trainer updates row 3
     assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 6 + 5
+
+
+def _push_unanswered(
+    me: Trainer, ids: torch.Tensor, grads: torch.Tensor, lr: float
+) -> list[tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]]:
+    """Push as ``me`` does, but keep the answers: the push is applied on the servers and still
+    in flight for the cache (what a pipeline's prefetch can look up in between)."""
+    answers = []
+    for shard in me.shards:
+        pos = (ids % len(me.shards) == shard.shard).nonzero().squeeze(1)
+        if pos.numel():
+            epoch, before, run = shard.push(ids[pos], grads[pos], lr, me.cache.writer)
+            answers.append((shard.shard, ids[pos], grads[pos], epoch, before, run))
+    return answers
+
+
+def _answer(me: Trainer, answers: list, lr: float) -> None:
+    for shard, ids, grads, epoch, before, run in answers:
+        me.cache.apply_own(shard, ids, grads, lr, epoch, before, run)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_own_pushes_not_yet_answered_leave_a_copy_current(optimizer: str) -> None:
+    spec = TableSpec(name="t", num_rows=10, dim=4, optimizer=optimizer)
+    shards = _shards(spec)
+    me = Trainer(shards, CacheConfig(capacity_rows=10))
+    ids = torch.arange(6)
+    before = me.fetch(ids)
+    gen = torch.Generator().manual_seed(0)
+    first = _push_unanswered(me, ids, torch.randn(6, 4, generator=gen), 0.5)
+    second = _push_unanswered(me, ids[:3], torch.randn(3, 4, generator=gen), 0.5)
+    # Served from the copies, as they were before the pushes the cache has not taken yet: what
+    # the servers held when the fetch was issued, ahead of these pushes.
+    assert torch.equal(me.fetch(ids), before) and me.served == 6 and me.missed_max == 0
+    _answer(me, first, 0.5)
+    _answer(me, second, 0.5)
+    # The answers bring the copies (and Adagrad's state) bitwise to the servers' rows.
+    assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 12
+    for shard in shards:
+        mine = ids[ids % 2 == shard.shard]
+        slots = me.cache.slot[mine].long()
+        assert torch.equal(me.cache.weight[slots], shard.fetch(mine))
+        if shard.accum is not None and me.cache.state is not None:
+            assert torch.equal(me.cache.state[slots], shard.accum[mine // 2])
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_own_answers_out_of_order_are_applied_in_the_servers_order(optimizer: str) -> None:
+    spec = TableSpec(name="t", num_rows=8, dim=3, optimizer=optimizer)
+    shards = _shards(spec)
+    me = Trainer(shards, CacheConfig(capacity_rows=8))
+    ids = torch.arange(8)
+    me.fetch(ids)
+    gen = torch.Generator().manual_seed(1)
+    pushes = [_push_unanswered(me, ids, torch.randn(8, 3, generator=gen), 0.3) for _ in range(3)]
+    for answers in reversed(pushes):  # the last applied is answered first
+        _answer(me, answers, 0.3)
+    assert not me.cache.waiting
+    assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 8
+    for shard in shards:
+        mine = ids[ids % 2 == shard.shard]
+        slots = me.cache.slot[mine].long()
+        assert torch.equal(me.cache.weight[slots], shard.fetch(mine))
+        if shard.accum is not None and me.cache.state is not None:
+            assert torch.equal(me.cache.state[slots], shard.accum[mine // 2])
+
+
+@settings(max_examples=100, deadline=None)
+@example(  # the second push's answer first: the copy must not pass for current without it
+    actions=[("fetch", [0], 0), ("push", [0], 0), ("push", [0], 0), ("answer", [0], 1)]
+    + [("fetch", [0], 0)],
+    optimizer="adagrad",
+    capacity=4,
+)
+@given(
+    actions=st.lists(
+        st.tuples(
+            st.sampled_from(["fetch", "push", "answer", "other"]),
+            st.lists(st.integers(0, 4), min_size=1, max_size=4),
+            st.integers(0, 5),
+        ),
+        min_size=1,
+        max_size=30,
+    ),
+    optimizer=st.sampled_from(["sgd", "adagrad"]),
+    capacity=st.integers(1, 12),
+)
+def test_exact_cache_serves_the_servers_row_less_only_own_unanswered_pushes(
+    actions: list[tuple[str, list[int], int]], optimizer: str, capacity: int
+) -> None:
+    """Fetches, own pushes whose answers come late and in any order, other writers' pushes: a
+    row is served as the server holds it, or as it held it before pushes that are all this
+    cache's and all unanswered; once every answer is in, every exact copy is the server's row
+    at its version."""
+    spec = TableSpec(name="t", num_rows=12, dim=3, optimizer=optimizer)
+    shards = _shards(spec)
+    me = Trainer(shards, CacheConfig(capacity_rows=capacity))
+    gen = torch.Generator().manual_seed(len(actions))
+    history = {row: [_whole(shards, torch.tensor([row]))] for row in range(12)}
+    writers: dict[int, list[int]] = {row: [] for row in range(12)}  # per version: push number
+    pending: list[tuple[int, list]] = []  # (push number, its answers), own pushes unanswered
+    pushes = 0
+
+    def record(rows: list[int], who: int) -> None:
+        for row in set(rows):
+            history[row].append(_whole(shards, torch.tensor([row])))
+            writers[row].append(who)
+
+    for kind, rows, pick in actions:
+        ids = torch.tensor(rows)
+        grads = torch.randn(len(rows), 3, generator=gen)
+        if kind == "fetch":
+            unique = torch.tensor(sorted(set(rows)))
+            got = me.fetch(unique)
+            unanswered = {number for number, _ in pending}
+            for row, value in zip(unique.tolist(), got, strict=True):
+                # The served version: any whose later versions are all own, unanswered pushes.
+                allowed = [history[row][-1]]
+                for version in range(len(writers[row]), 0, -1):
+                    if writers[row][version - 1] not in unanswered:
+                        break
+                    allowed.append(history[row][version - 1])
+                assert any(torch.equal(value, a[0]) for a in allowed), (row, kind)
+        elif kind == "push":
+            pushes += 1
+            pending.append((pushes, _push_unanswered(me, ids, grads, 0.1)))
+            record(rows, pushes)
+        elif kind == "answer" and pending:
+            _, answers = pending.pop(pick % len(pending))
+            _answer(me, answers, 0.1)
+        elif kind == "other":
+            for shard in shards:
+                pos = (ids % 2 == shard.shard).nonzero().squeeze(1)
+                shard.push(ids[pos], grads[pos], 0.1)
+            record(rows, 0)
+    for _, answers in pending:
+        _answer(me, answers, 0.1)
+    exact = (me.cache.ids >= 0) & (me.cache.missed == 0)
+    for slot in exact.nonzero().squeeze(1).tolist():
+        row, version = int(me.cache.ids[slot]), int(me.cache.version[slot])
+        assert torch.equal(me.cache.weight[slot], history[row][version][0])
+
+
+def test_a_row_read_before_an_own_push_answered_meanwhile_is_not_held_without_it() -> None:
+    spec = TableSpec(name="t", num_rows=4, dim=2)
+    shards = _shards(spec, 1)
+    me = Trainer(shards, CacheConfig(capacity_rows=4))
+    row = torch.tensor([3])
+    # A prefetch looks the row up (not held) and the server reads it; then this trainer's push
+    # of the row is applied and answered (no copy to update) before the prefetch's answer.
+    lookup = me.cache.lookup(0, row, torch.ones(1, dtype=torch.int64))
+    answer = shards[0].fetch_versioned(row, lookup.held, lookup.epoch, lookup.bound, 0)
+    _answer(me, _push_unanswered(me, row, torch.ones(1, 2), 0.1), 0.1)
+    me.cache.merge(lookup, answer)
+    # Held at the version it was read at, it would pass for current: the server's last push is
+    # this cache's. It is not held, and the next fetch reads the pushed row.
+    assert torch.equal(me.fetch(row), _whole(shards, row)) and me.served == 0
+    assert torch.equal(me.fetch(row), _whole(shards, row)) and me.served == 1
+
+
+@pytest.mark.parametrize("others_first", [False, True])
+def test_another_writers_push_beside_an_unanswered_own_push_is_a_miss(others_first: bool) -> None:
+    spec = TableSpec(name="t", num_rows=4, dim=2)
+    shards = _shards(spec, 1)
+    me = Trainer(shards, CacheConfig(capacity_rows=4))
+    other = Trainer(shards, CacheConfig(capacity_rows=4))  # another cache: another writer
+    row = torch.tensor([1])
+    me.fetch(row)
+    if others_first:
+        other.push(row, torch.ones(1, 2), 0.1)
+    pending = _push_unanswered(me, row, torch.ones(1, 2), 0.1)
+    if not others_first:
+        shards[0].push(row, torch.ones(1, 2), 0.1)  # a trainer without a cache
+    assert torch.equal(me.fetch(row), _whole(shards, row)) and me.served == 0
+    _answer(me, pending, 0.1)  # fetched after the push was applied: already newer, left alone
+    assert torch.equal(me.fetch(row), _whole(shards, row)) and me.served == 1
+
+
+def test_staleness_does_not_count_own_unanswered_pushes() -> None:
+    spec = TableSpec(name="t", num_rows=4, dim=2)
+    shards = _shards(spec, 1)
+    me = Trainer(shards, CacheConfig(capacity_rows=4, consistency="staleness", staleness=1))
+    row = torch.tensor([2])
+    first = me.fetch(row)
+    shards[0].push(row, torch.ones(1, 2), 0.1)  # another trainer's update: 1 missed
+    pending = [_push_unanswered(me, row, torch.ones(1, 2), 0.1) for _ in range(3)]
+    assert torch.equal(me.fetch(row), first) and me.missed_max == 1
+    for answers in pending:  # the copy takes its own pushes, and counts the other one missed
+        _answer(me, answers, 0.1)
+    assert me.fetch(row).shape == (1, 2) and me.served == 2 and me.missed_max == 1
+    shards[0].push(row, torch.ones(1, 2), 0.1)  # a second one: beyond the bound, sent again
+    assert torch.equal(me.fetch(row), _whole(shards, row)) and me.served == 2
 
 
 @pytest.mark.parametrize("bound", [1, 2])

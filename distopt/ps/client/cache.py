@@ -3,10 +3,11 @@
 A fetch of a cached table asks each server for the rows the cache lacks or cannot prove current:
 it sends the versions it holds, the server answers every row's version and sends only the rows
 that are out of date (:meth:`~distopt.ps.server.table.ShardTable.fetch_versioned`). The trainer's
-own pushes still go to the servers; once a push is answered, the cache applies it to its copies
-with the servers' arithmetic (:func:`~distopt.ps.server.table.step_rows`), so a copy that took
-exactly the updates the server took is bitwise the server's row. Why and how:
-``docs/cache.md``.
+own pushes still go to the servers, marked with the cache's writer token; once a push is
+answered, the cache applies it to its copies with the servers' arithmetic
+(:func:`~distopt.ps.server.table.step_rows`), so a copy that took exactly the updates the server
+took is bitwise the server's row, and the server does not count the cache's own pushes not yet
+answered against its copies. Why and how: ``docs/cache.md``.
 
 Every method runs under the cache's lock: fetch answers and push answers arrive on transport
 threads while the training loop looks rows up and pins them.
@@ -14,8 +15,10 @@ threads while the training loop looks rows up and pins them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
+import secrets
 import threading
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
@@ -26,8 +29,15 @@ from distopt.errors import ConfigError
 from distopt.ps.server.table import VersionedRows, accumulate, step_rows
 from distopt.ps.spec import CacheConfig, TableSpec
 
-SLOT_BYTES = 8 + 8 + 8 + 1
-"""Bookkeeping per cached row: its id, version and last use (int64) and whether it is exact."""
+ANSWER_LOG = 256
+"""Own pushes whose answers found rows not held that a cache remembers (:meth:`TableCache.merge`)."""
+
+WAITING_LIMIT = 64
+"""Own pushes a cache keeps waiting for the answers of the pushes the servers applied first."""
+
+SLOT_BYTES = 8 + 8 + 8 + 4
+"""Bookkeeping per cached row: its id, version and last use (int64) and the updates it lacks
+(int32)."""
 
 
 def row_bytes(spec: TableSpec) -> int:
@@ -166,6 +176,25 @@ class FetchCounts:
         return self.hits / self.lookups if self.lookups else None
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class _Waiting:
+    """An own push answered before pushes the servers applied ahead of it, for the rows whose
+    copies wait for those answers (:meth:`TableCache.apply_own`)."""
+
+    unique: torch.Tensor
+    """The push's rows (ascending) and their summed gradients: the server's shapes."""
+    summed: torch.Tensor
+    lr: float
+    before: torch.Tensor
+    """Each row's version before the push."""
+    run: torch.Tensor
+    """Each row's version when the cache's unbroken run of pushes to it (this one's) began."""
+    pos: torch.Tensor
+    """Positions in ``unique`` of the rows still waiting."""
+    marks: torch.Tensor
+    """What each of them added to its copy's ``missed`` while it waits."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Lookup:
     """What a cache holds of one server's share of a fetch, when the request left."""
@@ -174,20 +203,29 @@ class Lookup:
     ids: torch.Tensor
     """The ids asked, unique and ascending."""
     held: torch.Tensor
-    """The version held of each id, -1 where none is (or, ``exact``, none provably current)."""
+    """The version held of each id, -1 where none is that the consistency could serve (an
+    ``exact`` cache's inexact copies, a copy lacking more updates than ``staleness``)."""
     epoch: int
     """The shard's epoch the versions belong to (-1: none known)."""
     rows: torch.Tensor
     """``[len(ids), dim]``: copies of the held rows (where ``held >= 0``), as they were."""
+    missed: torch.Tensor
+    """Per id, the updates up to its held version that the copy lacks (0 where not held)."""
+    bound: int | torch.Tensor
+    """Other writers' pushes since the held version that the server may leave unsent: the
+    consistency's bound, less each copy's ``missed`` where one lacks any (then per id)."""
+    answered: int
+    """How many of the cache's own pushes were answered when the request left."""
 
 
 class TableCache:
     """Rows of one table held by this trainer: at most ``capacity`` rows in fixed slots.
 
-    Per slot: the row, its optimizer state, its id, its version (the server's version it
-    holds, counting the trainer's own pushes applied since), whether it is exact (every update
-    up to that version applied in the server's order) and its last use. Per table row: its slot
-    (-1: not held) and, for ``lfu``, how often it was fetched.
+    Per slot: the row, its optimizer state, its id, its version (the server's version it took
+    every update up to, but ``missed`` of them: its own pushes answered since included), the
+    updates up to that version it lacks (0: exact, bitwise the server's row at that version)
+    and its last use. Per table row: its slot (-1: not held) and, for ``lfu``, how often it
+    was fetched. Its pushes carry :attr:`writer`, so the servers tell them from others'.
     """
 
     def __init__(self, spec: TableSpec, config: CacheConfig, *, num_shards: int) -> None:
@@ -203,7 +241,7 @@ class TableCache:
             self.state = torch.zeros(self.capacity)
         self.ids = torch.full((self.capacity,), -1, dtype=torch.int64)
         self.version = torch.zeros(self.capacity, dtype=torch.int64)
-        self.exact = torch.zeros(self.capacity, dtype=torch.bool)
+        self.missed = torch.zeros(self.capacity, dtype=torch.int32)
         self.used = torch.zeros(self.capacity, dtype=torch.int64)
         self.slot = torch.full((spec.num_rows,), -1, dtype=torch.int32)
         self.uses = (
@@ -214,6 +252,19 @@ class TableCache:
         self.epochs: dict[int, int] = {}
         """Shard → the epoch the held rows of that shard belong to."""
         self.clock = 0
+        self.writer = secrets.randbits(62) + 1
+        """This cache's token on its pushes (never 0, which marks a push without a cache)."""
+        self.answered = 0
+        """Own pushes answered so far (:meth:`apply_own`)."""
+        self.unheld: collections.deque[tuple[int, int, torch.Tensor, torch.Tensor]] = (
+            collections.deque()
+        )
+        """The last :data:`ANSWER_LOG` answers that found rows not held: ``(answer number,
+        shard, those rows' ids, their versions before the push)``."""
+        self.forgotten = 0
+        """The number of the last answer dropped from :attr:`unheld`."""
+        self.waiting: collections.deque[_Waiting] = collections.deque()
+        """Own pushes whose rows wait for the answers of pushes applied before them."""
         self.lock = threading.Lock()
 
     @property
@@ -223,7 +274,7 @@ class TableCache:
             self.state,
             self.ids,
             self.version,
-            self.exact,
+            self.missed,
             self.used,
             self.slot,
             self.uses,
@@ -260,37 +311,57 @@ class TableCache:
             self.used.index_fill_(0, at, self.clock)
             if self.uses is not None:
                 self.uses.index_add_(0, ids, counts.to(torch.int64))
-            if self.config.consistency == "exact":
-                current = self.exact.index_select(0, at)
-                pos, at = pos[current], at[current]
+            bound = self.config.bound
+            lacks = self.missed.index_select(0, at).to(torch.int64)
+            usable = lacks <= bound  # exact: only exact copies; staleness: within the bound
+            pos, at, lacks = pos[usable], at[usable], lacks[usable]
             held = torch.full((ids.numel(),), -1, dtype=torch.int64)
             held.index_copy_(0, pos, self.version.index_select(0, at))
             rows = torch.empty(ids.numel(), self.spec.dim)
             rows.index_copy_(0, pos, self.weight.index_select(0, at))
-            return Lookup(shard, ids, held, self.epochs.get(shard, -1), rows)
+            missed = torch.zeros(ids.numel(), dtype=torch.int64)
+            missed.index_copy_(0, pos, lacks)
+            limit: int | torch.Tensor = bound - missed if bool(lacks.any()) else bound
+            epoch = self.epochs.get(shard, -1)
+            return Lookup(shard, ids, held, epoch, rows, missed, limit, self.answered)
 
     def merge(
         self, lookup: Lookup, answer: VersionedRows
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The rows of ``lookup.ids``: those the server sent, the rest from the cache; keeps what
-        the server sent. Returns the rows, which ids were served from the cache, and the most
-        updates one of those had missed."""
+        the server sent (but rows read before an own push that was answered while they
+        travelled, which no copy took). Returns the rows, which ids were served from the
+        cache, and the most updates of other writers one of those had missed."""
         rows = lookup.rows
         rows.index_copy_(0, answer.sent, answer.rows)
         served = torch.ones(lookup.ids.numel(), dtype=torch.bool)
         served[answer.sent] = False
-        missed = (answer.versions - lookup.held)[served]
+        missed = answer.missed + lookup.missed[served]
+        ids = lookup.ids.index_select(0, answer.sent)
         with self.lock:
             if self.epochs.get(lookup.shard) != answer.epoch:
                 self._drop(self._slots_of_shard(lookup.shard))
                 self.epochs[lookup.shard] = answer.epoch
-            self._install(
-                lookup.ids.index_select(0, answer.sent),
-                answer.rows,
-                answer.state,
-                answer.versions.index_select(0, answer.sent),
-            )
+            keep = ~self._lack_own(lookup, ids, answer.versions)
+            state = None if answer.state is None else answer.state[keep]
+            self._install(ids[keep], answer.rows[keep], state, answer.versions[keep])
         return rows, served, int(missed.max().clamp(min=0)) if missed.numel() else 0
+
+    def _lack_own(self, lookup: Lookup, ids: torch.Tensor, versions: torch.Tensor) -> torch.Tensor:
+        """Which of rows ``ids``, sent at ``versions`` for ``lookup``, lack an own push answered
+        since the lookup that found them not held: held, they would look current to the server
+        (its last pushes are this cache's) without that push. All, when the log has forgotten."""
+        if lookup.answered < self.forgotten:
+            return torch.ones(ids.numel(), dtype=torch.bool)
+        lack = torch.zeros(ids.numel(), dtype=torch.bool)
+        for number, shard, pushed, before in reversed(self.unheld):
+            if number <= lookup.answered:
+                break
+            if shard != lookup.shard:
+                continue
+            at = torch.searchsorted(pushed, ids).clamp(max=pushed.numel() - 1)
+            lack |= (pushed.index_select(0, at) == ids) & (before.index_select(0, at) >= versions)
+        return lack
 
     def _install(
         self,
@@ -308,7 +379,7 @@ class TableCache:
         have = (slots >= 0).nonzero().squeeze(1)
         at = slots.index_select(0, have)
         newer = versions.index_select(0, have) >= self.version.index_select(0, at)
-        self._write(at[newer], have[newer], rows, state, versions, exact=True)
+        self._write(at[newer], have[newer], rows, state, versions)
         new = (slots < 0).nonzero().squeeze(1)
         if new.numel() == 0:
             return
@@ -332,7 +403,7 @@ class TableCache:
         placed = ids.index_select(0, new)
         self.ids.index_copy_(0, targets, placed)
         self.slot.index_copy_(0, placed, targets.to(torch.int32))
-        self._write(targets, new, rows, state, versions, exact=True)
+        self._write(targets, new, rows, state, versions)
 
     def _write(
         self,
@@ -341,15 +412,18 @@ class TableCache:
         rows: torch.Tensor,
         state: torch.Tensor | None,
         versions: torch.Tensor,
-        *,
-        exact: bool,
     ) -> None:
-        """Slots ``at`` take ``rows[pos]`` (and their state) at ``versions[pos]``."""
+        """Slots ``at`` take ``rows[pos]`` (and their state) as the server sent them, exact at
+        ``versions[pos]``."""
         self.weight.index_copy_(0, at, rows.index_select(0, pos))
         if self.state is not None and state is not None:
             self.state.index_copy_(0, at, state.index_select(0, pos))
         self.version.index_copy_(0, at, versions.index_select(0, pos))
-        self.exact.index_fill_(0, at, exact)
+        self.missed.index_fill_(0, at, 0)
+        if self.waiting:  # the server's rows hold every push they wait with
+            written = self.ids.index_select(0, at)
+            for entry in self.waiting:
+                entry.pos, entry.marks = _without(entry, written)
         self.used.index_fill_(0, at, self.clock)
 
     def _victims(self, count: int) -> torch.Tensor:
@@ -373,7 +447,6 @@ class TableCache:
         ids = self.ids.index_select(0, at)
         self.slot.index_fill_(0, ids[ids >= 0], -1)
         self.ids.index_fill_(0, at, -1)
-        self.exact.index_fill_(0, at, False)
 
     # --- the trainer's own pushes ---------------------------------------------------------------
 
@@ -385,40 +458,105 @@ class TableCache:
         lr: float,
         epoch: int,
         before: torch.Tensor,
+        run: torch.Tensor,
     ) -> None:
         """Apply this trainer's push of ``grads`` to rows ``ids`` of ``shard``, which the server
-        answered with its ``epoch`` and each unique row's version ``before`` it.
+        answered with its ``epoch``, each unique row's version ``before`` it and the version
+        this cache's unbroken run of pushes to the row began at (``run``).
 
         The gradients are summed and the step taken exactly as the server did, on tensors of
         the same shapes (:func:`~distopt.ps.server.table.step_rows`), so a copy at the version
         the push was applied to becomes bitwise the server's row. A copy already newer holds
-        the push (it was fetched after); an older one missed other trainers' updates and stays
-        inexact (served under ``staleness`` only).
+        the push (it was fetched after) or counted it missed. An older one lacks the updates
+        in between: when they are all this cache's own (``run`` at or below its version),
+        whose answers are still to come, the push waits for them and is then applied in the
+        servers' order; else (another writer's among them) it takes the push now, moves to
+        the version after it and counts them missed (served under ``staleness`` only).
         """
         unique, summed = accumulate(ids, grads.to(self.weight.dtype))
         with self.lock:
             slots = self.slot.index_select(0, unique).to(torch.int64)
+            self.answered += 1
+            unheld = slots < 0
+            if bool(unheld.any()):  # a fetch still travelling may bring these rows without it
+                if len(self.unheld) == ANSWER_LOG:
+                    self.forgotten = self.unheld.popleft()[0]
+                self.unheld.append((self.answered, shard, unique[unheld], before[unheld]))
             if self.epochs.get(shard) != epoch:
                 self._drop(slots[slots >= 0])  # the shard was reloaded: nothing held is known
                 return
             pos = (slots >= 0).nonzero().squeeze(1)
-            at = slots.index_select(0, pos)
-            held = self.version.index_select(0, at)
-            applied = before.index_select(0, pos)
-            take = held <= applied
-            pos, at, held, applied = pos[take], at[take], held[take], applied[take]
-            if pos.numel() == 0:
-                return
-            weight = torch.zeros(unique.numel(), self.spec.dim)
-            weight.index_copy_(0, pos, self.weight.index_select(0, at))
-            state = None
-            if self.state is not None:
-                state = torch.zeros((unique.numel(), *self.state.shape[1:]))
-                state.index_copy_(0, pos, self.state.index_select(0, at))
-            step_rows(self.spec, weight, state, torch.arange(unique.numel()), summed, lr)
-            self.weight.index_copy_(0, at, weight.index_select(0, pos))
-            if self.state is not None and state is not None:
-                self.state.index_copy_(0, at, state.index_select(0, pos))
-            exact = self.exact.index_select(0, at) & (held == applied)
-            self.exact.index_copy_(0, at, exact)
-            self.version.index_copy_(0, at, held + 1)
+            push = _Waiting(unique, summed, lr, before, run, pos, torch.zeros(0, dtype=torch.int32))
+            self._take(push)
+            while self._retry():
+                pass
+
+    def _take(self, push: _Waiting) -> bool:
+        """Apply ``push`` to the held copies of its rows ``push.pos`` that are at the version
+        it was applied to; rows held at an older one wait (:attr:`waiting`) for the own pushes
+        applied in between, counting the gap and the push itself missed meanwhile, or take it
+        now, inexact, where another writer's push is in the gap. Returns whether a row took
+        it."""
+        slots = self.slot.index_select(0, push.unique.index_select(0, push.pos)).to(torch.int64)
+        kept = slots >= 0
+        pos, at = push.pos[kept], slots[kept]
+        marks = push.marks[kept] if push.marks.numel() else None
+        held = self.version.index_select(0, at)
+        applied = push.before.index_select(0, pos)
+        ready = held == applied
+        if bool(ready.any()):
+            self._step(push, pos[ready], at[ready])
+            self.version.index_copy_(0, at[ready], applied[ready] + 1)
+            if marks is not None:  # it waited: its copies lack what it counted no more
+                lacks = self.missed.index_select(0, at[ready]) - marks[ready]
+                self.missed.index_copy_(0, at[ready], lacks)
+        ahead = held < applied
+        if marks is None:
+            others = ahead & (push.run.index_select(0, pos) > held)
+            if bool(others.any()):
+                self._step(push, pos[others], at[others])
+                lacks = (applied - held)[others].to(torch.int32)
+                self.missed.index_add_(0, at[others], lacks)
+                self.version.index_copy_(0, at[others], applied[others] + 1)
+            ahead &= ~others
+        if marks is None and bool(ahead.any()):
+            gap = (applied - held + 1)[ahead].to(torch.int32)
+            self.missed.index_add_(0, at[ahead], gap)
+            if len(self.waiting) == WAITING_LIMIT:  # its copies stay counted missed
+                self.waiting.popleft()
+            self.waiting.append(
+                _Waiting(push.unique, push.summed, push.lr, push.before, push.run, pos[ahead], gap)
+            )
+        elif marks is not None:
+            push.pos, push.marks = pos[ahead], marks[ahead]
+        return bool(ready.any()) or marks is None and bool(others.any())
+
+    def _retry(self) -> bool:
+        """Give the waiting pushes their turn; whether one was applied."""
+        progress = False
+        for entry in list(self.waiting):
+            progress = self._take(entry) or progress
+            if entry.pos.numel() == 0:
+                self.waiting.remove(entry)
+        return progress
+
+    def _step(self, push: _Waiting, pos: torch.Tensor, at: torch.Tensor) -> None:
+        """Slots ``at`` take ``push`` for its rows ``pos``: the servers' step, on tensors of the
+        shapes the server used (all the push's rows), so the result is bitwise the server's."""
+        n = push.unique.numel()
+        weight = torch.zeros(n, self.spec.dim)
+        weight.index_copy_(0, pos, self.weight.index_select(0, at))
+        state = None
+        if self.state is not None:
+            state = torch.zeros((n, *self.state.shape[1:]))
+            state.index_copy_(0, pos, self.state.index_select(0, at))
+        step_rows(self.spec, weight, state, torch.arange(n), push.summed, push.lr)
+        self.weight.index_copy_(0, at, weight.index_select(0, pos))
+        if self.state is not None and state is not None:
+            self.state.index_copy_(0, at, state.index_select(0, pos))
+
+
+def _without(entry: _Waiting, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``entry``'s waiting rows and marks, less rows ``ids``."""
+    keep = ~torch.isin(entry.unique.index_select(0, entry.pos), ids)
+    return entry.pos[keep], entry.marks[keep]

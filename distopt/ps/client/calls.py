@@ -283,28 +283,6 @@ def _as_ids(route: Route, ids: Ids) -> torch.Tensor:
     return ids.to("cpu", torch.int64)  # requests are sent from host memory
 
 
-def _per_server(
-    client: Client,
-    plan: Sequence[tuple[str, Sequence[tuple[Any, ...]]]],
-    one: str,
-    many: str,
-    extra: tuple[Any, ...],
-    verb: str,
-) -> Future:
-    """One request per server of ``plan`` (``[(server, [(table, ...), ...])]``): operation
-    ``one(*item, *extra)`` for a single item, else ``many(items, *extra)``; the future of all their
-    answers, in plan order."""
-    calls = []
-    for server, items in plan:
-        what = f"{verb} {', '.join(repr(it[0]) for it in items)}"
-        if len(items) == 1:
-            op, args = one, (*items[0], *extra)
-        else:
-            op, args = many, (list(items), *extra)
-        calls.append(client.call(server, op, args, what=what, timeout_s=client.timeout_s))
-    return gather(calls)
-
-
 def _split(ids: torch.Tensor, n: int) -> list[tuple[int, torch.Tensor | None, torch.Tensor]]:
     """``[(shard, positions_in_flat_ids or None for all, shard_ids)]`` for non-empty shards."""
     flat = ids.reshape(-1)
@@ -351,15 +329,19 @@ class _Piece:
     inverse: torch.Tensor | None = None
     """``ids`` as positions in ``lookup.ids``."""
 
-    def cache_request(self) -> tuple[str, torch.Tensor, torch.Tensor | None, int, int]:
+    def cache_request(
+        self,
+    ) -> tuple[str, torch.Tensor, torch.Tensor | None, int, int | torch.Tensor, int]:
         """The piece as an item of ``fetch_cached``: unique ids with the versions held (looked
-        up now, when the request leaves, after the pushes it is ordered after)."""
+        up now, when the request leaves, after the pushes it is ordered after), the bound and
+        the cache's writer token."""
         if self.cache is None:
-            return (self.table, self.ids, None, 0, 0)
+            return (self.table, self.ids, None, 0, 0, 0)
         unique, inverse, counts = torch.unique(self.ids, return_inverse=True, return_counts=True)
         self.lookup = self.cache.lookup(self.shard, unique, counts)
         self.inverse = inverse
-        return (self.table, unique, self.lookup.held, self.lookup.epoch, self.cache.config.bound)
+        lookup = self.lookup
+        return (self.table, unique, lookup.held, lookup.epoch, lookup.bound, self.cache.writer)
 
     def rows(self, answer: Any, counts: FetchCounts) -> torch.Tensor:
         """The piece's rows from its server's answer, counted into ``counts``."""
@@ -502,9 +484,21 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
     cached = any(table in client.caches for table in tables)
 
     def start() -> Future:
-        # With a cache, the servers answer the versions the push was applied to.
-        extra = (float(lr), True) if cached else (float(lr),)
-        return _per_server(client, plan, "push", "push_many", extra, "push to")
+        """One request per server: ``push`` for one item, else ``push_many``. With a cache the
+        items carry its writer token (0: an uncached table), and the servers answer the versions
+        each push was applied to."""
+        requests = []
+        for server, items in plan:
+            what = f"push to {', '.join(repr(table) for table, _, _ in items)}"
+            writers = [_writer(client, table) for table, _, _ in items] if cached else None
+            args: tuple[Any, ...]
+            if len(items) == 1:
+                op = "push"
+                args = (*items[0], float(lr), *(writers or ()))
+            else:
+                op, args = "push_many", (list(items), float(lr), writers)
+            requests.append(client.call(server, op, args, what=what, timeout_s=client.timeout_s))
+        return gather(requests)
 
     def finish(answers: list[Any]) -> None:
         """The cached tables' copies take the push the servers took (before the push is done:
@@ -513,12 +507,12 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
             return
         for (server, items), answer in zip(plan, answers, strict=True):
             applied = [answer] if len(items) == 1 else answer
-            for (table, ids, rows), shard, (epoch, before) in zip(
+            for (table, ids, rows), shard, (epoch, before, run) in zip(
                 items, shards[server], applied, strict=True
             ):
                 cache = client.caches.get(table)
                 if cache is not None:
-                    cache.apply_own(shard, ids, rows, float(lr), epoch, before)
+                    cache.apply_own(shard, ids, rows, float(lr), epoch, before, run)
 
     for listener in list(client.push_listeners):
         for table, flat in named:
@@ -527,6 +521,12 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
         writes, reads = client.order.push(tables, out)
     after(out, writes=writes, reads=reads, start=start, finish=finish, what=label)
     return out
+
+
+def _writer(client: Client, table: str) -> int:
+    """The writer token of ``table``'s cache, 0 for an uncached table."""
+    cache = client.caches.get(table)
+    return 0 if cache is None else cache.writer
 
 
 def push(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> None:

@@ -127,17 +127,19 @@ class ParameterServer:
 
     @operation(read=True, fenced=True)
     def fetch_cached(
-        self, requests: list[tuple[str, torch.Tensor, torch.Tensor | None, int, int]]
+        self,
+        requests: list[tuple[str, torch.Tensor, torch.Tensor | None, int, int | torch.Tensor, int]],
     ) -> list[torch.Tensor | tuple[Any, ...]]:
         """Fetches of a trainer with row caches, in one request: per ``(table, ids, held,
-        epoch, bound)``, with ``held`` the versions its cache holds (``None``: an uncached
-        table, answered as by :meth:`fetch`), the rows it must take as the fields of a
-        :class:`~distopt.ps.server.table.VersionedRows` (a plain tuple: Ray sends its tensors
-        as arrays)."""
+        epoch, bound, writer)``, with ``held`` the versions its cache holds (``None``: an
+        uncached table, answered as by :meth:`fetch`), ``bound`` the other writers' pushes a
+        served row may lack (one for all rows, or per row) and ``writer`` the cache's token, the
+        rows it must take as the fields of a :class:`~distopt.ps.server.table.VersionedRows` (a
+        plain tuple: Ray sends its tensors as arrays)."""
         self.begin("fetch_cached")
         answers: list[torch.Tensor | tuple[Any, ...]] = []
         rows = nbytes = 0
-        for table, ids, held, epoch, bound in requests:
+        for table, ids, held, epoch, bound, writer in requests:
             shard = self.table(table)
             if held is None:
                 plain = shard.fetch(ids)
@@ -145,7 +147,8 @@ class ParameterServer:
                 rows += plain.shape[0]
                 nbytes += plain.numel() * plain.element_size()
             else:
-                versioned = shard.fetch_versioned(ids, held, int(epoch), int(bound))
+                limit = bound if isinstance(bound, torch.Tensor) else int(bound)
+                versioned = shard.fetch_versioned(ids, held, int(epoch), limit, int(writer))
                 answers.append(versioned.fields())
                 rows += versioned.rows.shape[0]
                 nbytes += versioned.nbytes
@@ -154,24 +157,30 @@ class ParameterServer:
 
     @operation(fenced=True)
     def push(
-        self, table: str, ids: torch.Tensor, grads: torch.Tensor, lr: float, versions: bool = False
-    ) -> tuple[int, torch.Tensor] | None:
-        """Apply the table's sparse optimizer step to rows ``ids``; with ``versions``, answer
-        the shard's epoch and the rows' versions before it (for the trainer's cache)."""
+        self,
+        table: str,
+        ids: torch.Tensor,
+        grads: torch.Tensor,
+        lr: float,
+        writer: int | None = None,
+    ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
+        """Apply the table's sparse optimizer step to rows ``ids``; with a ``writer`` (the
+        pushing cache's token, 0 for none), answer the shard's epoch, the rows' versions
+        before it and where the writer's run of pushes began (for the trainer's cache)."""
         self.begin("push")
-        answer = self.table(table).push(ids, grads, float(lr))
+        answer = self.table(table).push(ids, grads, float(lr), int(writer or 0))
         self.count("pushed", ids.numel(), grads.numel() * grads.element_size())
-        return answer if versions else None
+        return answer if writer is not None else None
 
     @operation(fenced=True)
     def push_many(
         self,
         pushes: list[tuple[str, torch.Tensor, torch.Tensor]],
         lr: float,
-        versions: bool = False,
-    ) -> list[tuple[int, torch.Tensor]] | None:
-        """Several pushes in one request (one latency), applied in request order; ``versions``
-        as for :meth:`push`, one answer per push.
+        writers: list[int] | None = None,
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor]] | None:
+        """Several pushes in one request (one latency), applied in request order; ``writers``
+        (one per push) as ``writer`` for :meth:`push`, one answer per push.
 
         Every table, row and gradient shape is checked before any is updated: a bad request
         changes nothing.
@@ -181,13 +190,19 @@ class ParameterServer:
             (self.table(table), *self.table(table).checked(ids, grads))
             for table, ids, grads in pushes
         ]
-        answers = [shard.apply(local, rows, float(lr)) for shard, local, rows in checked]
+        tokens = [0] * len(checked) if writers is None else [int(w) for w in writers]
+        if len(tokens) != len(checked):
+            raise ValueError(f"push_many: {len(tokens)} writers for {len(checked)} pushes")
+        answers = [
+            shard.apply(local, rows, float(lr), token)
+            for (shard, local, rows), token in zip(checked, tokens, strict=True)
+        ]
         self.count(
             "pushed",
             sum(local.numel() for _, local, _ in checked),
             sum(rows.numel() * rows.element_size() for _, _, rows in checked),
         )
-        return answers if versions else None
+        return answers if writers is not None else None
 
     # --- whole shards: checkpoints -----------------------------------------------------------------
 

@@ -7,6 +7,8 @@ fails loudly instead of touching the wrong row.
 Every row has a version, the number of pushes that updated it since the shard was made or
 loaded, and every shard an epoch, drawn anew whenever its rows are replaced: together they let a
 trainer's cache prove a row it holds current (:meth:`ShardTable.fetch_versioned`; ``docs/cache.md``).
+A row pushed by a cache also keeps that cache's writer token and the version its run of pushes
+began at, so a cache's own pushes that its copy has not yet taken are not counted against it.
 """
 
 from __future__ import annotations
@@ -75,22 +77,27 @@ class VersionedRows:
 
     epoch: int
     """The shard's epoch: versions of another epoch say nothing about these rows."""
-    versions: torch.Tensor
-    """The version of every requested row (int64, request order)."""
     sent: torch.Tensor
     """Positions (in the request) of the rows sent: those the trainer did not hold current."""
+    versions: torch.Tensor
+    """The version of each row sent (int64, in the order of ``sent``)."""
     rows: torch.Tensor
     """``[len(sent), dim]`` weights of the rows sent."""
     state: torch.Tensor | None
     """Their optimizer state (Adagrad accumulators), ``None`` for SGD tables."""
+    missed: torch.Tensor
+    """Per row not sent (request order): how many pushes of other writers its held version
+    may lack (at most the bound; an upper bound where they interleave with the cache's own)."""
 
-    def fields(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def fields(
+        self,
+    ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The fields in order, as a plain tuple (how it crosses the wire)."""
-        return (self.epoch, self.versions, self.sent, self.rows, self.state)
+        return (self.epoch, self.sent, self.versions, self.rows, self.state, self.missed)
 
     @property
     def nbytes(self) -> int:
-        tensors = (self.versions, self.sent, self.rows, self.state)
+        tensors = (self.sent, self.versions, self.rows, self.state, self.missed)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
@@ -119,6 +126,11 @@ class ShardTable:
             )
         self.version = torch.zeros(self.weight.shape[0], dtype=torch.int64)
         """Pushes applied to each local row since this shard was made or loaded."""
+        self.writer: torch.Tensor | None = None
+        """Per local row, the writer token of the cache whose push updated it last (0: a push
+        without a cache); made on the first push with a token."""
+        self.run_from: torch.Tensor | None = None
+        """Per local row, its version when the last writer's unbroken run of pushes began."""
         self.epoch = new_epoch()
 
     @property
@@ -156,27 +168,48 @@ class ShardTable:
             return self.weight.index_select(0, local)
 
     def fetch_versioned(
-        self, ids: torch.Tensor, held: torch.Tensor, epoch: int, bound: int
+        self,
+        ids: torch.Tensor,
+        held: torch.Tensor,
+        epoch: int,
+        bound: int | torch.Tensor,
+        writer: int = 0,
     ) -> VersionedRows:
-        """Rows ``ids`` a cache lacks or holds out of date: the versions of all, the rows (and
-        optimizer state) of those whose ``held`` version is negative (not held), of another
-        ``epoch``, or more than ``bound`` pushes behind."""
+        """Rows ``ids`` a cache lacks or holds out of date: the rows (optimizer state and
+        versions) of those whose ``held`` version is negative (not held), of another ``epoch``,
+        or that lack more than ``bound`` (per row, or one for all) pushes of writers other than
+        ``writer`` (the asking cache's token; 0: none).
+
+        A held version ``h`` is the server's version the copy took every update up to (the
+        cache's own pushes answered since included). The pushes after ``h`` are the writer's own,
+        not yet answered when it asked, when the row's last writer is ``writer`` and its run
+        began at ``h`` or before: they do not count. Otherwise each push after ``h`` counts,
+        except those of the writer's final run (an upper bound when the writer's pushes and
+        others' interleave)."""
         local = self.local_ids(ids)
         if not isinstance(held, torch.Tensor) or held.shape != local.shape:
             raise ConfigError(
                 f"table {self.spec.name!r}: held versions {held!r} do not match {local.numel()} ids"
             )
+        held = held.to(torch.int64)
         with self.lock:
             versions = self.version.index_select(0, local)
+            missed = versions - held
+            if writer and self.writer is not None and self.run_from is not None:
+                own = self.writer.index_select(0, local) == writer
+                others = (self.run_from.index_select(0, local) - held).clamp(min=0)
+                missed = torch.where(own, others, missed)
             if epoch != self.epoch:
-                sent = torch.arange(local.numel())
+                stale = torch.ones(local.numel(), dtype=torch.bool)
             else:
-                stale = (held < 0) | (versions - held.to(torch.int64) > bound)
-                sent = stale.nonzero().squeeze(1)
+                stale = (held < 0) | (missed > bound)
+            sent = stale.nonzero().squeeze(1)
             picked = local.index_select(0, sent)
             rows = self.weight.index_select(0, picked)
             state = None if self.accum is None else self.accum.index_select(0, picked)
-            return VersionedRows(self.epoch, versions, sent, rows, state)
+            return VersionedRows(
+                self.epoch, sent, versions.index_select(0, sent), rows, state, missed[~stale]
+            )
 
     def checked(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Local rows of ``ids`` and ``grads`` as ``[len(ids), dim]``, or an error naming the table."""
@@ -192,25 +225,40 @@ class ShardTable:
             )
         return local, grads.reshape(local.numel(), self.spec.dim)
 
-    def push(self, ids: torch.Tensor, grads: torch.Tensor, lr: float) -> tuple[int, torch.Tensor]:
+    def push(
+        self, ids: torch.Tensor, grads: torch.Tensor, lr: float, writer: int = 0
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Apply the table's sparse optimizer to rows ``ids`` with gradient rows ``grads``;
         returns what :meth:`apply` does."""
-        return self.apply(*self.checked(ids, grads), lr)
+        return self.apply(*self.checked(ids, grads), lr, writer)
 
     def apply(
-        self, local: torch.Tensor, grads: torch.Tensor, lr: float
-    ) -> tuple[int, torch.Tensor]:
-        """:meth:`push` of rows and gradients :meth:`checked` already returned. Returns the
-        shard's epoch and each updated row's version before this push (rows in ascending id
-        order, duplicates once): what a cache needs to know its copies took the same updates."""
+        self, local: torch.Tensor, grads: torch.Tensor, lr: float, writer: int = 0
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """:meth:`push` of rows and gradients :meth:`checked` already returned, by ``writer``
+        (a cache's token; 0: none). Returns the shard's epoch, each updated row's version
+        before this push and the version the writer's unbroken run of pushes to it, this one
+        included, began at (rows in ascending id order, duplicates once): what a cache needs
+        to know its copies took the same updates, and whether the versions it lacks are its
+        own."""
         if local.numel() == 0:
-            return self.epoch, torch.zeros(0, dtype=torch.int64)
+            empty = torch.zeros(0, dtype=torch.int64)
+            return self.epoch, empty, empty
         rows, summed = accumulate(local, grads.to(self.weight.dtype))
         with self.lock:
             before = self.version.index_select(0, rows)
             step_rows(self.spec, self.weight, self.accum, rows, summed, lr)
             self.version.index_copy_(0, rows, before + 1)
-            return self.epoch, before
+            if writer and self.writer is None:
+                self.writer = torch.zeros_like(self.version)
+                self.run_from = torch.zeros_like(self.version)
+            run = before
+            if self.writer is not None and self.run_from is not None:
+                same = self.writer.index_select(0, rows) == writer
+                run = torch.where(same, self.run_from.index_select(0, rows), before)
+                self.run_from.index_copy_(0, rows, run)
+                self.writer.index_fill_(0, rows, writer)
+            return self.epoch, before, run
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of this shard's tensors plus where it sits, for checkpoints."""
@@ -253,6 +301,7 @@ class ShardTable:
             if self.accum is not None:
                 self.accum.copy_(state["accum"])
             self.version.zero_()
+            self.writer = self.run_from = None
             self.epoch = new_epoch()  # every cached copy of this shard is void
 
 
