@@ -227,6 +227,13 @@ def parallelize(
             units or [root], backend=cfg.compile_backend, regions=[block for _, block in regions]
         )
         timing.regions = len(regions)
+    if cfg.channels_last and cfg.strategy == "ddp":
+        # The channels-last recipe's model.to(memory_format=...): a convolution fed NHWC returns
+        # NHWC weight gradients, and DDP lays its buckets out from the parameters' strides (at
+        # the first forward; compiling is lazy, so this still comes first). Contiguous weights
+        # would cost a copy per gradient and DDP's "Grad strides do not match bucket view
+        # strides" warning. (FSDP lays out its own shards.)
+        root.to(memory_format=torch.channels_last)
     if cfg.strategy == "fsdp":
         schedule = plan_fsdp_schedule(
             timing.unit_bytes,
