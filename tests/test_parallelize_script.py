@@ -147,3 +147,75 @@ def test_without_a_process_group_one_line_says_what_to_do() -> None:
             "torch.distributed.init_process_group() on every rank first (e.g. a script launched "
             "with torchrun --nproc-per-node N), or pass process_group= (DDP, FSDP1) or mesh= (FSDP2)"
         )
+
+
+CONVNET_SCRIPT = """
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distopt
+
+
+class Block(nn.Module):
+    # ConvNeXt's: a depthwise 7x7 convolution, then an MLP over the channels.
+    def __init__(self, c):
+        super().__init__()
+        self.dw = nn.Conv2d(c, c, 7, padding=3, groups=c)
+        self.norm = nn.LayerNorm(c)
+        self.fc1, self.fc2 = nn.Linear(c, 4 * c), nn.Linear(4 * c, c)
+
+    def forward(self, x):
+        h = self.norm(self.dw(x).permute(0, 2, 3, 1))
+        return x + self.fc2(nn.functional.gelu(self.fc1(h))).permute(0, 3, 1, 2)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 4, stride=4)
+        self.stage = nn.Sequential(Block(16), Block(16))
+        self.head = nn.Linear(16, 10)
+
+    def forward(self, x):
+        return self.head(self.stage(self.stem(x)).mean((2, 3)))
+
+
+dist.init_process_group("gloo")
+torch.manual_seed(0)
+x = torch.randn(2, 3, 32, 32)
+ours = distopt.parallelize(
+    Net(), "ddp", example_inputs=(x,), compile=True, compile_backend=sys.argv[1], channels_last=True
+)
+opt = torch.optim.SGD(ours.parameters(), lr=0.1)
+for step in range(2):
+    ours(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+sys.stdout.write(f"rank {dist.get_rank()}: {distopt.parallel.timing_of(ours).regions} regions\\n")
+sys.stdout.flush()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_a_channels_last_conv_net_with_regional_compile_under_ddp_is_quiet(tmp_path: Path) -> None:
+    """Issue 26: the depthwise convolutions' weight gradients come back channels-last; DDP's
+    buckets, laid out from contiguous weights, drew "Grad strides do not match bucket view
+    strides" (and a copy per gradient). parallelize(channels_last=True) converts the weights."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(CONVNET_SCRIPT))
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    proc = subprocess.run(
+        [torchrun, "--standalone", "--nproc-per-node", "2", str(script), "aot_eager"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(proc.stdout.splitlines()) == [f"rank {r}: 2 regions" for r in (0, 1)]
+    assert noise(proc.stderr) == []

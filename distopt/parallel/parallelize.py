@@ -52,7 +52,8 @@ class ParallelizeConfig:
     cache_dir: str | None = None
     """Cache directory of the α–β measurement (default ``~/.cache/distopt``)."""
     channels_last: bool = False
-    """Run conv nets in channels-last layout (inputs converted at entry, outputs restored)."""
+    """Run conv nets in channels-last layout (inputs converted at entry, outputs restored; under
+    DDP the 4-D weights too, so that DDP's gradient buckets match their gradients' strides)."""
     compile: bool = False
     """``torch.compile`` each unit (or the whole module for DDP) before wrapping it."""
     compile_backend: str = "inductor"
@@ -227,6 +228,14 @@ def parallelize(
             units or [root], backend=cfg.compile_backend, regions=[block for _, block in regions]
         )
         timing.regions = len(regions)
+    if cfg.channels_last and cfg.strategy == "ddp":
+        # The channels-last recipe's model.to(memory_format=...): a convolution fed NHWC returns
+        # NHWC weight gradients, and DDP lays its buckets out from the parameters' strides (at
+        # the first forward; compiling is lazy, so this still comes first). Contiguous weights
+        # would cost a copy per gradient and DDP's "Grad strides do not match bucket view
+        # strides" warning. FSDP lays out its own shards. (Module.to documents memory_format;
+        # its typed overloads lack it.)
+        root.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     if cfg.strategy == "fsdp":
         schedule = plan_fsdp_schedule(
             timing.unit_bytes,

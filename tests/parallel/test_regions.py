@@ -12,7 +12,7 @@ from torch import nn
 import distopt
 from distopt.dist.rendezvous import StorePlan, init_gloo, spawned_gloo
 from distopt.models import build, make_inputs
-from distopt.parallel import timing_of
+from distopt.parallel import apply_ddp, timing_of
 from distopt.parallel.regions import compile_regions, repeated_blocks
 
 
@@ -131,3 +131,40 @@ def test_parallelize_compiles_each_repeated_block_once() -> None:
     assert regions == 4 and block_graphs == 1, (regions, block_graphs)
     assert graphs <= 3  # the block, and the units outside the blocks (final norm, head)
     assert abs(loss - ref_loss) < 1e-5
+
+
+def _ddp_worker(rank: int, plan: StorePlan, results: Any) -> None:
+    torch.set_num_threads(1)
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    init_gloo(plan, me="rank0", rank=0, world_size=1, timeout_s=60.0)
+    try:
+        model = nn.Sequential(*[Block(512) for _ in range(3)])
+        compile_regions([block for _, block in repeated_blocks(model)], backend=counting)
+        # A block holds 1.05 MB: DDPOptimizer would split its graph at 1 MB buckets.
+        ddp = apply_ddp(model, bucket_cap_mb=1)
+        x = torch.randn(3, 512, requires_grad=True)  # as every block's input: one guard set
+        for _ in range(2):
+            ddp(x).sum().backward()
+        results.put(len(graphs))
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def test_under_ddp_each_region_is_one_graph() -> None:
+    """Inside DDP's forward, Dynamo's DDPOptimizer splits a graph at DDP's bucket boundaries; a
+    region's backward is its own graph already, so its compile is not split (issue 26: GPT's
+    blocks were compiled as two graphs each under DDP's 25 MiB buckets)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with spawned_gloo() as plan:
+        mp.start_processes(
+            _ddp_worker, args=(plan, results), nprocs=1, join=True, start_method="spawn"
+        )
+    assert results.get(timeout=5) == 1  # the block, once
