@@ -54,6 +54,7 @@ test-torchx-nightly: $(NIGHTLY_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check distopt launchers tests examples
+	$(VENV)/bin/ruff format --check distopt launchers tests examples
 	$(VENV)/bin/mypy distopt
 
 bench: $(STAMP)

@@ -30,7 +30,8 @@ def options(scheduler: str) -> tuple[dict[str, str], dict[str, str]]:
 
 
 def dryrun(scheduler: str, config: Path, out: Path) -> distopt.torchx.submit.Launched:
-    clicks = write_criteo(out / "clicks.tsv", num_samples=1000, seed=0)  # a full first batch: the job is checked before it is submitted
+    # A full first batch: the job is checked before it is submitted.
+    clicks = write_criteo(out / "clicks.tsv", num_samples=1000, seed=0)
     cfg, component = options(scheduler)
     return distopt.launch(
         config,

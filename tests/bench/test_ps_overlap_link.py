@@ -86,7 +86,11 @@ def test_rows_cross_the_shaped_link_and_nothing_is_left_behind(tmp_path: Path) -
     # The point on loopback first, then over the link, in one process: the second group forms
     # on the link although the first was on this host.
     loopback, point = report["points"]
-    assert (loopback["placement"], loopback["link"], point["placement"]) == ("loopback", None, "link")
+    assert (loopback["placement"], loopback["link"], point["placement"]) == (
+        "loopback",
+        None,
+        "link",
+    )
     (cost,) = report["link_cost"]
     for name in ("optimized", "no_network"):
         extra = cost["link_step_s"][name] - cost["loopback_step_s"][name]
