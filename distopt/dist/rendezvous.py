@@ -274,10 +274,6 @@ def leave_rpc(*, me: str, graceful: bool) -> None:
         return
     if graceful and _QUIET_LEAVE == [True]:
         try:
-            # What torch's graceful shutdown does first: this member's references to objects
-            # others own are released while the owners still listen (the agent's join below
-            # waits for those messages), so no owner reports them leaked at shutdown.
-            rpc.api._delete_all_user_and_unforked_owner_rrefs()
             rpc.api._get_current_rpc_agent().join(shutdown=True)
         except RuntimeError as err:
             print(
