@@ -138,6 +138,18 @@ def _answer(me: Trainer, answers: list, lr: float) -> None:
         me.cache.apply_own(shard, ids, grads, lr, epoch, before, run)
 
 
+def _assert_copies_are_the_servers(
+    me: Trainer, shards: list[ShardTable], ids: torch.Tensor
+) -> None:
+    """Each cached copy of ``ids`` (and its Adagrad state) is bitwise its shard's row."""
+    for shard in shards:
+        mine = ids[ids % 2 == shard.shard]
+        slots = me.cache.slot[mine].long()
+        assert torch.equal(me.cache.weight[slots], shard.fetch(mine))
+        if shard.accum is not None and me.cache.state is not None:
+            assert torch.equal(me.cache.state[slots], shard.accum[mine // 2])
+
+
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
 def test_own_pushes_not_yet_answered_leave_a_copy_current(optimizer: str) -> None:
     spec = TableSpec(name="t", num_rows=10, dim=4, optimizer=optimizer)
@@ -155,12 +167,7 @@ def test_own_pushes_not_yet_answered_leave_a_copy_current(optimizer: str) -> Non
     _answer(me, second, 0.5)
     # The answers bring the copies (and Adagrad's state) bitwise to the servers' rows.
     assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 12
-    for shard in shards:
-        mine = ids[ids % 2 == shard.shard]
-        slots = me.cache.slot[mine].long()
-        assert torch.equal(me.cache.weight[slots], shard.fetch(mine))
-        if shard.accum is not None and me.cache.state is not None:
-            assert torch.equal(me.cache.state[slots], shard.accum[mine // 2])
+    _assert_copies_are_the_servers(me, shards, ids)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
@@ -176,12 +183,7 @@ def test_own_answers_out_of_order_are_applied_in_the_servers_order(optimizer: st
         _answer(me, answers, 0.3)
     assert not me.cache.waiting
     assert torch.equal(me.fetch(ids), _whole(shards, ids)) and me.served == 8
-    for shard in shards:
-        mine = ids[ids % 2 == shard.shard]
-        slots = me.cache.slot[mine].long()
-        assert torch.equal(me.cache.weight[slots], shard.fetch(mine))
-        if shard.accum is not None and me.cache.state is not None:
-            assert torch.equal(me.cache.state[slots], shard.accum[mine // 2])
+    _assert_copies_are_the_servers(me, shards, ids)
 
 
 @settings(max_examples=100, deadline=None)
