@@ -85,10 +85,16 @@ def test_every_command_on_the_page_runs_outside_the_repository(tmp_path: Path) -
     runs = {v: load_run(work / "runs" / v) for v in ("baseline", "optimized")}
     for run in runs.values():
         assert run.world_size == 2 and run.ranks[0].evals[-1].metrics["eval_auc"] > 0.65
-    # The same model and data: the first step (before any update reaches the store) is bitwise equal.
-    assert [r.steps[0].loss for r in runs["baseline"].ranks.values()] == [
-        r.steps[0].loss for r in runs["optimized"].ranks.values()
-    ]
+    # The same model and data give the same first loss. Not bitwise: the job is not deterministic,
+    # so one trainer's first `add` can reach the shared store before the other's first `get` (a
+    # race of the user's own async training, in either variant: CI saw 0.70725340 vs 0.70725322).
+    # Such an update moves a loss by ~1e-7; a model computed differently would move it by far more.
+    baseline_first = [r.steps[0].loss for r in runs["baseline"].ranks.values()]
+    optimized_first = [r.steps[0].loss for r in runs["optimized"].ranks.values()]
+    assert optimized_first == pytest.approx(baseline_first, rel=1e-5), (
+        baseline_first,
+        optimized_first,
+    )
     header = runs["optimized"].header
     assert header["predicted_rpc_latency_s"] >= 0.005  # the store's own lookups, timed
     log = trainer_log(work, "optimized")
