@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -85,6 +86,8 @@ class RemoteWriteRefused(VerificationError):
 @dataclasses.dataclass
 class Recording:
     calls: list[RemoteCallRecord] = dataclasses.field(default_factory=list)
+    stood_in: list[RemoteWrite] = dataclasses.field(default_factory=list)
+    """Remote writes that were not sent but waited out (``recording(write_cost_s=...)``)."""
 
 
 def entry_points() -> dict[int, RemoteCallSpec]:
@@ -99,12 +102,17 @@ def entry_points() -> dict[int, RemoteCallSpec]:
 
 
 @contextlib.contextmanager
-def recording(root: Any, *, allow_writes: bool = True) -> Iterator[Recording]:
+def recording(
+    root: Any, *, allow_writes: bool = True, write_cost_s: float | None = None
+) -> Iterator[Recording]:
     """Inside: ``root``'s remote calls (on this thread) run for real and are recorded in order.
 
     Only the outermost call counts: the ``rpc_async`` a ``RemoteModule`` makes inside its
     ``forward`` belongs to that one call. Waits and other leaves run unrecorded. With
-    ``allow_writes=False`` a remote write raises :class:`RemoteWriteRefused` before it is sent.
+    ``allow_writes=False`` a remote write raises :class:`RemoteWriteRefused` before it is sent;
+    with ``write_cost_s`` too, a blocking write is not sent either: this thread waits that long
+    instead and the call answers ``None``, so a timing run sees what the write would cost
+    (:attr:`Recording.stood_in` lists them; a model that uses a write's answer fails that run).
     """
     entries: dict[int, RemoteCallSpec] = {}
     record = Recording()
@@ -114,7 +122,12 @@ def recording(root: Any, *, allow_writes: bool = True) -> Iterator[Recording]:
         if spec is not None and not allow_writes and fn is not spec.batched:
             if registry.effect_of(spec, args, kwargs) == "write":
                 where = user_line(call_frame(sys._getframe(1))) or "an unknown line"
-                raise RemoteWriteRefused(remote_write(spec, args, kwargs, where))
+                write = remote_write(spec, args, kwargs, where)
+                if write_cost_s is None or fn is not spec.fn:
+                    raise RemoteWriteRefused(write)
+                time.sleep(write_cost_s)
+                record.stood_in.append(write)
+                return None
         with calling_through():
             value = fn(*args, **kwargs)
         if spec is not None:

@@ -136,6 +136,7 @@ def _prediction(
     """
     if not isinstance(optimized, torch.fx.GraphModule) or not remote_ops(optimized.graph):
         return {}
+    in_turn = config.deterministic and ps_calls.is_connected()
     try:
         prediction = predict_gain(
             model,
@@ -144,13 +145,13 @@ def _prediction(
             measure_step=True,
             pipeline_staleness=staleness,
             repeats=PREDICTION_REPEATS,
+            pushes="in_turn" if in_turn else "async",
         )
     except CaptureError:
         return {}  # the prediction is optional: no graph, no prediction (never a failed job)
     if prediction.unmeasured_step is not None:
         logger.info("prediction: no step time predicted: %s", prediction.unmeasured_step)
     header = prediction.to_header()
-    blocking = config.deterministic and ps_calls.is_connected()
     step = step_of(
         prediction,
         optimizer_s=time_optimizer_step(
@@ -158,8 +159,7 @@ def _prediction(
         ),
         all_reduce_s=_all_reduce_s(model, config, num_trainers),
         num_trainers=num_trainers,
-        blocking_pushes=blocking,
-        barrier_s=_barrier_s() if blocking and num_trainers > 1 else 0.0,
+        barrier_s=_barrier_s() if in_turn and num_trainers > 1 else 0.0,
     )
     if step is not None:
         header.update(step.to_header())

@@ -45,14 +45,25 @@ def test_ps_overlap_runs_and_logs(tmp_path) -> None:
         p.parent.name.rsplit("-", 1)[-1]: p for p in (tmp_path / "runs").glob("*/qps-rank0.jsonl")
     }
     assert sorted(logs) == variants
+    # Each predicted variant's log header carries its step, phase by phase, beside the baseline's.
     header = json.loads(logs["optimized"].read_text().splitlines()[0])
-    assert header["predicted_saving_s"] == point["predicted_saving_s"]
+    assert header["predicted_gain"] == point["prediction"]["optimized"]["predicted_gain"]
+    assert header["predicted_step_time_s"] == point["predicted_step_s"]["optimized"] > 0
+    assert header["predicted_phases"]["baseline"] == point["predicted_phases"]["baseline"]
     assert "predicted_pipeline_staleness" not in header
     piped = json.loads(logs["pipelined"].read_text().splitlines()[0])
     # auto: per point the cost model's choice, deepened in the run while reads were late.
     assert piped["predicted_pipeline_staleness"] == point["predicted_pipeline_staleness"] >= 1
     assert point["predicted_pipeline_staleness"] <= point["pipeline_staleness"] <= 4
-    assert piped["predicted_step_time_s"] == point["predicted_pipelined_step_s"] > 0
+    assert piped["predicted_step_time_s"] == point["predicted_step_s"]["pipelined"] > 0
+    for name in ("optimized", "pipelined"):
+        score = point["prediction"][name]
+        measured = (
+            point["variants"]["baseline"]["median_step_s"]
+            / point["variants"][name]["median_step_s"]
+        )
+        assert score["measured_gain"] == pytest.approx(measured)
+        assert score["error"] == pytest.approx(score["predicted_gain"] / measured - 1)
     assert point["pipelined_vs_no_network_qps"] > 0 and point["pipelined_vs_optimized_qps"] > 0
 
 
