@@ -40,6 +40,7 @@ from distopt.pipeline.split import PrefetchSplit, prefetchable
 from distopt.pipeline.train_pipeline import check_pipelined
 from distopt.ps.client import calls as ps_calls
 from distopt.ps.client import context as ps_context
+from distopt.remote.intercept import calling_through
 from distopt.remote.isolation import isolated, preserved_state
 from distopt.remote.local import with_remote_calls
 from distopt.remote.record import RemoteWriteRefused, recording
@@ -94,7 +95,8 @@ def _dry_run_push(pushes: PushMode) -> Callable[[], None]:
         items = ps_calls.step_pushes() if ps_calls.is_connected() else []
         ps_context.discard_step()
         if items and pushes != "none":
-            sent = ps_calls.push_many_async(items, 0.0, dry_run=True)
+            with calling_through():  # known to change nothing: not one of the model's writes
+                sent = ps_calls.push_many_async(items, 0.0, dry_run=True)
             if pushes != "async":
                 ps_calls.wait(sent)
 
@@ -213,19 +215,25 @@ def _pipelined_chunk(
         inputs=lambda batch: batch,
         max_staleness=max_staleness,
     )
+    # The prefetch stage sends reads only (that is what it is made of): not the model's calls
+    # to route, so a transport's own calls in it (Ray's actor methods) run as they are.
     try:
-        prefetcher.fill()
+        with calling_through():
+            prefetcher.fill()
         for _ in range(steps):
 
             def forward() -> torch.Tensor:
-                batch, issued = prefetcher.take()
+                with calling_through():
+                    batch, issued = prefetcher.take()
                 with provided(issued):
                     loss = split.main(*batch).float().sum()
-                prefetcher.before_backward()
+                with calling_through():
+                    prefetcher.before_backward()
                 return loss
 
             _timed_step(forward, push, times)
-            prefetcher.after_push()
+            with calling_through():
+                prefetcher.after_push()
             split.main.zero_grad(set_to_none=True)
     finally:
         prefetcher.close()
