@@ -130,9 +130,9 @@ def _prediction(
 
     Only for models captured as a graph that makes remote calls, whatever serves them (distopt's
     tables, the user's own functions, RRefs, Ray actors); see
-    :func:`distopt.optimize.gain.predict_gain` (each request timed as the model sends it, the forward
-    saving taken off a measured forward+backward of the model as written), and the whole step
-    phase by phase (:mod:`distopt.estimate.step`).
+    :func:`distopt.optimize.gain.predict_gain`: steps of both models rehearsed on the first batch,
+    pushing as the job will (deterministic jobs: in turn), and the whole step phase by phase
+    (:mod:`distopt.estimate.step`).
     """
     if not isinstance(optimized, torch.fx.GraphModule) or not remote_ops(optimized.graph):
         return {}
@@ -167,8 +167,8 @@ def _prediction(
 
 
 PREDICTION_REPEATS = 15
-"""Timed runs of each graph (and of the model's backward) the prediction takes the median of:
-enough that two runs of one job predict alike on a busy host (docs/cost_model.md)."""
+"""Timed runs of each graph, and rehearsed steps of each schedule, the prediction takes the
+median of: enough that two runs of one job predict alike on a busy host (docs/cost_model.md)."""
 
 
 def _barrier_s() -> float:
