@@ -128,7 +128,8 @@ def rehearse(
     sent but waited out at ``read_latency_s`` (:func:`recording`); one that cannot be (an issued
     write) raises :class:`RemoteWriteRefused` before it is sent. No optimizer step. Schedules
     take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps`` steps, the first step of each
-    chunk not counted. The pipeline deepens as in a run when its reads arrive late, up to
+    chunk not counted; the backward, which the passes do not change, is the median over every
+    schedule's steps, and so are the pushes of schedules that push alike. The pipeline deepens as in a run when its reads arrive late, up to
     ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where it ended). Grads, buffers, the
     RNG stream and remote state such as fetched-row records are as they were afterwards.
     """
@@ -185,6 +186,17 @@ def rehearse(
                     stand_ins = len(record.stood_in) // chunk
                 for phase, values in chunk_times.items():
                     times[name][phase].extend(values[1:])
+    # The passes change the forward alone: each schedule's backward, and its pushes where it
+    # pushes as another does, are one cost measured several times, taken together.
+    for phase, same in (
+        ("backward", lambda name: True),
+        ("pushes", lambda name: runs[name][1]),
+    ):
+        pooled: dict[Any, list[float]] = {}
+        for name in runs:
+            pooled.setdefault(same(name), []).extend(times[name][phase])
+        for name in runs:
+            times[name][phase] = pooled[same(name)]
     return StepCosts(
         rehearsed={
             name: {phase: statistics.median(values) for phase, values in phases.items()}
