@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -111,8 +112,10 @@ def recording(
     ``forward`` belongs to that one call. Waits and other leaves run unrecorded. With
     ``allow_writes=False`` a remote write raises :class:`RemoteWriteRefused` before it is sent;
     with ``write_cost_s`` too, a blocking write is not sent either: this thread waits that long
-    instead and the call answers ``None``, so a timing run sees what the write would cost
-    (:attr:`Recording.stood_in` lists them; a model that uses a write's answer fails that run).
+    instead and the call answers ``None``, and an issued one (``rpc_async``: a torch future)
+    answers ``None`` that long after it was issued, so a timing run sees what the write would
+    cost (:attr:`Recording.stood_in` lists them; a model that uses a write's answer fails that
+    run; a write issued through another library's handle is refused).
     """
     entries: dict[int, RemoteCallSpec] = {}
     record = Recording()
@@ -123,11 +126,16 @@ def recording(
             if registry.effect_of(spec, args, kwargs) == "write":
                 where = user_line(call_frame(sys._getframe(1))) or "an unknown line"
                 write = remote_write(spec, args, kwargs, where)
-                if write_cost_s is None or fn is not spec.fn:
+                if write_cost_s is None:
                     raise RemoteWriteRefused(write)
-                time.sleep(write_cost_s)
-                record.stood_in.append(write)
-                return None
+                if fn is spec.fn:
+                    time.sleep(write_cost_s)
+                    record.stood_in.append(write)
+                    return None
+                if fn is spec.issue and spec.wait is _TORCH_FUTURE_WAIT:
+                    record.stood_in.append(write)
+                    return _answered_later(write_cost_s)
+                raise RemoteWriteRefused(write)
         with calling_through():
             value = fn(*args, **kwargs)
         if spec is not None:
@@ -137,6 +145,20 @@ def recording(
     with intercepted(root, handler):
         entries.update(entry_points())  # helpers found on the way in are entry points too
         yield record
+
+
+_TORCH_FUTURE_WAIT = registry.wait_future
+"""The wait of issues answering a torch future (read here once: inside a routed block the
+registry's name answers with its routed wrapper)."""
+
+
+def _answered_later(seconds: float) -> torch.futures.Future:
+    """A future that answers ``None`` after ``seconds``: an issued write not sent."""
+    future: torch.futures.Future = torch.futures.Future()
+    timer = threading.Timer(seconds, future.set_result, args=(None,))
+    timer.daemon = True
+    timer.start()
+    return future
 
 
 def awaited(value: Any, spec: RemoteCallSpec | None) -> Any:
