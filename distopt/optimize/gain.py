@@ -9,12 +9,14 @@ the cost model, because it captures and because a pipelined prediction needs the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
@@ -40,10 +42,11 @@ from distopt.pipeline.split import PrefetchSplit, prefetchable
 from distopt.pipeline.train_pipeline import check_pipelined
 from distopt.ps.client import calls as ps_calls
 from distopt.ps.client import context as ps_context
+from distopt.remote import registry
 from distopt.remote.intercept import calling_through
 from distopt.remote.isolation import isolated, preserved_state
-from distopt.remote.local import with_remote_calls
-from distopt.remote.record import RemoteWriteRefused, recording
+from distopt.remote.local import named_local_tensors, with_remote_calls
+from distopt.remote.record import Recording, RemoteWriteRefused, recording
 
 
 def predict_pipelined(
@@ -59,22 +62,38 @@ REHEARSAL_ROUNDS = 3
 host getting faster or slower during it favours none."""
 
 
+Backward = Callable[[torch.Tensor], None]
+StepScope = Callable[[], AbstractContextManager[Backward]]
+"""Around each rehearsed step: a context whose value runs the step's backward from its loss
+(``dist_autograd``'s context and ``dist_autograd.backward`` for a model trained that way)."""
+
+
+@contextlib.contextmanager
+def local_backward() -> Iterator[Backward]:
+    """The default :data:`StepScope`: ``loss.backward()``."""
+    yield lambda loss: loss.backward()
+
+
 def _timed_step(
-    run_forward: Callable[[], torch.Tensor], push: Callable[[], None], times: dict[str, list[float]]
+    run_forward: Callable[[], torch.Tensor],
+    push: Callable[[], None],
+    times: dict[str, list[float]],
+    scope: StepScope = local_backward,
 ) -> None:
     """One rehearsed step: forward (the waits in it counted), backward, push; appended to
     ``times``."""
-    ps_calls.take_wait_time()
-    start = time.perf_counter()
-    loss = run_forward()
-    forward = time.perf_counter() - start
-    waits = ps_calls.take_wait_time()
-    start = time.perf_counter()
-    loss.backward()
-    backward = time.perf_counter() - start
-    start = time.perf_counter()
-    push()
-    pushes = time.perf_counter() - start
+    with scope() as backward_of:
+        ps_calls.take_wait_time()
+        start = time.perf_counter()
+        loss = run_forward()
+        forward = time.perf_counter() - start
+        waits = ps_calls.take_wait_time()
+        start = time.perf_counter()
+        backward_of(loss)
+        backward = time.perf_counter() - start
+        start = time.perf_counter()
+        push()
+        pushes = time.perf_counter() - start
     for name, value in (
         ("forward", forward),
         ("waits", waits),
@@ -82,6 +101,14 @@ def _timed_step(
         ("pushes", pushes),
     ):
         times[name].append(value)
+
+
+def _clear_grads(*modules: nn.Module) -> None:
+    """``zero_grad(set_to_none=True)`` of the parameters held here (a ``RemoteModule``'s live on
+    its owner, and it refuses to list modules)."""
+    for module in modules:
+        for _, param in named_local_tensors(module, "_parameters"):
+            param.grad = None
 
 
 def _loss_of(view: nn.Module, example_inputs: tuple[Any, ...]) -> Callable[[], torch.Tensor]:
@@ -115,6 +142,7 @@ def rehearse(
     schedules: Sequence[str] = ("baseline", "optimized"),
     steps: int,
     read_latency_s: float,
+    scope: StepScope = local_backward,
 ) -> StepCosts:
     """Rehearse steps of ``model`` and ``optimized`` (and of ``optimized`` in a pipeline with
     ``pipeline_staleness``) on ``example_inputs``, and return their phases' medians
@@ -132,6 +160,8 @@ def rehearse(
     schedule's steps, and so are the pushes of schedules that push alike. The pipeline deepens as in a run when its reads arrive late, up to
     ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where it ended). Grads, buffers, the
     RNG stream and remote state such as fetched-row records are as they were afterwards.
+    ``scope`` says how the model's backward runs (:data:`StepScope`; the pipeline's rehearsal
+    always runs ``loss.backward()``).
     """
     chunk = max(2, -(-steps // REHEARSAL_ROUNDS) + 1)
     known: dict[str, tuple[nn.Module, PushMode]] = {
@@ -151,6 +181,7 @@ def rehearse(
         name: {phase: [] for phase in ("forward", "waits", "backward", "pushes")} for name in runs
     }
     stand_ins = 0
+    baseline_wrote: bool | None = None  # unknown until the model as written was rehearsed
     depth = pipeline_staleness or 0
     with (
         preserved_state(model, optimized),
@@ -158,13 +189,12 @@ def rehearse(
         torch.random.fork_rng(devices=[]),
     ):
         # Restored on exit; None now so that backward does not accumulate into the user's grads.
-        model.zero_grad(set_to_none=True)
-        optimized.zero_grad(set_to_none=True)
+        _clear_grads(model, optimized)
         for _ in range(REHEARSAL_ROUNDS):
             for name, (module, push_mode) in runs.items():
                 view = with_remote_calls(module)
                 chunk_times: dict[str, list[float]] = {phase: [] for phase in times[name]}
-                with recording(view, allow_writes=False, write_cost_s=read_latency_s) as record:
+                with _rehearsal_recording(module, view, read_latency_s, baseline_wrote) as record:
                     push = _dry_run_push(push_mode)
                     if split is not None and name == "pipelined":
                         depth = _pipelined_chunk(
@@ -178,12 +208,17 @@ def rehearse(
                         )
                     else:
                         for _ in range(chunk):
-                            _timed_step(_loss_of(view, example_inputs), push, chunk_times)
-                            module.zero_grad(set_to_none=True)
+                            _timed_step(_loss_of(view, example_inputs), push, chunk_times, scope)
+                            _clear_grads(module)
                     if ps_calls.is_connected():
                         ps_calls.flush()  # the last dry-run push belongs to this chunk
                 if name == "baseline":
                     stand_ins = len(record.stood_in) // chunk
+                    baseline_wrote = bool(record.stood_in) or any(
+                        registry.effect_of(call.spec, call.args or (), call.kwargs or {}) != "read"
+                        for call in record.calls
+                        if call.spec is not None
+                    )
                 for phase, values in chunk_times.items():
                     times[name][phase].extend(values[1:])
     # The passes change the forward alone: each schedule's backward, and its pushes where it
@@ -207,6 +242,19 @@ def rehearse(
         read_latency_s=read_latency_s,
         pipeline_depth=depth if split is not None else None,
     )
+
+
+def _rehearsal_recording(
+    module: nn.Module, view: nn.Module, read_latency_s: float, baseline_wrote: bool | None
+) -> AbstractContextManager[Recording]:
+    """Where a rehearsed model's remote calls go: through :func:`recording`, which waits writes
+    out instead of sending them. A model Dynamo compiled (no torch.fx graph) is the exception
+    once the model as written was rehearsed and only read: the same code making the same calls,
+    it runs them as they are, because routing them makes Dynamo guard on the wrappers and run
+    them eagerly, one after the other — it would time the model as written."""
+    if not isinstance(module, torch.fx.GraphModule) and baseline_wrote is False:
+        return contextlib.nullcontext(Recording())
+    return recording(view, allow_writes=False, write_cost_s=read_latency_s)
 
 
 def _pipelined_chunk(
@@ -246,10 +294,27 @@ def _pipelined_chunk(
             _timed_step(forward, push, times)
             with calling_through():
                 prefetcher.after_push()
-            split.main.zero_grad(set_to_none=True)
+            _clear_grads(split.main)
     finally:
         prefetcher.close()
     return prefetcher.stats.depth
+
+
+def read_latency_s(model: nn.Module, example_inputs: tuple[Any, ...], *, runs: int = 3) -> float:
+    """The median of ``model``'s blocking remote calls over ``runs`` forwards (grad off, writes
+    refused, the model's state kept): a request's latency for a model without a graph to
+    profile (a Dynamo-tier model); 0 when it makes none."""
+    view = with_remote_calls(model)
+    with (
+        preserved_state(model),
+        isolated(),
+        torch.random.fork_rng(devices=[]),
+        torch.no_grad(),
+        recording(view, allow_writes=False) as record,
+    ):
+        for _ in range(runs):
+            view(*example_inputs)
+    return statistics.median(record.blocking_s) if record.blocking_s else 0.0
 
 
 def predict_gain(

@@ -89,6 +89,8 @@ class Recording:
     calls: list[RemoteCallRecord] = dataclasses.field(default_factory=list)
     stood_in: list[RemoteWrite] = dataclasses.field(default_factory=list)
     """Remote writes that were not sent but waited out (``recording(write_cost_s=...)``)."""
+    blocking_s: list[float] = dataclasses.field(default_factory=list)
+    """Seconds each blocking call of :attr:`calls` took (an issue's are not here)."""
 
 
 def entry_points() -> dict[int, RemoteCallSpec]:
@@ -136,10 +138,13 @@ def recording(
                     record.stood_in.append(write)
                     return _answered_later(write_cost_s)
                 raise RemoteWriteRefused(write)
+        start = time.perf_counter()
         with calling_through():
             value = fn(*args, **kwargs)
         if spec is not None:
             record.calls.append(RemoteCallRecord(fn, value, args, kwargs, spec))
+            if fn is spec.fn:
+                record.blocking_s.append(time.perf_counter() - start)
         return value
 
     with intercepted(root, handler):

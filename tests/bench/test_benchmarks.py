@@ -155,8 +155,8 @@ def test_remote_idioms_runs(tmp_path) -> None:
         "kind: remote_idioms\nidioms: [tests.remote.corpus.rref_helper]\n"
         "reads: [tests.remote.corpus.tables:lookup_rows]\nlatency_ms: 0.0\n"
         "rounds: 1\nsteps: 3\nwarmup: 1\nbatch_size: 8\n"
-        "target_hidden: -1000.0\ntarget_ratio_vs_hand: 0.0\n"  # one round on a loaded CI host is
-        # noise: the targets are the bench's
+        "target_hidden: -1000.0\ntarget_ratio_vs_hand: 0.0\ntarget_prediction_error: 1000.0\n"
+        "prediction_steps: 3\n"  # one round on a loaded CI host is noise: the targets are the bench's
     )
     out = tmp_path / "out.json"
     result = subprocess.run(
@@ -175,6 +175,15 @@ def test_remote_idioms_runs(tmp_path) -> None:
         "hand",
     }
     assert row["opt_vs_hand_qps"] > 0
+    # The cost model's step of both models (rehearsed with dist_autograd), scored beside the
+    # measured speed-up.
+    prediction = row["prediction"]
+    assert prediction["baseline_s"] > 0 and prediction["optimized_s"] > 0
+    assert prediction["predicted_gain"] == pytest.approx(
+        prediction["baseline_s"] / prediction["optimized_s"]
+    )
+    measured = row["median_step_s"]["baseline"] / row["median_step_s"]["optimized"]
+    assert prediction["error"] == pytest.approx(prediction["predicted_gain"] / measured - 1)
     # Only torch's own deprecation of DistributedOptimizer's TorchScript path (see
     # distopt.bench.remote_idioms): no pipe errors, no RRef leaks at shutdown.
     torchscript = (
