@@ -156,7 +156,8 @@ def rehearse(
     sent but waited out at ``read_latency_s`` (:func:`recording`); one that cannot be (an issued
     write) raises :class:`RemoteWriteRefused` before it is sent. No optimizer step. Schedules
     take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps`` steps, the first step of each
-    chunk not counted; the backward, which the passes do not change, is the median over every
+    chunk not counted (a pipelined chunk runs as many steps more as its staleness, which are
+    not counted either: their reads were sent before its first step); the backward, which the passes do not change, is the median over every
     schedule's steps, and so are the pushes of schedules that push alike. The pipeline deepens as in a run when its reads arrive late, up to
     ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where it ended). Grads, buffers, the
     RNG stream and remote state such as fetched-row records are as they were afterwards.
@@ -197,15 +198,20 @@ def rehearse(
                 with _rehearsal_recording(module, view, read_latency_s, baseline_wrote) as record:
                     push = _dry_run_push(push_mode)
                     if split is not None and name == "pipelined":
+                        # The first batches' reads were sent before the chunk's first step: a
+                        # chunk counts from the step whose reads an earlier step sent.
+                        warm = depth
                         depth = _pipelined_chunk(
                             split,
                             example_inputs,
                             depth,
                             max_staleness,
                             push,
-                            chunk,
+                            warm + chunk,
                             chunk_times,
                         )
+                        for values in chunk_times.values():
+                            del values[:warm]
                     else:
                         for _ in range(chunk):
                             _timed_step(_loss_of(view, example_inputs), push, chunk_times, scope)
