@@ -262,6 +262,29 @@ def make_failing():
     raise ValueError("no catalogue at /data/items.csv")
 
 
+import distopt
+from distopt.ps import RemoteEmbedding, TableSpec
+
+
+class Undeclared(Model):
+    # Reads two distopt tables, declares one of them (and one it never reads).
+
+    def __init__(self):
+        super().__init__()
+        self.users = RemoteEmbedding("users", 2)
+
+    def forward(self, dense, ids):
+        rows = distopt.ps.fetch("items", ids).sum(1)
+        return self.top(torch.cat([dense + self.users(ids[:, 0]), rows], 1))
+
+    def ps_tables(self):
+        return [TableSpec(name="users", num_rows=64, dim=2), TableSpec(name="shops", num_rows=8, dim=2)]
+
+
+def make_undeclared():
+    return Undeclared()
+
+
 def data_by_mode(mode, seed):
     return Clicks(64, seed)
 
@@ -321,6 +344,19 @@ def data_as_triples(split, seed):
             "num_ps: 1 parameter servers, but NoServers ({pkg}.extra:make_plain) has no ps_tables() method, "
             "which each server calls to learn its tables: add one (return [] when your own functions keep "
             "the tables on the servers)",
+        ),
+        (  # a model with ps_tables() and remote calls, launched without servers
+            ["--num-ps", "0"],
+            "num_ps: 0 parameter servers, but Model.forward makes remote calls (rpc_sync('ps0', "
+            "{pkg}.model.lookup) at {dir}/{pkg}/model.py:27), which need the job's RPC group and its "
+            "servers ps0, ps1, ...: launch with --num-ps 1 or more (or leave --num-ps out: a model "
+            "with ps_tables() gets 1)",
+        ),
+        (  # a table read but not declared: was a TensorPipe EOF and a trainer's error, 41 s on
+            ["--set", "model={pkg}.extra:make_undeclared"],
+            "model: Undeclared.forward fetches table 'items' at {dir}/{pkg}/extra.py:55, but "
+            "Undeclared.ps_tables() does not declare it (declared: 'shops', 'users'), so no server "
+            "holds it: add distopt.ps.TableSpec(name='items', ...) to ps_tables()",
         ),
         (
             ["--set", "ps.backend=ray"],
