@@ -18,8 +18,10 @@ What it does, in order, so bad input fails before anything is scheduled:
    ``device: cuda`` against this host's GPUs (:mod:`distopt.torchx.preflight`);
 3. writes the resolved config, run id included, to ``<output_dir>/<run_id>/job.yaml`` and runs
    the TorchX component for the job's shape (:data:`COMPONENTS`) on it with TorchX's Runner
-   (:func:`distopt.torchx.schedulers.get_runner`: TorchX's schedulers and distopt's Ray one). Scheduler options come from ``**cfg`` over ``.torchxconfig``
-   (``[<scheduler>]`` sections); component defaults from its ``[component:<name>]`` sections.
+   (:func:`distopt.torchx.schedulers.get_runner`: TorchX's schedulers and distopt's Ray one).
+   Scheduler options come from ``**cfg`` over ``.torchxconfig`` (``[<scheduler>]`` sections);
+   component defaults from its ``[component:<name>]`` sections. A dry run leaves nothing behind:
+   the config file is removed again, with the folders made for it.
 
 The job's processes read ``job.yaml``, so ``output_dir`` must be where they can read it: the
 workspace (``local_cwd``, Ray's working directory) or a shared filesystem (Slurm).
@@ -69,6 +71,9 @@ class Launched:
     """The run id every process logs under."""
     run_dir: Path
     """``<output_dir>/<run_id>``: QPS logs, TensorBoard events, checkpoints, ``job.yaml``."""
+    config: JobConfig
+    """The job's config as resolved (overrides and run id applied): ``run_dir/job.yaml``'s
+    content (a dry run writes no file)."""
     component: str
     args: list[str]
     """The component's arguments."""
@@ -260,11 +265,21 @@ def launch(
         inherited = env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")
         env["PYTHONPATH"] = os.pathsep.join([*checked.python_path, *filter(None, [inherited])])
         extra["env"] = env
-    args = _component_args(
-        kind, _write_config(job, run_dir), num_trainers, num_ps, extra, device=job.device
-    )
+    # A dry run leaves nothing behind: the component reads the config (it checks it), so it is
+    # written where the job would read it, then removed with the folders made for it (or an
+    # earlier run's config put back).
+    made = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
+    earlier = _read_if_there(run_dir / "job.yaml")
+    config_path = _write_config(job, run_dir)
+    args = _component_args(kind, config_path, num_trainers, num_ps, extra, device=job.device)
     launched = Launched(
-        handle=None, run_id=run_id, run_dir=run_dir, component=component, args=args, runner=runner
+        handle=None,
+        run_id=run_id,
+        run_dir=run_dir,
+        config=job,
+        component=component,
+        args=args,
+        runner=runner,
     )
     try:
         if dryrun:
@@ -275,7 +290,28 @@ def launch(
         runner.close()
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"launch: {scheduler} refused {component}: {message}") from None
+    finally:
+        if dryrun:
+            _undo_write(config_path, earlier, made)
     return launched
+
+
+def _read_if_there(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def _undo_write(path: Path, earlier: bytes | None, folders: Sequence[Path]) -> None:
+    """``path`` back to its ``earlier`` content, or removed with ``folders`` (innermost first)
+    as long as they are empty."""
+    if earlier is not None:
+        path.write_bytes(earlier)
+        return
+    path.unlink(missing_ok=True)
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # something else was written there meanwhile
+            break
 
 
 def scheduler_options(runner: Any, scheduler: str, cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -114,14 +114,24 @@ def test_the_cli_prints_one_line_and_exits_2(
 def test_dryrun_resolves_the_config_and_picks_the_component(tmp_path: Path, clicks: Path) -> None:
     with _launch(tmp_path, f"data.path={clicks}", "variant=optimized", dryrun=True) as job:
         assert job.handle is None and job.component == COMPONENTS["ps"] == "distopt.ps_job"
-        written = job.run_dir / "job.yaml"
-        assert job.args[:2] == ["--config", str(written)]
+        assert job.args[:2] == ["--config", str(job.run_dir / "job.yaml")]
         assert job.args[2:] == ["--num_ps", "1", "--num_trainers", "2"]  # DLRM has ps_tables()
         roles = {role.name: role for role in dryrun_app(job.dryrun).roles}
         assert sorted(roles) == ["ps", "trainer"] and roles["trainer"].num_replicas == 2
-    resolved = distopt.config.load_config(distopt.training.JobConfig, written)
+    resolved = job.config
     assert resolved.run_id == "r" and resolved.variant == "optimized"
     assert resolved.data.path == str(clicks) and resolved.optim.name == "adam"
+    assert not (tmp_path / "runs").exists()  # a dry run leaves nothing behind
+
+
+def test_a_dryrun_keeps_an_earlier_runs_config(tmp_path: Path, clicks: Path) -> None:
+    earlier = tmp_path / "runs" / "r" / "job.yaml"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("# the config of an earlier run r\n")
+    with _launch(tmp_path, f"data.path={clicks}", dryrun=True):
+        pass
+    assert earlier.read_text() == "# the config of an earlier run r\n"
+    assert [p.name for p in earlier.parent.iterdir()] == ["job.yaml"]
 
 
 def test_a_job_without_servers_uses_torchrun(tmp_path: Path) -> None:

@@ -220,6 +220,23 @@ def test_a_known_option_typed_from_the_command_line(
     assert code == 0 and "--partition=gpu" in out and "--time=1:00:00" in out, out[-2000:]
 
 
+def test_a_dryrun_leaves_nothing_behind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new user's trial: `--dryrun` wrote runs/<run-id>/job.yaml every time."""
+    job, _ = user_package(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code = cli(["launch", str(job), "--run-id", "try", "--dryrun"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.endswith("run id try: logs would go to runs/try\n"), out[-2000:]
+    assert "'runs/try/job.yaml'" in out  # the config the job's processes would read
+    after = sorted(
+        p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "__pycache__" not in p.parts
+    )
+    assert after == [p for p in before if "__pycache__" not in p.parts]
+
+
 VARIANTS = """
 import torch
 import torch.distributed.rpc as rpc
