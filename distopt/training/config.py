@@ -78,8 +78,9 @@ class JobConfig:
     (incomplete ones, left by a job killed while writing, are ignored)."""
     deterministic: bool = False
     """Bitwise-reproducible parameter-server training with several trainers: each step's pushes
-    are applied in trainer-rank order and before any trainer's next fetch (costs a barrier per
-    trainer per step). A lone trainer is reproducible without it."""
+    to distopt's tables are applied in trainer-rank order and before any trainer's next fetch
+    (costs a barrier per trainer per step). Writes of the model's own server functions are not
+    ordered by it. A lone trainer is reproducible without it."""
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     """Prefetch the optimized model's remote reads of the next batches while a step trains."""
     log_every: int = 10
