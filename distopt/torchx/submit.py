@@ -42,13 +42,14 @@ from typing import Any, TextIO
 
 import yaml
 from torchx.runner import config as torchx_config
+from torchx.schedulers import get_scheduler_factories
 from torchx.specs import AppState
 
 from distopt.config import load_config, to_dict
 from distopt.data import build_data
 from distopt.errors import ConfigError
 from distopt.torchx import preflight, watch
-from distopt.torchx.schedulers import apply_torchxconfig, get_runner
+from distopt.torchx.schedulers import apply_torchxconfig, distopt_schedulers, get_runner
 from distopt.training.config import JobConfig
 from distopt.training.device import resolve_device
 from distopt.training.telemetry import summary_writer_class
@@ -99,6 +100,26 @@ class Launched:
         if self.handle is None:
             raise ConfigError("stream: a dry run has no logs")
         return watch.stream(self.runner, self.handle, role=role, replica=replica, file=file)
+
+    def logs_elsewhere(self) -> str | None:
+        """For a job that succeeded without a QPS log in :attr:`run_dir`: where its processes wrote
+        theirs (they did not see this machine's run dir, e.g. on a remote Ray cluster: see
+        :func:`distopt.training.config.launched_output_dir`), one line; ``None`` when the logs
+        are here."""
+        if self.handle is None or any(self.run_dir.glob("qps-rank*.jsonl")):
+            return None
+        said = f"run {self.run_id}: "
+        try:
+            lines = list(self.runner.log_lines(self.handle, "trainer", 0))
+        except Exception:  # a scheduler that keeps no logs
+            lines = []
+        final = [line.strip() for line in lines if said in line and " QPS log " in line]
+        where = f" (trainer 0: {final[-1][final[-1].index(said) :]})" if final else ""
+        return (
+            f"run {self.run_id}: no QPS log in {self.run_dir}: the job's processes did not see "
+            f"this directory and wrote {Path(self.config.output_dir) / self.run_id} where they "
+            f"ran{where}; copy it to {self.run_dir} to compare it"
+        )
 
     def failure(self, status: Any = None) -> watch.Failure | None:
         """Which process of a failed job failed first, its exit code, its error and the end of
@@ -259,11 +280,16 @@ def launch(
     kind = "ps" if num_ps else "spmd"
     component = COMPONENTS[kind]
     extra = dict(component_args or {})
+    env = dict(extra.get("env") or {})
     if checked.python_path:
         # The job's own code imports in the replicas from where it imported here.
-        env = dict(extra.get("env") or {})
         inherited = env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")
         env["PYTHONPATH"] = os.pathsep.join([*checked.python_path, *filter(None, [inherited])])
+    if scheduler not in LOCAL_SCHEDULERS:
+        # Replicas may start in a copy of the workspace (Ray's working_dir): those that see this
+        # machine's run dir write there, where this function says the logs are.
+        env["DISTOPT_LAUNCH_RUN_DIR"] = str(run_dir.resolve())
+    if env:
         extra["env"] = env
     # A dry run leaves nothing behind: the component reads the config (it checks it), so it is
     # written where the job would read it, then removed with the folders made for it (or an
@@ -314,6 +340,15 @@ def _undo_write(path: Path, earlier: bytes | None, folders: Sequence[Path]) -> N
             break
 
 
+def tails_replica_logs(scheduler: str) -> bool:
+    """Whether ``scheduler`` gives one replica's log as it is written (:meth:`Launched.stream`):
+    TorchX's local schedulers and distopt's Ray scheduler do; TorchX 0.7's own ``ray`` gives the
+    whole job's log so far, every replica's lines together."""
+    return scheduler in LOCAL_SCHEDULERS or scheduler in distopt_schedulers(
+        get_scheduler_factories()
+    )
+
+
 def scheduler_options(runner: Any, scheduler: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
     """``cfg`` checked against ``scheduler``'s run options, string values typed as TorchX types them.
 
@@ -359,4 +394,5 @@ __all__ = [
     "check_job",
     "launch",
     "scheduler_options",
+    "tails_replica_logs",
 ]
