@@ -323,8 +323,9 @@ def check_tables_read(model: nn.Module, calls: list[RemoteCall] | None) -> None:
     if not read:
         return
     owner = type(model).__name__
+    ps_tables: Any = getattr(model, "ps_tables", None)
     try:
-        declared = {spec.name for spec in model.ps_tables()}
+        declared = {spec.name for spec in ps_tables()}
     except Exception as err:
         if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
             return  # built on the meta device here; the servers call it on a real model
