@@ -16,7 +16,9 @@ import contextlib
 import dataclasses
 import faulthandler
 import logging
+import socket
 import sys
+from pathlib import Path
 
 import torch
 
@@ -25,7 +27,7 @@ from distopt.dist.env import JobEnv
 from distopt.dist.group import trainer_group
 from distopt.errors import DistoptError, RemoteCallError
 from distopt.roles.ps_roles import run_ps_role
-from distopt.training.config import JobConfig, add_job_arguments
+from distopt.training.config import JobConfig, add_job_arguments, launched_output_dir
 from distopt.training.device import resolve_device
 from distopt.training.logs import configure, record_failure
 from distopt.training.trainer import train
@@ -54,8 +56,25 @@ def run(config: JobConfig, env: JobEnv) -> int:
     with group if needs_group else contextlib.nullcontext(()) as hosts:
         result = train(config, dataclasses.replace(env, hosts=hosts))
     if env.rank == 0:
-        logger.info("run %s: %d steps, QPS log %s", result.run_id, result.steps, result.log_path)
+        logger.info(
+            "run %s: %d steps, QPS log %s",
+            result.run_id,
+            result.steps,
+            _where(result.log_path, config, env),
+        )
     return 0
+
+
+def _where(path: Path, config: JobConfig, env: JobEnv) -> str:
+    """``path`` as the user finds it: absolute, with the host, where the job ran in a copy of the
+    workspace that the launching machine does not see (a remote Ray cluster's ``working_dir``)."""
+    launched = env.launch_run_dir
+    if launched is None or Path(config.output_dir) == Path(launched).parent:
+        return str(path)
+    return (
+        f"{path.resolve()} on {socket.gethostname()} (in this job's working directory, not in "
+        f"{launched} of the machine that launched it: copy it from there)"
+    )
 
 
 def main(argv: list[str] | None = None, *, prog: str = "distopt.train") -> int:
@@ -72,8 +91,10 @@ def main(argv: list[str] | None = None, *, prog: str = "distopt.train") -> int:
         faulthandler.enable(all_threads=True)
     args = build_parser().parse_args(argv)
     try:
-        config = load_config(JobConfig, args.config, args.overrides)
         env = JobEnv.from_environ()
+        config = launched_output_dir(
+            load_config(JobConfig, args.config, args.overrides), args.config, env.launch_run_dir
+        )
         configure(env.role, env.rank)
         return run(config, env)
     except DistoptError as err:

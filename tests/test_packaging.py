@@ -1,13 +1,15 @@
 """Packaging: the wheel that ``python -m build`` makes installs into a fresh venv, adds distopt's
 TorchX components without hiding TorchX's own, and ``distopt demo`` runs from outside the checkout.
 
-Torch comes from the CPU build pinned by ``constraints/cpu.txt`` (a file on this project's
-machines), so nothing big is downloaded. The package list of pyproject.toml is checked without a
-build.
+Torch comes from the CPU build pinned by ``constraints/cpu.txt`` (``torch==2.13.0+cpu``, a wheel
+in this project's machines' find-links), so nothing big is downloaded; where no CPU build is
+reachable the pin stops pip instead of letting it take PyPI's CUDA build. The package list of
+pyproject.toml is checked without a build.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -23,6 +25,7 @@ from tests.launchers.conftest import require
 from tests.noise import noise
 
 REPO = Path(__file__).resolve().parents[1]
+CPU_PIN = REPO / "constraints" / "cpu.txt"
 OURS = {"distopt.ps_job", "distopt.spmd"}
 
 
@@ -35,6 +38,58 @@ def test_pyproject_lists_every_package() -> None:
     }
     assert set(setuptools["packages"]) == found | {"distopt.configs"}
     assert setuptools["package-dir"] == {"distopt.configs": "configs"}
+
+
+def _pip_dry_run(
+    *args: str | Path, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``pip install --dry-run ARGS torch`` (torch alone, nothing else resolved)."""
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "--no-deps",
+        "--ignore-installed",
+    ]
+    command += [*args, "torch"]
+    return subprocess.run(
+        [str(c) for c in command], env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def _dry_run_version(*args: str | Path, env: dict[str, str] | None = None) -> str:
+    """The torch version pip would install with ``ARGS``."""
+    proc = _pip_dry_run("--quiet", "--report", "-", *args, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (torch,) = json.loads(proc.stdout)["install"]
+    return str(torch["metadata"]["version"])
+
+
+def test_cpu_pin_resolves_to_the_cpu_build() -> None:
+    """What ``make install`` gets here (pip's own configuration: this machine's find-links)."""
+    assert _dry_run_version("-c", CPU_PIN) == "2.13.0+cpu"
+
+
+def test_cpu_pin_refuses_a_build_without_cpu(tmp_path: Path) -> None:
+    """An index offering only ``torch 2.13.0`` (PyPI's CUDA build; here a stand-in wheel with no
+    code) stops pip at the pin, instead of downloading it."""
+    info = "torch-2.13.0.dist-info"
+    with zipfile.ZipFile(tmp_path / "torch-2.13.0-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: torch\nVersion: 2.13.0\n")
+        wheel.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        wheel.writestr(f"{info}/RECORD", "")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
+    env["PIP_CONFIG_FILE"] = os.devnull  # no find-links, index or constraint of this machine
+    index = ("--no-index", "--find-links", tmp_path)
+    # Without the pin pip takes the stand-in; with it pip stops and says which pin.
+    assert _dry_run_version(*index, env=env) == "2.13.0"
+    proc = _pip_dry_run(*index, "-c", CPU_PIN, env=env)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "(constraint) torch==2.13.0+cpu" in proc.stdout + proc.stderr, proc.stdout[-3000:]
 
 
 def _run(
@@ -107,7 +162,7 @@ def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
     _run(sys.executable, "-m", "venv", venv, cwd=tmp_path, env=env, timeout=300)
     env["PATH"] = f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     pip = [venv / "bin" / "python", "-m", "pip", "install", "--quiet",
-           "-c", REPO / "constraints" / "cpu.txt"]  # fmt: skip
+           "-c", CPU_PIN]  # fmt: skip
     _run(*pip, "torch", "torchx", cwd=tmp_path, env=env, timeout=900)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()

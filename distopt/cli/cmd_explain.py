@@ -70,9 +70,16 @@ def run(args: argparse.Namespace) -> int:
     if args.ps_latency_ms is None:
         _explain(args, model, inputs)
         return 0
-    if tables is None or inputs is None:
+    if tables is None:
         raise ConfigError(
-            f"--ps-latency-ms: {args.model!r} is not a parameter-server model (no ps_tables())"
+            f"--ps-latency-ms: {args.model!r} is not a parameter-server model "
+            f"({type(model).__name__} has no ps_tables() method)"
+        )
+    if inputs is None:
+        raise ConfigError(
+            f"--ps-latency-ms: {args.model!r} gives no example inputs to time the forward on: "
+            "make the factory return (model, example_inputs), or give "
+            f"{type(model).__name__} an example_inputs(batch_size, seed) method"
         )
     with ps.local_job(tables(), ps.ServerOptions(latency_ms=args.ps_latency_ms)):
         optimized = _explain(args, model, inputs)

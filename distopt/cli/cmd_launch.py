@@ -3,7 +3,8 @@ through TorchX (:func:`distopt.launch`) and print its app handle and run id.
 
 On a local scheduler it streams trainer 0's log while the job runs and exits with its status
 (0: succeeded, 1: not, after naming the process that failed first, its exit code, its error, the
-end of its log and where the logs are); elsewhere it returns once submitted, unless ``--wait``.
+end of its log and where the logs are); elsewhere it returns once submitted, unless ``--wait``
+(which streams trainer 0's log too where the scheduler tails it: distopt's Ray scheduler).
 ``--dryrun`` prints the request instead.
 """
 
@@ -16,7 +17,7 @@ from torchx.specs import AppState
 from torchx.specs.api import to_dict
 
 from distopt.errors import ConfigError
-from distopt.torchx.submit import LOCAL_SCHEDULERS, launch
+from distopt.torchx.submit import LOCAL_SCHEDULERS, launch, tails_replica_logs
 from distopt.training.config import add_job_arguments, add_process_arguments
 
 
@@ -90,11 +91,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{job.handle}\nrun id {job.run_id}: logs in {job.run_dir}", flush=True)
         if args.scheduler not in LOCAL_SCHEDULERS and not args.wait:
             return 0
-        progress = job.stream() if args.scheduler in LOCAL_SCHEDULERS else None
+        progress = job.stream() if tails_replica_logs(args.scheduler) else None
         status = job.wait()
         if progress is not None:
             progress.join()
         if getattr(status, "state", None) == AppState.SUCCEEDED:
+            elsewhere = job.logs_elsewhere() if args.scheduler not in LOCAL_SCHEDULERS else None
+            if elsewhere:
+                print(elsewhere, file=sys.stderr, flush=True)
             print(f"{job.handle}: SUCCEEDED", file=sys.stderr, flush=True)
             return 0
         failed = job.failure(status)

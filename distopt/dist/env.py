@@ -14,6 +14,10 @@ The contract with ``distopt/torchx/components.py`` (TorchX) and with ``torchrun`
 ``DISTOPT_PS_ADDR``         ``host:port`` of the RPC group's store (hosted by ps 0)
 ``DISTOPT_DDP_PORT``        port on the RPC host of the trainers' gloo-group store (hosted by ps 0)
 ``DISTOPT_RUN_ID``          run id shared by every process of the job
+``DISTOPT_LAUNCH_RUN_DIR``  the run directory on the machine that ran ``distopt launch``, absolute
+                            (set on schedulers whose replicas start in a copy of the workspace,
+                            such as Ray's ``working_dir``): a process that sees it writes its
+                            outputs there (:func:`distopt.training.config.launched_output_dir`)
 ``DISTOPT_ATTEMPT``         restarts so far (``distopt.roles.supervise``; torchrun's
                             ``TORCHELASTIC_RESTART_COUNT`` and Slurm's ``SLURM_RESTART_COUNT`` are
                             read too): a restarted job resumes from its newest complete checkpoint
@@ -76,6 +80,8 @@ class JobEnv:
     ddp_port: int | None = None
     """Port of the trainers' gloo store on the ``ps_addr`` host (jobs with servers)."""
     run_id: str | None = None
+    launch_run_dir: str | None = None
+    """``DISTOPT_LAUNCH_RUN_DIR``: the launching machine's run directory, absolute."""
     hosts: tuple[str, ...] = ()
     """Each trainer rank's host name once the trainers' group has formed (not from the
     environment): errors name the host of a peer that was lost."""
@@ -131,6 +137,7 @@ class JobEnv:
             ps_addr=ps_addr,
             ddp_port=_int(env, "DISTOPT_DDP_PORT", 1),
             run_id=env.get("DISTOPT_RUN_ID") or None,
+            launch_run_dir=env.get("DISTOPT_LAUNCH_RUN_DIR") or None,
             restarts=max(
                 _int(env, name, 0) or 0
                 for name in ("DISTOPT_ATTEMPT", "TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")

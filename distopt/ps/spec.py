@@ -283,8 +283,12 @@ class ServerOptions:
     spawns runs under (``ip netns exec NS``, ``taskset -c 1``, ``numactl ...``); empty: none."""
     rpc_timeout_s: float = 30.0
     """Deadline of every fetch/push: a dead or stuck server raises at the wait after this long."""
-    start_timeout_s: float = 30.0
-    """A trainer's deadline for the RPC group to form; an unreachable server raises after this."""
+    start_timeout_s: float = 120.0
+    """A trainer's deadline for the servers to start: the RPC group to form, or the Ray actors to
+    answer (and, on Ray, to reach the cluster and to place the actors); an unreachable server or
+    cluster raises after this. Starting a server means a new process importing torch: measured on
+    a loaded 2-core host (load average 7-17), one or two Ray actors answered 8-38 s after they were
+    created, past the 30 s this used to be."""
     join_timeout_s: float = 600.0
     """How long servers wait for every trainer to join (servers usually start first)."""
     trainer_timeout_s: float = 60.0

@@ -27,6 +27,8 @@ The contract for remote calls, which the checks enforce:
 * the functions a model sends over RPC run on the servers, which import them by qualified name:
   module-level functions of an importable module (not ``__main__``, not nested in a function);
 * remote calls go to a process of the job (``ps0`` .. ``ps{num_ps-1}``, ``trainer0`` ..);
+* the ``distopt.ps`` tables the forward fetches are tables ``ps_tables()`` declares
+  (:func:`check_tables_read`);
 * a job with ``ps.backend: ray`` has no RPC group: its model reaches the servers through
   ``distopt.ps`` only.
 """
@@ -217,11 +219,7 @@ def check_caches(model: nn.Module, config: JobConfig, calls: list[RemoteCall] | 
         return
     ps_tables = getattr(model, "ps_tables", None)
     tables = tuple(ps_tables()) if callable(ps_tables) else ()
-    reads = {
-        c.reads[1]
-        for c in calls or ()
-        if isinstance(c.reads, tuple) and len(c.reads) == 2 and c.reads[0] == "distopt.ps"
-    }
+    reads = set(tables_read(calls))
     cache.check_caches(config.ps.cache, tables, reads=reads or None)
 
 
@@ -270,6 +268,13 @@ def check_remote_calls(
             "ps_tables() method, which each server calls to learn its tables: add one (return [] "
             "when your own functions keep the tables on the servers)"
         )
+    if reaches and not num_ps and has_tables:
+        what = over_rpc[0].describe() if over_rpc else "its code calls torch.distributed.rpc"
+        raise ConfigError(
+            f"num_ps: 0 parameter servers, but {owner}.forward makes remote calls ({what}), which "
+            "need the job's RPC group and its servers ps0, ps1, ...: launch with --num-ps 1 or "
+            "more (or leave --num-ps out: a model with ps_tables() gets 1)"
+        )
     if reaches and not num_ps:
         what = over_rpc[0].describe() if over_rpc else "its code calls torch.distributed.rpc"
         raise ConfigError(
@@ -284,6 +289,8 @@ def check_remote_calls(
             f"ps.backend: 'ray' jobs have no RPC group, but {owner}.forward calls "
             f"{rpcs[0].describe()}: use ps.backend: rpc, or distopt.ps tables"
         )
+    if has_tables and num_ps:
+        check_tables_read(model, calls)
     workers = [f"ps{i}" for i in range(num_ps)] + [f"trainer{j}" for j in range(num_trainers)]
     for call in rpcs:
         if call.to is not None and call.to not in workers:
@@ -297,6 +304,39 @@ def check_remote_calls(
                 f"model: {owner}.forward sends {_qualified(call.function)} ({call.where}) to run on "
                 f"{call.to or 'a server'}, which imports it by name, but it {reason}: define it at "
                 "the top level of a module of your package"
+            )
+
+
+def tables_read(calls: Iterable[RemoteCall] | None) -> dict[str, RemoteCall]:
+    """The ``distopt.ps`` tables ``calls`` fetch, each with its first fetch."""
+    found: dict[str, RemoteCall] = {}
+    for call in calls or ():
+        if isinstance(call.reads, tuple) and len(call.reads) == 2 and call.reads[0] == "distopt.ps":
+            found.setdefault(call.reads[1], call)
+    return found
+
+
+def check_tables_read(model: nn.Module, calls: list[RemoteCall] | None) -> None:
+    """Every ``distopt.ps`` table the forward fetches is one ``model.ps_tables()`` declares (the
+    servers hold only those: an undeclared one fails the first step, in a replica's log)."""
+    read = tables_read(calls)
+    if not read:
+        return
+    owner = type(model).__name__
+    ps_tables: Any = getattr(model, "ps_tables", None)
+    try:
+        declared = {spec.name for spec in ps_tables()}
+    except Exception as err:
+        if any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+            return  # built on the meta device here; the servers call it on a real model
+        raise ConfigError(f"model: {owner}.ps_tables() failed: {describe_failure(err)}") from None
+    for table, call in read.items():
+        if table not in declared:
+            known = ", ".join(repr(name) for name in sorted(declared)) or "none"
+            raise ConfigError(
+                f"model: {owner}.forward fetches table {table!r} at {call.where}, but "
+                f"{owner}.ps_tables() does not declare it (declared: {known}), so no server "
+                f"holds it: add distopt.ps.TableSpec(name={table!r}, ...) to ps_tables()"
             )
 
 
@@ -364,7 +404,9 @@ __all__ = [
     "build_model",
     "check_first_batch",
     "check_remote_calls",
+    "check_tables_read",
     "import_roots",
     "remote_calls",
+    "tables_read",
     "user_modules",
 ]

@@ -18,8 +18,10 @@ What it does, in order, so bad input fails before anything is scheduled:
    ``device: cuda`` against this host's GPUs (:mod:`distopt.torchx.preflight`);
 3. writes the resolved config, run id included, to ``<output_dir>/<run_id>/job.yaml`` and runs
    the TorchX component for the job's shape (:data:`COMPONENTS`) on it with TorchX's Runner
-   (:func:`distopt.torchx.schedulers.get_runner`: TorchX's schedulers and distopt's Ray one). Scheduler options come from ``**cfg`` over ``.torchxconfig``
-   (``[<scheduler>]`` sections); component defaults from its ``[component:<name>]`` sections.
+   (:func:`distopt.torchx.schedulers.get_runner`: TorchX's schedulers and distopt's Ray one).
+   Scheduler options come from ``**cfg`` over ``.torchxconfig`` (``[<scheduler>]`` sections);
+   component defaults from its ``[component:<name>]`` sections. A dry run leaves nothing behind:
+   the config file is removed again, with the folders made for it.
 
 The job's processes read ``job.yaml``, so ``output_dir`` must be where they can read it: the
 workspace (``local_cwd``, Ray's working directory) or a shared filesystem (Slurm).
@@ -40,13 +42,14 @@ from typing import Any, TextIO
 
 import yaml
 from torchx.runner import config as torchx_config
+from torchx.schedulers import get_scheduler_factories
 from torchx.specs import AppState
 
 from distopt.config import load_config, to_dict
 from distopt.data import build_data
 from distopt.errors import ConfigError
 from distopt.torchx import preflight, watch
-from distopt.torchx.schedulers import apply_torchxconfig, get_runner
+from distopt.torchx.schedulers import apply_torchxconfig, distopt_schedulers, get_runner
 from distopt.training.config import JobConfig
 from distopt.training.device import resolve_device
 from distopt.training.telemetry import summary_writer_class
@@ -69,6 +72,9 @@ class Launched:
     """The run id every process logs under."""
     run_dir: Path
     """``<output_dir>/<run_id>``: QPS logs, TensorBoard events, checkpoints, ``job.yaml``."""
+    config: JobConfig
+    """The job's config as resolved (overrides and run id applied): ``run_dir/job.yaml``'s
+    content (a dry run writes no file)."""
     component: str
     args: list[str]
     """The component's arguments."""
@@ -94,6 +100,26 @@ class Launched:
         if self.handle is None:
             raise ConfigError("stream: a dry run has no logs")
         return watch.stream(self.runner, self.handle, role=role, replica=replica, file=file)
+
+    def logs_elsewhere(self) -> str | None:
+        """For a job that succeeded without a QPS log in :attr:`run_dir`: where its processes wrote
+        theirs (they did not see this machine's run dir, e.g. on a remote Ray cluster: see
+        :func:`distopt.training.config.launched_output_dir`), one line; ``None`` when the logs
+        are here."""
+        if self.handle is None or any(self.run_dir.glob("qps-rank*.jsonl")):
+            return None
+        said = f"run {self.run_id}: "
+        try:
+            lines = list(self.runner.log_lines(self.handle, "trainer", 0))
+        except Exception:  # a scheduler that keeps no logs
+            lines = []
+        final = [line.strip() for line in lines if said in line and " QPS log " in line]
+        where = f" (trainer 0: {final[-1][final[-1].index(said) :]})" if final else ""
+        return (
+            f"run {self.run_id}: no QPS log in {self.run_dir}: the job's processes did not see "
+            f"this directory and wrote {Path(self.config.output_dir) / self.run_id} where they "
+            f"ran{where}; copy it to {self.run_dir} to compare it"
+        )
 
     def failure(self, status: Any = None) -> watch.Failure | None:
         """Which process of a failed job failed first, its exit code, its error and the end of
@@ -254,17 +280,32 @@ def launch(
     kind = "ps" if num_ps else "spmd"
     component = COMPONENTS[kind]
     extra = dict(component_args or {})
+    env = dict(extra.get("env") or {})
     if checked.python_path:
         # The job's own code imports in the replicas from where it imported here.
-        env = dict(extra.get("env") or {})
         inherited = env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")
         env["PYTHONPATH"] = os.pathsep.join([*checked.python_path, *filter(None, [inherited])])
+    if scheduler not in LOCAL_SCHEDULERS:
+        # Replicas may start in a copy of the workspace (Ray's working_dir): those that see this
+        # machine's run dir write there, where this function says the logs are.
+        env["DISTOPT_LAUNCH_RUN_DIR"] = str(run_dir.resolve())
+    if env:
         extra["env"] = env
-    args = _component_args(
-        kind, _write_config(job, run_dir), num_trainers, num_ps, extra, device=job.device
-    )
+    # A dry run leaves nothing behind: the component reads the config (it checks it), so it is
+    # written where the job would read it, then removed with the folders made for it (or an
+    # earlier run's config put back).
+    made = [d for d in (run_dir, *run_dir.parents) if not d.exists()]
+    earlier = _read_if_there(run_dir / "job.yaml")
+    config_path = _write_config(job, run_dir)
+    args = _component_args(kind, config_path, num_trainers, num_ps, extra, device=job.device)
     launched = Launched(
-        handle=None, run_id=run_id, run_dir=run_dir, component=component, args=args, runner=runner
+        handle=None,
+        run_id=run_id,
+        run_dir=run_dir,
+        config=job,
+        component=component,
+        args=args,
+        runner=runner,
     )
     try:
         if dryrun:
@@ -275,7 +316,37 @@ def launch(
         runner.close()
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"launch: {scheduler} refused {component}: {message}") from None
+    finally:
+        if dryrun:
+            _undo_write(config_path, earlier, made)
     return launched
+
+
+def _read_if_there(path: Path) -> bytes | None:
+    return path.read_bytes() if path.is_file() else None
+
+
+def _undo_write(path: Path, earlier: bytes | None, folders: Sequence[Path]) -> None:
+    """``path`` back to its ``earlier`` content, or removed with ``folders`` (innermost first)
+    as long as they are empty."""
+    if earlier is not None:
+        path.write_bytes(earlier)
+        return
+    path.unlink(missing_ok=True)
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:  # something else was written there meanwhile
+            break
+
+
+def tails_replica_logs(scheduler: str) -> bool:
+    """Whether ``scheduler`` gives one replica's log as it is written (:meth:`Launched.stream`):
+    TorchX's local schedulers and distopt's Ray scheduler do; TorchX 0.7's own ``ray`` gives the
+    whole job's log so far, every replica's lines together."""
+    return scheduler in LOCAL_SCHEDULERS or scheduler in distopt_schedulers(
+        get_scheduler_factories()
+    )
 
 
 def scheduler_options(runner: Any, scheduler: str, cfg: Mapping[str, Any]) -> dict[str, Any]:
@@ -323,4 +394,5 @@ __all__ = [
     "check_job",
     "launch",
     "scheduler_options",
+    "tails_replica_logs",
 ]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+from pathlib import Path
 from typing import Any, Literal
 
 from distopt.config import check
@@ -78,8 +80,9 @@ class JobConfig:
     (incomplete ones, left by a job killed while writing, are ignored)."""
     deterministic: bool = False
     """Bitwise-reproducible parameter-server training with several trainers: each step's pushes
-    are applied in trainer-rank order and before any trainer's next fetch (costs a barrier per
-    trainer per step). A lone trainer is reproducible without it."""
+    to distopt's tables are applied in trainer-rank order and before any trainer's next fetch
+    (costs a barrier per trainer per step). Writes of the model's own server functions are not
+    ordered by it. A lone trainer is reproducible without it."""
     pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
     """Prefetch the optimized model's remote reads of the next batches while a step trains."""
     log_every: int = 10
@@ -172,6 +175,29 @@ class JobConfig:
     def model_name(self) -> str:
         """The registry name actually built for this variant."""
         return self.hand_model if self.variant == "hand" and self.hand_model else self.model
+
+
+def launched_output_dir(
+    config: JobConfig, config_path: str | os.PathLike[str], launch_run_dir: str | None
+) -> JobConfig:
+    """``config`` writing into ``launch_run_dir`` (``$DISTOPT_LAUNCH_RUN_DIR``: the run directory
+    of the machine that ran ``distopt launch``) when this process sees that directory: it holds
+    the very ``job.yaml`` this process was given (at ``config_path``), so it is this run's.
+
+    On Ray the job's processes start in a copy of the workspace (``working_dir``) and would write
+    ``runs/<run_id>`` inside it, where neither the user nor ``distopt compare`` looks. On the
+    launching host, or on a filesystem shared with it, they write where ``distopt launch``
+    said the logs are; elsewhere (a remote cluster) the config is unchanged."""
+    if not launch_run_dir or not config.run_id:
+        return config
+    there = Path(launch_run_dir)
+    if there.name != config.run_id:
+        return config
+    try:
+        same = (there / "job.yaml").read_bytes() == Path(config_path).read_bytes()
+    except OSError:  # not on this host
+        return config
+    return dataclasses.replace(config, output_dir=str(there.parent)) if same else config
 
 
 def add_job_arguments(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:

@@ -4,6 +4,7 @@ the same numerics, ordering, errors and checkpoints as the RPC backend."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import signal
 import time
@@ -268,6 +269,32 @@ def test_a_private_instance_stays_on_loopback_and_runs_actors_at_the_trainers_pr
     *_, niceness, nodes = done.stdout.strip().splitlines()
     assert nodes == "['127.0.0.1']"
     assert niceness == "0"
+
+
+def test_actors_that_answer_late_name_the_key_to_raise(ray_cluster) -> None:
+    """A new user's loaded 2-core host: the actors' processes took longer to start than the
+    deadline (then 30 s by default, now 120 s): the error says which key to raise, and how."""
+    from distopt.ps.cluster.ray_backend import RayBackend, lookup_actors
+
+    assert ServerOptions().start_timeout_s == 120.0
+    backend, options = RayBackend(), _options("ray")
+    job, actors = backend.start(
+        TABLES, options, plan=backend.stores(options), num_trainers=1, log_dir=None
+    )
+    try:
+        assert job.ray_address is not None and job.ray_namespace is not None
+        # Just created: no actor process can answer within a millisecond.
+        hurried = dataclasses.replace(options, start_timeout_s=0.001)
+        with pytest.raises(RemoteCallError) as err:
+            lookup_actors(job.ray_address, job.ray_namespace, hurried)
+        assert str(err.value) == (
+            "ps.backend=ray: actors ps0, ps1 did not start within 0.001 s (ps.start_timeout_s): "
+            "each is a new process that imports torch, slow on a loaded host; raise "
+            "ps.start_timeout_s (e.g. --set ps.start_timeout_s=0.002)"
+        )
+        assert lookup_actors(job.ray_address, job.ray_namespace, options).keys() == {"ps0", "ps1"}
+    finally:
+        backend.stop(job, actors, timeout_s=10)
 
 
 def test_ray_resources_place_the_actors_and_a_resource_no_node_has_is_one_line(

@@ -12,7 +12,7 @@ import distopt
 from distopt.cli import main as cli
 from distopt.data.generate import write_criteo
 from distopt.errors import ConfigError
-from distopt.torchx.submit import COMPONENTS
+from distopt.torchx.submit import COMPONENTS, Launched
 from distopt.training.device import NO_GPU
 from tests.torchx.release import dryrun_app, slurm_options
 
@@ -114,14 +114,24 @@ def test_the_cli_prints_one_line_and_exits_2(
 def test_dryrun_resolves_the_config_and_picks_the_component(tmp_path: Path, clicks: Path) -> None:
     with _launch(tmp_path, f"data.path={clicks}", "variant=optimized", dryrun=True) as job:
         assert job.handle is None and job.component == COMPONENTS["ps"] == "distopt.ps_job"
-        written = job.run_dir / "job.yaml"
-        assert job.args[:2] == ["--config", str(written)]
+        assert job.args[:2] == ["--config", str(job.run_dir / "job.yaml")]
         assert job.args[2:] == ["--num_ps", "1", "--num_trainers", "2"]  # DLRM has ps_tables()
         roles = {role.name: role for role in dryrun_app(job.dryrun).roles}
         assert sorted(roles) == ["ps", "trainer"] and roles["trainer"].num_replicas == 2
-    resolved = distopt.config.load_config(distopt.training.JobConfig, written)
+    resolved = job.config
     assert resolved.run_id == "r" and resolved.variant == "optimized"
     assert resolved.data.path == str(clicks) and resolved.optim.name == "adam"
+    assert not (tmp_path / "runs").exists()  # a dry run leaves nothing behind
+
+
+def test_a_dryrun_keeps_an_earlier_runs_config(tmp_path: Path, clicks: Path) -> None:
+    earlier = tmp_path / "runs" / "r" / "job.yaml"
+    earlier.parent.mkdir(parents=True)
+    earlier.write_text("# the config of an earlier run r\n")
+    with _launch(tmp_path, f"data.path={clicks}", dryrun=True):
+        pass
+    assert earlier.read_text() == "# the config of an earlier run r\n"
+    assert [p.name for p in earlier.parent.iterdir()] == ["job.yaml"]
 
 
 def test_a_job_without_servers_uses_torchrun(tmp_path: Path) -> None:
@@ -139,17 +149,23 @@ def test_device_cuda_asks_the_scheduler_for_one_gpu_per_trainer(
     with _launch(
         tmp_path, f"data.path={clicks}", "device=cuda", scheduler="slurm", dryrun=True
     ) as job:
-        assert job.args[-2:] == ["--gpu", "1"]
+        # Last, the run dir the replicas write to where they see it (tests/user_jobs/test_ray_runs).
+        assert job.args[-4:] == ["--gpu", "1", "--env", _launch_run_dir(job)]
         roles = {role.name: role for role in dryrun_app(job.dryrun).roles}
         assert (roles["ps"].resource.gpu, roles["trainer"].resource.gpu) == (0, 1)
     config = ROOT / "configs" / "jobs" / "gpt_tokens.yaml"
     sets = [f"output_dir={tmp_path}", "device=cuda", f"data.path={_tokens(tmp_path)}"]
     with distopt.launch(config, "slurm", overrides=sets, num_trainers=4, dryrun=True) as job:
-        assert job.args[-4:] == ["--nproc_per_node", "4", "--gpu", "4"]
+        assert job.args[-6:-2] == ["--nproc_per_node", "4", "--gpu", "4"]
+        assert job.args[-2:] == ["--env", _launch_run_dir(job)]
     with distopt.launch(
         config, "slurm", overrides=sets, component_args={"h": "gpu.small"}, dryrun=True
     ) as job:
         assert "--gpu" not in job.args and dryrun_app(job.dryrun).roles[0].resource.gpu == 1
+
+
+def _launch_run_dir(job: Launched) -> str:
+    return f"DISTOPT_LAUNCH_RUN_DIR={job.run_dir.resolve()}"
 
 
 def _tokens(tmp_path: Path) -> Path:

@@ -220,6 +220,23 @@ def test_a_known_option_typed_from_the_command_line(
     assert code == 0 and "--partition=gpu" in out and "--time=1:00:00" in out, out[-2000:]
 
 
+def test_a_dryrun_leaves_nothing_behind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new user's trial: `--dryrun` wrote runs/<run-id>/job.yaml every time."""
+    job, _ = user_package(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code = cli(["launch", str(job), "--run-id", "try", "--dryrun"])
+    out = capsys.readouterr().out
+    assert code == 0 and out.endswith("run id try: logs would go to runs/try\n"), out[-2000:]
+    assert "'runs/try/job.yaml'" in out  # the config the job's processes would read
+    after = sorted(
+        p.relative_to(tmp_path) for p in tmp_path.rglob("*") if "__pycache__" not in p.parts
+    )
+    assert after == [p for p in before if "__pycache__" not in p.parts]
+
+
 VARIANTS = """
 import torch
 import torch.distributed.rpc as rpc
@@ -260,6 +277,29 @@ def make_nested():
 
 def make_failing():
     raise ValueError("no catalogue at /data/items.csv")
+
+
+import distopt
+from distopt.ps import RemoteEmbedding, TableSpec
+
+
+class Undeclared(Model):
+    # Reads two distopt tables, declares one of them (and one it never reads).
+
+    def __init__(self):
+        super().__init__()
+        self.users = RemoteEmbedding("users", 2)
+
+    def forward(self, dense, ids):
+        rows = distopt.ps.fetch("items", ids).sum(1)
+        return self.top(torch.cat([dense + self.users(ids[:, 0]), rows], 1))
+
+    def ps_tables(self):
+        return [TableSpec(name="users", num_rows=64, dim=2), TableSpec(name="shops", num_rows=8, dim=2)]
+
+
+def make_undeclared():
+    return Undeclared()
 
 
 def data_by_mode(mode, seed):
@@ -321,6 +361,19 @@ def data_as_triples(split, seed):
             "num_ps: 1 parameter servers, but NoServers ({pkg}.extra:make_plain) has no ps_tables() method, "
             "which each server calls to learn its tables: add one (return [] when your own functions keep "
             "the tables on the servers)",
+        ),
+        (  # a model with ps_tables() and remote calls, launched without servers
+            ["--num-ps", "0"],
+            "num_ps: 0 parameter servers, but Model.forward makes remote calls (rpc_sync('ps0', "
+            "{pkg}.model.lookup) at {dir}/{pkg}/model.py:27), which need the job's RPC group and its "
+            "servers ps0, ps1, ...: launch with --num-ps 1 or more (or leave --num-ps out: a model "
+            "with ps_tables() gets 1)",
+        ),
+        (  # a table read but not declared: was a TensorPipe EOF and a trainer's error, 41 s on
+            ["--set", "model={pkg}.extra:make_undeclared"],
+            "model: Undeclared.forward fetches table 'items' at {dir}/{pkg}/extra.py:55, but "
+            "Undeclared.ps_tables() does not declare it (declared: 'shops', 'users'), so no server "
+            "holds it: add distopt.ps.TableSpec(name='items', ...) to ps_tables()",
         ),
         (
             ["--set", "ps.backend=ray"],

@@ -86,3 +86,27 @@ def test_invalid_config_names_the_key(data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         from_dict(JobConfig, data)
     assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_process_that_sees_the_launching_run_dir_writes_there(tmp_path: Path) -> None:
+    """Ray runs a job in its copy of the workspace; ``distopt launch`` names its own run dir
+    (``DISTOPT_LAUNCH_RUN_DIR``), which a process on the same host (or a shared filesystem)
+    takes when it holds the very job.yaml that process was given."""
+    from distopt.training.config import launched_output_dir
+
+    text = "model: mlp\nrun_id: r1\noutput_dir: runs\n"
+    launched = tmp_path / "here" / "runs" / "r1"
+    launched.mkdir(parents=True)
+    (launched / "job.yaml").write_text(text)
+    copy = tmp_path / "ray_pkg" / "runs" / "r1" / "job.yaml"  # Ray's copy of the workspace
+    copy.parent.mkdir(parents=True)
+    copy.write_text(text)
+    config = load_config(JobConfig, copy)
+    moved = launched_output_dir(config, copy, str(launched))
+    assert moved.output_dir == str(tmp_path / "here" / "runs") and moved.run_id == "r1"
+    # Not this run's directory (another config there, another run id, none there): unchanged.
+    (launched / "job.yaml").write_text(text.replace("mlp", "cnn"))
+    assert launched_output_dir(config, copy, str(launched)) is config
+    assert launched_output_dir(config, copy, str(tmp_path / "here" / "runs" / "r2")) is config
+    assert launched_output_dir(config, copy, str(tmp_path / "elsewhere" / "r1")) is config
+    assert launched_output_dir(config, copy, None) is config

@@ -24,6 +24,8 @@ from distopt.passes.local.measured import add_fused
 from distopt.passes.local.patterns import (
     as_conv,
     as_eval_batch_norm,
+    is_batch_norm,
+    is_convolution,
     materialize,
     moves_safely,
     sole_user,
@@ -43,10 +45,16 @@ def fold_conv_bn(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         conv1_weight = self.conv1.weight;  ...;  bn1_running_mean = self.bn1.running_mean;  ...
         distopt_fused_conv1 = self.distopt_fused.conv1(x, conv1_weight, None, bn1_running_mean, ...)
     """
+    pairs = _conv_batch_norm_pairs(gm)
+    if not pairs:
+        return PassResult(modified=False, detail="no convolution followed by BatchNorm to fold")
     if ctx.training:
         return PassResult(
             modified=False,
-            detail="training mode: BatchNorm normalizes with batch statistics, nothing folded",
+            detail=(
+                "training mode: BatchNorm normalizes with batch statistics, "
+                f"{plural(pairs, 'conv+batchnorm pair')} left unfolded"
+            ),
         )
     folded = 0
     for node in list(gm.graph.nodes):
@@ -78,6 +86,18 @@ def fold_conv_bn(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         gm.graph.erase_node(conv.node)
         folded += 1
     return PassResult(modified=folded > 0, detail=f"folded {plural(folded, 'conv+batchnorm pair')}")
+
+
+def _conv_batch_norm_pairs(gm: torch.fx.GraphModule) -> int:
+    """How many BatchNorms (either mode) normalize a convolution's output."""
+    return sum(
+        1
+        for node in gm.graph.nodes
+        if is_batch_norm(gm, node)
+        and node.args
+        and isinstance(node.args[0], torch.fx.Node)
+        and is_convolution(gm, node.args[0])
+    )
 
 
 PASS = PassSpec(name="fold_conv_bn", fn=fold_conv_bn, after=("remove_identity",))

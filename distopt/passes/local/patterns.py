@@ -328,6 +328,14 @@ def moves_safely(first: Node, last: Node) -> bool:
     return True
 
 
+def is_batch_norm(gm: torch.fx.GraphModule, node: Node) -> bool:
+    """Any BatchNorm, in training or eval mode (unlike :func:`as_eval_batch_norm`)."""
+    module = module_of(gm, node)
+    if module is not None:
+        return isinstance(module, nn.modules.batchnorm._BatchNorm)
+    return node.op == "call_function" and node.target in (F.batch_norm, torch.batch_norm)
+
+
 def is_convolution(gm: torch.fx.GraphModule, node: Node) -> bool:
     """Any 2-D convolution, fused or not (no graph changes, unlike :func:`as_conv`)."""
     module = module_of(gm, node)

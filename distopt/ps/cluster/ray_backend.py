@@ -97,7 +97,9 @@ def lookup_actors(address: str, namespace: str, options: ServerOptions) -> dict[
     if late:
         raise RemoteCallError(
             f"ps.backend=ray: actors {', '.join(late)} did not start within "
-            f"{options.start_timeout_s:g} s (ps.start_timeout_s)"
+            f"{options.start_timeout_s:g} s (ps.start_timeout_s): each is a new process that "
+            "imports torch, slow on a loaded host; raise ps.start_timeout_s (e.g. --set "
+            f"ps.start_timeout_s={2 * options.start_timeout_s:g})"
         )
     for name, ref in pings.items():
         try:

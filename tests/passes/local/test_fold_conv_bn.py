@@ -85,6 +85,22 @@ def test_training_graph_is_left_alone_and_the_report_says_why() -> None:
     assert not result.modified
 
 
+def test_a_graph_without_conv_batchnorm_says_so_in_either_mode() -> None:
+    """Not "training mode" when there is no pair to fold (a new user's MLP read that reason)."""
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1))
+    for training in (True, False):
+        result = fold_conv_bn(torch.fx.symbolic_trace(mlp), PassContext(training=training))
+        assert (result.modified, result.detail) == (
+            False,
+            "no convolution followed by BatchNorm to fold",
+        )
+    result = fold_conv_bn(torch.fx.symbolic_trace(_resnet()), PassContext(training=True))
+    assert result.detail == (
+        "training mode: BatchNorm normalizes with batch statistics, "
+        "17 conv+batchnorm pairs left unfolded"  # stem, 4 blocks of 3, 4 downsamples
+    )
+
+
 def test_conv_with_other_users_is_left_alone() -> None:
     class TwoUsers(nn.Module):
         def __init__(self) -> None:
