@@ -20,7 +20,7 @@ import importlib
 import json
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,9 @@ from distopt.bench import median
 from distopt.capture.tracer import resolve_qualname
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
+from distopt.errors import CaptureError
+from distopt.estimate.step import median_time
+from distopt.optimize.gain import Backward, predict_gain, read_latency_s, rehearse
 from distopt.remote.local import named_local_tensors
 
 VARIANTS = ("baseline", "optimized", "hand")
@@ -46,7 +49,8 @@ class RemoteIdiomsConfig:
     """Modules with ``build(seed, hand=False)``, ``remote_parameters(model)`` (e.g.
     ``tests.remote.corpus.rref_helper``)."""
     common: str = "tests.remote.corpus.common"
-    """Module with ``inputs(batch, seed)``, ``targets(batch, seed)`` and ``loss(out, target)``."""
+    """Module with ``inputs(batch, seed)``, ``targets(batch, seed)``, ``loss(out, target)`` and
+    ``SERVERS``, the RPC workers that own the models' remote parameters."""
     group: str = "tests.remote.corpus.group:rpc_group"
     """Context manager forming the RPC group: ``group(num_servers, latency_ms=...)``."""
     reads: tuple[str, ...] = ()
@@ -62,6 +66,11 @@ class RemoteIdiomsConfig:
     target_ratio_vs_hand: float = 0.98
     """Where the hand-written model hides under 5% of the step (H is then noise over noise): the
     optimized model's QPS over the hand-written one's (2% noise allowance, as in ps_overlap)."""
+    target_prediction_error: float = 0.15
+    """The cost model's predicted gain of the optimized model over the model as written within
+    this fraction of the measured gain (issue 24)."""
+    prediction_steps: int = 15
+    """Rehearsed steps per model for the prediction (:func:`distopt.optimize.gain.rehearse`)."""
 
     def __post_init__(self) -> None:
         check(bool(self.idioms), "idioms", "at least one idiom module", self.idioms)
@@ -111,6 +120,9 @@ def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
         )
         for v, m in models.items()
     }
+    prediction = _prediction(
+        bench, models["baseline"], models["optimized"], example, owners=common.SERVERS
+    )
     batches = [
         (common.inputs(bench.batch_size, seed=s), common.targets(bench.batch_size, seed=s))
         for s in range(bench.steps)
@@ -128,6 +140,8 @@ def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
     t_base, t_opt, t_hand = (median(times[v]) for v in VARIANTS)
     hideable = t_base - t_hand
     hidden = (t_base - t_opt) / hideable if hideable > 0.05 * t_base else None
+    predicted_gain = prediction["baseline_s"] / prediction["optimized_s"]
+    measured_gain = t_base / t_opt
     return {
         "idiom": name.rsplit(".", 1)[-1],
         "median_step_s": {v: median(times[v]) for v in VARIANTS},
@@ -135,6 +149,72 @@ def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
         "hidden": hidden,
         "opt_vs_hand_qps": t_hand / t_opt,
         "optimize_s": optimize_s,
+        "prediction": {
+            **prediction,
+            "predicted_gain": predicted_gain,
+            "measured_gain": measured_gain,
+            "error": predicted_gain / measured_gain - 1,
+        },
+    }
+
+
+@contextlib.contextmanager
+def _dist_autograd_step() -> Iterator[Backward]:
+    """A rehearsed step as these models train: in a ``dist_autograd`` context, whose gradients
+    on the owners are dropped with it (no optimizer step: nothing changes)."""
+    with dist_autograd.context() as context:
+        yield lambda loss: dist_autograd.backward(context, [loss])
+
+
+def _optimizer_round_trip_s(owners: Sequence[str], repeats: int = 15) -> float:
+    """Median seconds of one empty request to every worker in ``owners`` at once (what a
+    ``DistributedOptimizer`` step sends, less its servers' optimizer math)."""
+    one = torch.zeros(1)
+
+    def round_trip() -> None:
+        for sent in [rpc.rpc_async(owner, torch.add, args=(one, one)) for owner in owners]:
+            sent.wait()
+
+    return median_time(round_trip, repeats=repeats)
+
+
+def _prediction(
+    bench: RemoteIdiomsConfig,
+    model: torch.nn.Module,
+    optimized: torch.nn.Module,
+    example: Any,
+    owners: Sequence[str],
+) -> dict[str, Any]:
+    """The cost model's steps of both models: rehearsed forward and ``dist_autograd`` backward
+    (:func:`distopt.optimize.gain.rehearse`), plus the ``DistributedOptimizer`` step, which
+    cannot be rehearsed (it applies): one request to every owner of parameters in parallel,
+    modelled as a round trip of an empty request to each (no server function: none of the
+    latency the tables' functions add). A write in the forward is waited out at the model's
+    median read (profiled; a model without a graph: its blocking calls timed)."""
+    try:
+        read = predict_gain(model, optimized, example, repeats=3).rpc_latency_s
+    except CaptureError:  # a Dynamo-tier model: no graph to profile, its calls timed instead
+        read = read_latency_s(model, tuple(example))
+    costs = rehearse(
+        model,
+        optimized,  # type: ignore[arg-type]  # distopt.optimize(strict=True) made a graph
+        tuple(example),
+        pushes="none",
+        steps=bench.prediction_steps,
+        read_latency_s=read,
+        scope=_dist_autograd_step,
+    )
+    step_s = _optimizer_round_trip_s(owners)
+    steps = {
+        name: sum(costs.rehearsed[name][phase] for phase in ("forward", "backward")) + step_s
+        for name in ("baseline", "optimized")
+    }
+    return {
+        "baseline_s": steps["baseline"],
+        "optimized_s": steps["optimized"],
+        "optimizer_s": step_s,
+        "rehearsed": costs.rehearsed,
+        "write_stand_ins": costs.write_stand_ins,
     }
 
 
@@ -143,7 +223,16 @@ def _table(results: list[dict[str, Any]], bench: RemoteIdiomsConfig) -> Table:
         title=f"remote_idioms: median step ms (dist_autograd), {bench.latency_ms:g} ms server latency; "
         "H = share of the hand-written async model's hidden latency distopt hides"
     )
-    for col in ("idiom", "baseline", "optimized", "hand", "opt speed-up", "H", "opt/hand"):
+    for col in (
+        "idiom",
+        "baseline",
+        "optimized",
+        "hand",
+        "opt speed-up",
+        "pred. speed-up",
+        "H",
+        "opt/hand",
+    ):
         table.add_column(col, justify="left" if col == "idiom" else "right")
     for r in results:
         ms = {v: r["median_step_s"][v] * 1e3 for v in VARIANTS}
@@ -160,10 +249,15 @@ def _table(results: list[dict[str, Any]], bench: RemoteIdiomsConfig) -> Table:
             if not scored or ratio >= bench.target_ratio_vs_hand
             else f"[red]{ratio:.2f}[/red]"
         )
+        predicted = r["prediction"]
+        predicted_cell = f"{predicted['predicted_gain']:.2f}× ({predicted['error']:+.0%})"
+        if abs(predicted["error"]) > bench.target_prediction_error:
+            predicted_cell = f"[red]{predicted_cell}[/red]"
         table.add_row(
             r["idiom"],
             *(f"{ms[v]:.2f}" for v in VARIANTS),
             f"{ms['baseline'] / ms['optimized']:.2f}×",
+            predicted_cell,
             cell,
             ratio_cell,
         )
@@ -202,7 +296,14 @@ def run(config: dict, args: argparse.Namespace) -> int:
         )
         + (f"; missed: {', '.join(slower)}" if slower else "")
     )
-    missed += slower
+    tolerance = bench.target_prediction_error
+    off = [r["idiom"] for r in results if abs(r["prediction"]["error"]) > tolerance]
+    console.print(
+        f"predicted speed-up within ±{tolerance:.0%} of the measured at "
+        f"{len(results) - len(off)}/{len(results)} idioms"
+        + (f"; missed: {', '.join(off)}" if off else "")
+    )
+    missed += slower + off
     if args.json:
         Path(args.json).write_text(
             json.dumps(

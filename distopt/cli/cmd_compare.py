@@ -21,9 +21,12 @@ from distopt.metrics.compare import (
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
     DEFAULT_WARMUP,
+    UNCHANGED,
+    CompareError,
     Comparison,
     compare_runs,
     failed_gains,
+    mispredicted,
 )
 from distopt.metrics.plot import plot_comparison
 from distopt.metrics.qps_log import load_run
@@ -69,6 +72,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         choices=("ci_low", "median"),
         default="ci_low",
         help="gain statistic --assert-gain checks: the CI lower bound (default) or the median",
+    )
+    parser.add_argument(
+        "--assert-prediction",
+        type=float,
+        metavar="TOL",
+        help="exit 1 unless every run's predicted gain is within TOL (a fraction: 0.15 is "
+        "±15%%) of its measured median gain",
     )
     parser.add_argument(
         "--force", action="store_true", help="compare even if configs differ beyond the variant"
@@ -133,6 +143,21 @@ def render(comparison: Comparison, console: Console) -> None:
         )
     console.print(table)
     console.print(f"interval: {comparison.interval}", markup=False)
+    for gain in comparison.gains:
+        if gain.prediction_error is not None:
+            console.print(
+                f"{_short(gain.label)}: predicted gain {gain.predicted:.3f}× vs measured "
+                f"{gain.median:.3f}×: {gain.prediction_error:+.1%}",
+                markup=False,
+            )
+        if gain.unchanged_differ and gain.unchanged_s is not None:
+            base_s, run_s = gain.unchanged_s
+            console.print(
+                f"[yellow]note:[/yellow] {_short(gain.label)}: the phases the rewrite does not "
+                f"change ({', '.join(UNCHANGED)}) took {base_s * 1e3:.2f} ms per step in the "
+                f"baseline and {run_s * 1e3:.2f} ms here: the host, not the rewrite, moved that "
+                "part of the measured gain (alternate the jobs, or run on a quieter host)"
+            )
     if comparison.phases:
         render_phases(comparison, console)
     if any(run.fetches for run in comparison.runs):
@@ -206,6 +231,10 @@ def _shown(found: dict[str, float], key: str, scale: float = 1.0, form: str = "{
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.assert_prediction is not None and not args.assert_prediction >= 0:
+        raise CompareError(
+            f"--assert-prediction: expected a fraction >= 0, got {args.assert_prediction}"
+        )
     logs = [[load_run(path) for path in arg.split(",")] for arg in args.runs]
     comparison = compare_runs(
         logs,
@@ -224,6 +253,22 @@ def run(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(comparison.to_json(), indent=2) + "\n")
     if args.plot:
         print(f"plot: {plot_comparison(comparison, args.plot)}")
+    if args.assert_prediction is not None:
+        off = mispredicted(comparison, args.assert_prediction)
+        if off:
+            worst = off[0]
+            said = (
+                "has no prediction"
+                if worst.prediction_error is None
+                else f"is off by {worst.prediction_error:+.1%}"
+            )
+            print(
+                f"distopt compare: assertion failed: the predicted gain of {worst.label} {said}, "
+                f"beyond --assert-prediction {args.assert_prediction}"
+                + (f" ({len(off)} runs)" if len(off) > 1 else ""),
+                file=sys.stderr,
+            )
+            return 1
     if args.assert_gain is not None:
         failed = failed_gains(comparison, args.assert_gain, stat=args.assert_stat)
         if failed:

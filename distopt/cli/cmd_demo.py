@@ -45,6 +45,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="alternated rounds of one baseline and one optimized job (default 2: ABBA order)",
     )
     parser.add_argument("--out", default="runs/demo", help="where logs and the plot go")
+    parser.add_argument(
+        "--assert-prediction",
+        type=float,
+        metavar="TOL",
+        help="exit 1 unless the predicted gain is within TOL (0.15: ±15%%) of the measured one "
+        "(as distopt compare --assert-prediction)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -114,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps: expected an integer >= 1, got {args.steps}")
     if args.rounds < 1:
         raise ConfigError(f"--rounds: expected an integer >= 1, got {args.rounds}")
+    if args.assert_prediction is not None and not args.assert_prediction >= 0:
+        raise ConfigError(
+            f"--assert-prediction: expected a fraction >= 0, got {args.assert_prediction}"
+        )
     config = find_config_file(args.config)
     if not config.is_file():
         raise ConfigError(f"--config: config file not found: {args.config}")
@@ -135,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
     # Short runs (--steps 3 in tests) still leave steps to compare after the warm-up.
     compare = [",".join(jobs) for jobs in runs.values()]
     compare += ["--warmup", str(min(DEFAULT_WARMUP, args.steps // 2))]
+    if args.assert_prediction is not None:
+        compare += ["--assert-prediction", str(args.assert_prediction)]
     if importlib.util.find_spec("matplotlib") is not None:
         compare += ["--plot", str(out / f"demo-{stamp}.png")]
     else:

@@ -26,7 +26,7 @@ from torch import nn
 
 from distopt.errors import CaptureError, ConfigError
 from distopt.estimate.profile import profile_nodes
-from distopt.estimate.step import median_time
+from distopt.estimate.step import StepCosts, median_time
 from distopt.estimate.timeline import RequestLatency, Timeline, simulate
 from distopt.remote.ops import remote_ops
 from distopt.remote.record import CALL_INDEX
@@ -177,6 +177,9 @@ class GainPrediction:
     """Median forward+backward of the model as written; ``None`` when not measured."""
     measured_backward_s: float | None = None
     """Median backward of those runs (timed on its own); ``None`` when not measured."""
+    costs: StepCosts | None = None
+    """What a step of both models is made of, timed at start-up (:func:`distopt.estimate.step.predict_step`
+    predicts the step from them); ``None`` when not measured."""
     unmeasured_step: str | None = None
     """Why a step asked for was not measured (its backward sends a remote write)."""
     pipelined: Timeline | None = None

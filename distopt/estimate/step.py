@@ -28,7 +28,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -211,78 +211,99 @@ def gradient_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def predict_step(
-    *,
-    forward_before_s: float,
-    forward_after_s: float,
-    waits_before_s: float,
-    waits_after_s: float,
-    backward_s: float,
-    request_latency_s: float,
-    optimizer_s: float,
-    all_reduce_s: float,
-    num_trainers: int,
-    blocking_pushes: bool,
-    barrier_s: float = 0.0,
-    data_s: float = 0.0,
-) -> StepPrediction:
-    """The step of the model as written and as optimized, phase by phase.
+PushMode = Literal["none", "async", "blocking", "in_turn"]
+"""How a step sends its gradient pushes to distopt's parameter servers: ``none`` (it pushes
+nothing through them), ``async`` (issued, then the next step's reads of a table wait for it:
+:mod:`distopt.ps.client.ordering`), ``blocking`` (each trainer waits for its own), ``in_turn``
+(deterministic jobs: the trainers push one after the other, each waiting for its answer and
+then for a barrier)."""
 
-    The passes change the forward only (its waits); every other phase is predicted the same for
-    both. Pushes: one request per trainer and step (:func:`distopt.ps.push_gradients` batches
-    every table), costing ``request_latency_s``; with ``blocking_pushes`` the trainers push one
-    after the other, each waiting for its answer and then for a barrier (``barrier_s``), so the
-    step pays ``num_trainers`` of both; otherwise the push overlaps what follows and costs
-    nothing here.
-    """
-    pushes = num_trainers * (request_latency_s + barrier_s) if blocking_pushes else 0.0
-    shared = {
-        "data": data_s,
-        "backward": backward_s + all_reduce_s,
-        "all_reduce": all_reduce_s,
+SCHEDULES: tuple[str, ...] = ("baseline", "optimized", "pipelined")
+"""What a step prediction covers: the model as written, as optimized, and the optimized model
+in a cross-step pipeline."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class StepCosts:
+    """What a step prediction is made from (seconds): the phases of rehearsed steps, and the
+    parts of a job's step a lone trainer's rehearsal cannot show."""
+
+    rehearsed: Mapping[str, Mapping[str, float]]
+    """Per schedule (:data:`SCHEDULES`, those rehearsed): the median ``forward``, ``waits``,
+    ``backward`` and ``pushes`` of steps run at start-up on the first batch — remote reads sent
+    for real, distopt pushes as dry runs (the servers compute on copies and change nothing), a
+    remote write of the user's own not sent but waited out at :attr:`read_latency_s`, no
+    optimizer step (:func:`distopt.optimize.gain.rehearse`)."""
+    pushes: PushMode = "none"
+    """How the rehearsal pushed (``in_turn`` rehearses one trainer's blocking push)."""
+    optimizer_s: float = 0.0
+    all_reduce_s: float = 0.0
+    data_s: float = 0.0
+    barrier_s: float = 0.0
+    """The trainers' barrier (in-turn pushes wait for one each)."""
+    num_trainers: int = 1
+    write_stand_ins: int = 0
+    """Remote writes per rehearsed step that were waited out instead of sent."""
+    read_latency_s: float = 0.0
+    """The model's median remote read (what a write not sent costs)."""
+    pipeline_depth: int | None = None
+    """The staleness the rehearsed pipeline ended at (it deepens while its reads arrive late)."""
+
+
+def predict_phases(costs: StepCosts, schedule: str) -> dict[str, float]:
+    """The reported phases (:data:`REPORTED`) of a step of ``schedule``: its rehearsed phases,
+    the optimizer step timed on copies, the all-reduce from the α–β model, and with ``in_turn``
+    pushes every trainer's push (as rehearsed) and barrier."""
+    rehearsed = costs.rehearsed[schedule]
+    pushes = rehearsed["pushes"]
+    if costs.pushes == "in_turn":
+        pushes = costs.num_trainers * (pushes + costs.barrier_s)
+    return {
+        "data": costs.data_s,
+        "forward": rehearsed["forward"],
+        "waits": rehearsed["waits"],
+        "backward": rehearsed["backward"] + costs.all_reduce_s,
+        "all_reduce": costs.all_reduce_s,
         "pushes": pushes,
-        "optimizer": optimizer_s,
+        "optimizer": costs.optimizer_s,
     }
-    how = {
+
+
+def assumptions(costs: StepCosts) -> dict[str, str]:
+    """How each phase of :func:`predict_phases` was predicted (the QPS-log header's ``how``)."""
+    writes = ""
+    if costs.write_stand_ins:
+        writes = (
+            f"; {costs.write_stand_ins} remote write(s) per step not sent, each waited out at "
+            f"the model's median read ({costs.read_latency_s * 1e3:.2f} ms)"
+        )
+    rehearsed = "median of steps rehearsed at start-up on the first batch (reads sent)"
+    push_how = {
+        "none": "0: the step pushes nothing to distopt's parameter servers",
+        "async": f"sending the push, {rehearsed} with dry-run pushes (computed by the servers "
+        "on copies of the rows); the rest of its round trip is waited for by the next step's "
+        "reads, in forward and waits",
+        "blocking": f"a dry-run push's round trip, {rehearsed}",
+        "in_turn": f"{costs.num_trainers} trainers push one after the other: each a dry-run "
+        f"push's round trip ({rehearsed}) and a barrier timed at start-up",
+    }
+    return {
         "data": "0: the loader keeps up (batches are ready when asked for)",
-        "forward": "profiled nodes of the captured and optimized graphs, each remote read timed "
-        "as the model sends it, walked with one clock (distopt.estimate.timeline)",
-        "waits": "the same walk: request latency not hidden by local work",
-        "backward": "median of timed backwards of the model as written, plus all_reduce",
-        "all_reduce": "alpha-beta fit of the trainers' group (distopt.estimate.collectives) for all dense "
-        "gradient bytes in one bucket, not overlapped with backward",
-        "pushes": (
-            f"{num_trainers} trainers push one after the other, one request each at the "
-            "median request latency, then a barrier (timed at start-up)"
-            if blocking_pushes
-            else "0: asynchronous pushes overlap the next step"
-        ),
+        "forward": rehearsed,
+        "waits": f"the part of the forward blocked on remote reads, {rehearsed}",
+        "backward": f"{rehearsed}{writes}, plus all_reduce",
+        "all_reduce": "alpha-beta fit of the trainers' group (distopt.estimate.collectives) for all "
+        "dense gradient bytes in one bucket, not overlapped with backward",
+        "pushes": push_how[costs.pushes],
         "optimizer": "median of timed optimizer steps on copies of the parameters",
     }
-    baseline = {**shared, "forward": forward_before_s, "waits": waits_before_s}
-    optimized = {**shared, "forward": forward_after_s, "waits": waits_after_s}
-    order = {name: i for i, name in enumerate(REPORTED)}
+
+
+def predict_step(costs: StepCosts, *, optimized: str = "optimized") -> StepPrediction:
+    """The step of the model as written and of schedule ``optimized`` (``"pipelined"`` for a
+    pipeline), phase by phase (:func:`predict_phases`)."""
     return StepPrediction(
-        baseline=dict(sorted(baseline.items(), key=lambda kv: order[kv[0]])),
-        optimized=dict(sorted(optimized.items(), key=lambda kv: order[kv[0]])),
-        assumptions=how,
+        baseline=predict_phases(costs, "baseline"),
+        optimized=predict_phases(costs, optimized),
+        assumptions=assumptions(costs),
     )
-
-
-def forward_backward_times(
-    run_forward: Callable[[], torch.Tensor], *, repeats: int
-) -> tuple[float, float]:
-    """Median seconds of ``run_forward()`` (a scalar loss) and of its backward, over ``repeats``
-    runs after one warm-up run. The caller keeps the model's state (see
-    :func:`distopt.estimate.predict.measure_step`)."""
-    forwards, backwards = [], []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        loss = run_forward()
-        middle = time.perf_counter()
-        loss.backward()
-        end = time.perf_counter()
-        if i:
-            forwards.append(middle - start)
-            backwards.append(end - middle)
-    return statistics.median(forwards), statistics.median(backwards)

@@ -106,6 +106,29 @@ class Gain:
     ci_high: float
     predicted: float | None
     """The cost model's predicted gain, when the logs carry one."""
+    unchanged_s: tuple[float, float] | None = None
+    """Median seconds per step of the phases the rewrite does not change (:data:`UNCHANGED`),
+    in the baseline and in this run, when both logged their phases."""
+
+    @property
+    def prediction_error(self) -> float | None:
+        """The predicted gain over the measured one, less one (``None`` without a prediction)."""
+        return None if self.predicted is None else self.predicted / self.median - 1
+
+    @property
+    def unchanged_differ(self) -> bool:
+        """Whether those phases differ between the runs by more than :data:`UNCHANGED_SLACK`
+        (and a millisecond): the host, not the rewrite, moved part of the measured gain."""
+        if self.unchanged_s is None:
+            return False
+        base, run = self.unchanged_s
+        return abs(base - run) > max(1e-3, UNCHANGED_SLACK * min(base, run))
+
+
+UNCHANGED: tuple[str, ...] = ("data", "backward", "pushes", "optimizer")
+"""Step phases the remote-call passes leave as they are (they rewrite the forward)."""
+UNCHANGED_SLACK = 0.2
+"""How far (relative) those phases may differ between two runs before ``compare`` says so."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -184,6 +207,10 @@ class Comparison:
                     "gain_ci_low": gain.ci_low if gain else None,
                     "gain_ci_high": gain.ci_high if gain else None,
                     "predicted_gain": gain.predicted if gain else None,
+                    "prediction_error": gain.prediction_error if gain else None,
+                    "unchanged_phases_s": list(gain.unchanged_s)
+                    if gain and gain.unchanged_s
+                    else None,
                     "fetches": run.fetches,
                 }
             )
@@ -457,6 +484,7 @@ def compare_runs(
                 ci_low=low,
                 ci_high=high,
                 predicted=predicted_gain(base, summary),
+                unchanged_s=_unchanged(base, summary),
             )
         )
     return Comparison(
@@ -470,6 +498,15 @@ def compare_runs(
         seed=seed,
         block=block,
         phases=tuple(row for run in summaries[1:] for row in phase_rows(base, run)),
+    )
+
+
+def _unchanged(base: RunSummary, run: RunSummary) -> tuple[float, float] | None:
+    if base.phases is None or run.phases is None:
+        return None
+    return (
+        sum(base.phases.get(name, 0.0) for name in UNCHANGED),
+        sum(run.phases.get(name, 0.0) for name in UNCHANGED),
     )
 
 
@@ -523,3 +560,15 @@ def failed_gains(comparison: Comparison, threshold: float, *, stat: str = "ci_lo
     if stat not in ("ci_low", "median"):
         raise CompareError(f"--assert-stat: expected 'ci_low' or 'median', got {stat!r}")
     return [g for g in comparison.gains if getattr(g, stat) < threshold]
+
+
+def mispredicted(comparison: Comparison, tolerance: float) -> list[Gain]:
+    """Gains whose prediction is off the measured gain by more than ``tolerance`` (relative);
+    a run without a prediction is one of them (nothing to trust)."""
+    if not tolerance >= 0:
+        raise CompareError(f"--assert-prediction: expected a fraction >= 0, got {tolerance!r}")
+    return [
+        g
+        for g in comparison.gains
+        if g.prediction_error is None or abs(g.prediction_error) > tolerance
+    ]

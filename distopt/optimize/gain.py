@@ -9,6 +9,14 @@ the cost model, because it captures and because a pipelined prediction needs the
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import functools
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
@@ -25,13 +33,20 @@ from distopt.estimate.predict import (
     predict,
     staleness_to_hide,
 )
-from distopt.estimate.step import StepPrediction, forward_backward_times, predict_step
+from distopt.estimate.step import PushMode, StepCosts, StepPrediction, predict_step
 from distopt.estimate.timeline import Timeline, simulate
 from distopt.optimize.api import optimize
-from distopt.pipeline.split import prefetchable
+from distopt.pipeline.prefetch import Prefetcher
+from distopt.pipeline.slots import provided
+from distopt.pipeline.split import PrefetchSplit, prefetchable
+from distopt.pipeline.train_pipeline import check_pipelined
+from distopt.ps.client import calls as ps_calls
+from distopt.ps.client import context as ps_context
+from distopt.remote import registry
+from distopt.remote.intercept import calling_through
 from distopt.remote.isolation import isolated, preserved_state
-from distopt.remote.local import with_remote_calls
-from distopt.remote.record import RemoteWriteRefused, recording
+from distopt.remote.local import named_local_tensors, with_remote_calls
+from distopt.remote.record import Recording, RemoteWriteRefused, recording
 
 
 def predict_pipelined(
@@ -42,23 +57,270 @@ def predict_pipelined(
     return simulate(optimized, forward.after_costs, forward.latency, head_start_s=early)
 
 
-def _measure_step(
-    model: nn.Module, example_inputs: tuple[Any, ...], runs: int = 3
-) -> tuple[float, float]:
-    """Median seconds of a forward and of a backward of ``model`` (timed apart); its grads,
-    buffers and RNG stream, and remote state such as fetched-row records, are as they were
-    afterwards. Remote reads are sent; a remote write (a push in backward) raises
-    :class:`RemoteWriteRefused` before it is sent."""
+REHEARSAL_ROUNDS = 3
+"""Rounds of the rehearsal: each runs a chunk of steps of every schedule in turn, so that a
+host getting faster or slower during it favours none."""
+
+
+Backward = Callable[[torch.Tensor], None]
+StepScope = Callable[[], AbstractContextManager[Backward]]
+"""Around each rehearsed step: a context whose value runs the step's backward from its loss
+(``dist_autograd``'s context and ``dist_autograd.backward`` for a model trained that way)."""
+
+
+@contextlib.contextmanager
+def local_backward() -> Iterator[Backward]:
+    """The default :data:`StepScope`: ``loss.backward()``."""
+    yield lambda loss: loss.backward()
+
+
+def _timed_step(
+    run_forward: Callable[[], torch.Tensor],
+    push: Callable[[], None],
+    times: dict[str, list[float]],
+    scope: StepScope = local_backward,
+) -> None:
+    """One rehearsed step: forward (the waits in it counted), backward, push; appended to
+    ``times``."""
+    with scope() as backward_of:
+        ps_calls.take_wait_time()
+        start = time.perf_counter()
+        loss = run_forward()
+        forward = time.perf_counter() - start
+        waits = ps_calls.take_wait_time()
+        start = time.perf_counter()
+        backward_of(loss)
+        backward = time.perf_counter() - start
+        start = time.perf_counter()
+        push()
+        pushes = time.perf_counter() - start
+    for name, value in (
+        ("forward", forward),
+        ("waits", waits),
+        ("backward", backward),
+        ("pushes", pushes),
+    ):
+        times[name].append(value)
+
+
+def _clear_grads(*modules: nn.Module) -> None:
+    """``zero_grad(set_to_none=True)`` of the parameters held here (a ``RemoteModule``'s live on
+    its owner, and it refuses to list modules)."""
+    for module in modules:
+        for _, param in named_local_tensors(module, "_parameters"):
+            param.grad = None
+
+
+def _loss_of(view: nn.Module, example_inputs: tuple[Any, ...]) -> Callable[[], torch.Tensor]:
+    return lambda: view(*example_inputs).float().sum()
+
+
+def _dry_run_push(pushes: PushMode) -> Callable[[], None]:
+    """Send the step's push as a dry run (ordered as the real one; waited for unless async)."""
+
+    def push() -> None:
+        items = ps_calls.step_pushes() if ps_calls.is_connected() else []
+        ps_context.discard_step()
+        if items and pushes != "none":
+            with calling_through():  # known to change nothing: not one of the model's writes
+                sent = ps_calls.push_many_async(items, 0.0, dry_run=True)
+            if pushes != "async":
+                ps_calls.wait(sent)
+
+    return push
+
+
+def rehearse(
+    model: nn.Module,
+    optimized: torch.fx.GraphModule,
+    example_inputs: tuple[Any, ...],
+    *,
+    pushes: PushMode,
+    baseline_pushes: PushMode | None = None,
+    pipeline_staleness: int | None = None,
+    max_staleness: int | None = None,
+    schedules: Sequence[str] = ("baseline", "optimized"),
+    steps: int,
+    read_latency_s: float,
+    scope: StepScope = local_backward,
+) -> StepCosts:
+    """Rehearse steps of ``model`` and ``optimized`` (and of ``optimized`` in a pipeline with
+    ``pipeline_staleness``) on ``example_inputs``, and return their phases' medians
+    (:class:`StepCosts`; the job's own parts left at 0).
+
+    A rehearsed step is a forward (grad mode; remote reads sent for real, the time blocked on
+    them counted), its backward, and the step's push to distopt's servers as a dry run, sent as
+    ``pushes`` says (``baseline_pushes`` for the model as written, when it pushes otherwise): the
+    servers compute the update on copies of the rows and change nothing, and the next step's
+    reads wait for it as for a real push. A remote write of the user's own in the backward is not
+    sent but waited out at ``read_latency_s`` (:func:`recording`); one that cannot be (an issued
+    write) raises :class:`RemoteWriteRefused` before it is sent. No optimizer step. Schedules
+    take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps`` steps, the first step of each
+    chunk not counted (a pipelined chunk runs as many steps more as its staleness, which are
+    not counted either: their reads were sent before its first step); the backward, which the passes do not change, is the median over every
+    schedule's steps, and so are the pushes of schedules that push alike. The pipeline deepens as in a run when its reads arrive late, up to
+    ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where it ended). Grads, buffers, the
+    RNG stream and remote state such as fetched-row records are as they were afterwards.
+    ``scope`` says how the model's backward runs (:data:`StepScope`; the pipeline's rehearsal
+    always runs ``loss.backward()``).
+    """
+    chunk = max(2, -(-steps // REHEARSAL_ROUNDS) + 1)
+    known: dict[str, tuple[nn.Module, PushMode]] = {
+        "baseline": (model, baseline_pushes or pushes),
+        "optimized": (optimized, pushes),
+        "pipelined": (optimized, pushes),
+    }
+    runs = {name: known[name] for name in schedules}
+    split = None
+    if "pipelined" in runs:
+        if pipeline_staleness is None or pipeline_staleness < 1:
+            raise ConfigError(
+                f"rehearse: a pipelined schedule needs a staleness >= 1, got {pipeline_staleness!r}"
+            )
+        split = check_pipelined(optimized, pipeline_staleness, push=True)
+    times: dict[str, dict[str, list[float]]] = {
+        name: {phase: [] for phase in ("forward", "waits", "backward", "pushes")} for name in runs
+    }
+    stand_ins = 0
+    baseline_wrote: bool | None = None  # unknown until the model as written was rehearsed
+    depth = pipeline_staleness or 0
+    with (
+        preserved_state(model, optimized),
+        isolated(),
+        torch.random.fork_rng(devices=[]),
+    ):
+        # Restored on exit; None now so that backward does not accumulate into the user's grads.
+        _clear_grads(model, optimized)
+        for _ in range(REHEARSAL_ROUNDS):
+            for name, (module, push_mode) in runs.items():
+                view = with_remote_calls(module)
+                chunk_times: dict[str, list[float]] = {phase: [] for phase in times[name]}
+                with _rehearsal_recording(module, view, read_latency_s, baseline_wrote) as record:
+                    push = _dry_run_push(push_mode)
+                    if split is not None and name == "pipelined":
+                        # The first batches' reads were sent before the chunk's first step: a
+                        # chunk counts from the step whose reads an earlier step sent.
+                        warm = depth
+                        depth = _pipelined_chunk(
+                            split,
+                            example_inputs,
+                            depth,
+                            max_staleness,
+                            push,
+                            warm + chunk,
+                            chunk_times,
+                        )
+                        for values in chunk_times.values():
+                            del values[:warm]
+                    else:
+                        for _ in range(chunk):
+                            _timed_step(_loss_of(view, example_inputs), push, chunk_times, scope)
+                            _clear_grads(module)
+                    if ps_calls.is_connected():
+                        ps_calls.flush()  # the last dry-run push belongs to this chunk
+                if name == "baseline":
+                    stand_ins = len(record.stood_in) // chunk
+                    baseline_wrote = bool(record.stood_in) or any(
+                        registry.effect_of(call.spec, call.args or (), call.kwargs or {}) != "read"
+                        for call in record.calls
+                        if call.spec is not None
+                    )
+                for phase, values in chunk_times.items():
+                    times[name][phase].extend(values[1:])
+    # The passes change the forward alone: each schedule's backward, and its pushes where it
+    # pushes as another does, are one cost measured several times, taken together.
+    for phase, same in (
+        ("backward", lambda name: True),
+        ("pushes", lambda name: runs[name][1]),
+    ):
+        pooled: dict[Any, list[float]] = {}
+        for name in runs:
+            pooled.setdefault(same(name), []).extend(times[name][phase])
+        for name in runs:
+            times[name][phase] = pooled[same(name)]
+    return StepCosts(
+        rehearsed={
+            name: {phase: statistics.median(values) for phase, values in phases.items()}
+            for name, phases in times.items()
+        },
+        pushes=pushes,
+        write_stand_ins=stand_ins,
+        read_latency_s=read_latency_s,
+        pipeline_depth=depth if split is not None else None,
+    )
+
+
+def _rehearsal_recording(
+    module: nn.Module, view: nn.Module, read_latency_s: float, baseline_wrote: bool | None
+) -> AbstractContextManager[Recording]:
+    """Where a rehearsed model's remote calls go: through :func:`recording`, which waits writes
+    out instead of sending them. A model Dynamo compiled (no torch.fx graph) is the exception
+    once the model as written was rehearsed and only read: the same code making the same calls,
+    it runs them as they are, because routing them makes Dynamo guard on the wrappers and run
+    them eagerly, one after the other — it would time the model as written."""
+    if not isinstance(module, torch.fx.GraphModule) and baseline_wrote is False:
+        return contextlib.nullcontext(Recording())
+    return recording(view, allow_writes=False, write_cost_s=read_latency_s)
+
+
+def _pipelined_chunk(
+    split: PrefetchSplit,
+    example_inputs: tuple[Any, ...],
+    staleness: int,
+    max_staleness: int | None,
+    push: Callable[[], None],
+    steps: int,
+    times: dict[str, list[float]],
+) -> int:
+    """``steps`` rehearsed steps of the pipeline's main stage, the next batches' reads in flight
+    (the prefetch counted in the forward); returns the staleness it ended at."""
+    prefetcher = Prefetcher(
+        split,
+        itertools.repeat(example_inputs, steps),
+        staleness=staleness,
+        inputs=lambda batch: batch,
+        max_staleness=max_staleness,
+    )
+    # The prefetch stage sends reads only (that is what it is made of): not the model's calls
+    # to route, so a transport's own calls in it (Ray's actor methods) run as they are.
+    try:
+        with calling_through():
+            prefetcher.fill()
+        for _ in range(steps):
+
+            def forward() -> torch.Tensor:
+                with calling_through():
+                    batch, issued = prefetcher.take()
+                with provided(issued):
+                    loss = split.main(*batch).float().sum()
+                with calling_through():
+                    prefetcher.before_backward()
+                return loss
+
+            _timed_step(forward, push, times)
+            with calling_through():
+                prefetcher.after_push()
+            _clear_grads(split.main)
+    finally:
+        prefetcher.close()
+    return prefetcher.stats.depth
+
+
+def read_latency_s(model: nn.Module, example_inputs: tuple[Any, ...], *, runs: int = 3) -> float:
+    """The median of ``model``'s blocking remote calls over ``runs`` forwards (grad off, writes
+    refused, the model's state kept): a request's latency for a model without a graph to
+    profile (a Dynamo-tier model); 0 when it makes none."""
     view = with_remote_calls(model)
     with (
         preserved_state(model),
         isolated(),
         torch.random.fork_rng(devices=[]),
-        recording(view, allow_writes=False),
+        torch.no_grad(),
+        recording(view, allow_writes=False) as record,
     ):
-        # Restored on exit; None now so that backward does not accumulate into the user's grads.
-        model.zero_grad(set_to_none=True)
-        return forward_backward_times(lambda: view(*example_inputs).float().sum(), repeats=runs)
+        for _ in range(runs):
+            view(*example_inputs)
+    return statistics.median(record.blocking_s) if record.blocking_s else 0.0
 
 
 def predict_gain(
@@ -71,6 +333,8 @@ def predict_gain(
     repeats: int = 5,
     pipeline_staleness: int | Literal["auto"] | None = None,
     max_staleness: int = 8,
+    pushes: PushMode = "async",
+    baseline_pushes: PushMode | None = None,
 ) -> GainPrediction:
     """Predict the gain of ``optimized`` (a torch.fx graph distopt made) over ``model``.
 
@@ -80,13 +344,16 @@ def predict_gain(
         example_inputs: positional inputs of one forward call.
         latency_s: seconds per remote request; default: each request of the model measured
             (:func:`predict`), whatever serves it.
-        measure_step: also time a forward+backward of ``model`` (the trainer's step gain); not
-            done, and said in :attr:`GainPrediction.unmeasured_step`, when the step sends a
-            remote write (it is never sent twice).
-        repeats: timed profiling runs per graph.
+        measure_step: also rehearse steps of both models (:func:`rehearse`: the step, phase by
+            phase, in :attr:`GainPrediction.costs`); not done, and said in
+            :attr:`GainPrediction.unmeasured_step`, when the step sends a remote write that
+            cannot be waited out (it is never sent twice).
+        repeats: timed profiling runs per graph, and rehearsed steps per schedule.
         pipeline_staleness: also predict the step of a pipeline (:mod:`distopt.pipeline`)
             with this staleness; ``"auto"``: with the least that hides a request's latency
             (:func:`staleness_to_hide`, at most ``max_staleness``), reported in the result.
+        pushes: how the rehearsed steps push (``baseline_pushes`` for the model as written
+            when it pushes otherwise: the ps_overlap benchmark's baseline waits for its push).
 
     A model or optimized model without a graph is a one-line :class:`CaptureError`, raised
     before any request is sent.
@@ -106,23 +373,60 @@ def predict_gain(
         captured = optimize(model, passes=[], verify=False)
     fx_graphs(captured=captured, optimized=optimized)
     forward = predict(captured, optimized, example_inputs, latency_s, repeats=repeats)
-    step = backward = unmeasured = None
+    step = backward = unmeasured = costs = None
+    rehearsal = functools.partial(
+        rehearse,
+        model,
+        optimized,  # type: ignore[arg-type]  # fx_graphs checked it
+        example_inputs,
+        pushes=pushes,
+        baseline_pushes=baseline_pushes,
+        steps=repeats,
+        read_latency_s=forward.rpc_latency_s,
+    )
     if measure_step:
         try:
-            forward_s, backward = _measure_step(model, example_inputs, runs=repeats)
-            step = forward_s + backward
+            costs = rehearsal()
         except RemoteWriteRefused as err:
             unmeasured = f"the step sends a remote write ({err.write.describe()})"
+        else:
+            baseline = costs.rehearsed["baseline"]
+            step = baseline["forward"] + baseline["backward"]
+            backward = baseline["backward"]
     pipelined = None
+    automatic = pipeline_staleness == "auto"
     if pipeline_staleness == "auto":
         pipeline_staleness = staleness_to_hide(forward, step, limit=max_staleness)
     if pipeline_staleness is not None:
         window = pipeline_window_s(forward, step, pipeline_staleness)
         pipelined = predict_pipelined(optimized, forward, window)  # type: ignore[arg-type]
+        piped = None
+        if costs is not None and pipeline_staleness >= 1:
+            try:
+                piped = rehearsal(
+                    schedules=("pipelined",),
+                    pipeline_staleness=pipeline_staleness,
+                    max_staleness=max_staleness if automatic else None,
+                )
+            except ConfigError:
+                pass  # a pipeline could not run this model (TrainPipeline says why): no rehearsal
+        if costs is not None and piped is not None:
+            costs = dataclasses.replace(
+                costs,
+                rehearsed={**costs.rehearsed, **piped.rehearsed},
+                pipeline_depth=piped.pipeline_depth,
+            )
+            depth = piped.pipeline_depth
+            if automatic and depth is not None and depth != pipeline_staleness:
+                # The rehearsal's reads came back late: start where it ended, as a run would.
+                pipeline_staleness = depth
+                window = pipeline_window_s(forward, step, pipeline_staleness)
+                pipelined = predict_pipelined(optimized, forward, window)  # type: ignore[arg-type]
     return GainPrediction(
         forward=forward,
         measured_step_s=step,
         measured_backward_s=backward,
+        costs=costs,
         unmeasured_step=unmeasured,
         pipelined=pipelined,
         pipeline_staleness=pipeline_staleness,
@@ -135,25 +439,19 @@ def step_of(
     optimizer_s: float,
     all_reduce_s: float,
     num_trainers: int,
-    blocking_pushes: bool,
     barrier_s: float = 0.0,
 ) -> StepPrediction | None:
-    """:func:`predict_step` from a :func:`predict_gain` made with
-    ``measure_step=True`` (``None`` when its step was not measured); a pipelined prediction's
-    optimized forward is the pipelined one."""
-    if gain.measured_backward_s is None:
+    """:func:`predict_step` from a :func:`predict_gain` made with ``measure_step=True`` and the
+    job's own parts (``None`` when its step was not rehearsed); pipelined when the prediction
+    was made for a pipeline."""
+    if gain.costs is None:
         return None
-    after = gain.pipelined if gain.pipelined is not None else gain.forward.after
-    return predict_step(
-        forward_before_s=gain.forward.before_s,
-        forward_after_s=after.total_s,
-        waits_before_s=gain.forward.before.blocked_s,
-        waits_after_s=after.blocked_s,
-        backward_s=gain.measured_backward_s,
-        request_latency_s=gain.rpc_latency_s,
+    costs = dataclasses.replace(
+        gain.costs,
         optimizer_s=optimizer_s,
         all_reduce_s=all_reduce_s,
         num_trainers=num_trainers,
-        blocking_pushes=blocking_pushes,
         barrier_s=barrier_s,
     )
+    piped = "pipelined" in costs.rehearsed
+    return predict_step(costs, optimized="pipelined" if piped else "optimized")

@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -85,6 +87,10 @@ class RemoteWriteRefused(VerificationError):
 @dataclasses.dataclass
 class Recording:
     calls: list[RemoteCallRecord] = dataclasses.field(default_factory=list)
+    stood_in: list[RemoteWrite] = dataclasses.field(default_factory=list)
+    """Remote writes that were not sent but waited out (``recording(write_cost_s=...)``)."""
+    blocking_s: list[float] = dataclasses.field(default_factory=list)
+    """Seconds each blocking call of :attr:`calls` took (an issue's are not here)."""
 
 
 def entry_points() -> dict[int, RemoteCallSpec]:
@@ -99,12 +105,19 @@ def entry_points() -> dict[int, RemoteCallSpec]:
 
 
 @contextlib.contextmanager
-def recording(root: Any, *, allow_writes: bool = True) -> Iterator[Recording]:
+def recording(
+    root: Any, *, allow_writes: bool = True, write_cost_s: float | None = None
+) -> Iterator[Recording]:
     """Inside: ``root``'s remote calls (on this thread) run for real and are recorded in order.
 
     Only the outermost call counts: the ``rpc_async`` a ``RemoteModule`` makes inside its
     ``forward`` belongs to that one call. Waits and other leaves run unrecorded. With
-    ``allow_writes=False`` a remote write raises :class:`RemoteWriteRefused` before it is sent.
+    ``allow_writes=False`` a remote write raises :class:`RemoteWriteRefused` before it is sent;
+    with ``write_cost_s`` too, a blocking write is not sent either: this thread waits that long
+    instead and the call answers ``None``, and an issued one (``rpc_async``: a torch future)
+    answers ``None`` that long after it was issued, so a timing run sees what the write would
+    cost (:attr:`Recording.stood_in` lists them; a model that uses a write's answer fails that
+    run; a write issued through another library's handle is refused).
     """
     entries: dict[int, RemoteCallSpec] = {}
     record = Recording()
@@ -114,16 +127,43 @@ def recording(root: Any, *, allow_writes: bool = True) -> Iterator[Recording]:
         if spec is not None and not allow_writes and fn is not spec.batched:
             if registry.effect_of(spec, args, kwargs) == "write":
                 where = user_line(call_frame(sys._getframe(1))) or "an unknown line"
-                raise RemoteWriteRefused(remote_write(spec, args, kwargs, where))
+                write = remote_write(spec, args, kwargs, where)
+                if write_cost_s is None:
+                    raise RemoteWriteRefused(write)
+                if fn is spec.fn:
+                    time.sleep(write_cost_s)
+                    record.stood_in.append(write)
+                    return None
+                if fn is spec.issue and spec.wait is _TORCH_FUTURE_WAIT:
+                    record.stood_in.append(write)
+                    return _answered_later(write_cost_s)
+                raise RemoteWriteRefused(write)
+        start = time.perf_counter()
         with calling_through():
             value = fn(*args, **kwargs)
         if spec is not None:
             record.calls.append(RemoteCallRecord(fn, value, args, kwargs, spec))
+            if fn is spec.fn:
+                record.blocking_s.append(time.perf_counter() - start)
         return value
 
     with intercepted(root, handler):
         entries.update(entry_points())  # helpers found on the way in are entry points too
         yield record
+
+
+_TORCH_FUTURE_WAIT = registry.wait_future
+"""The wait of issues answering a torch future (read here once: inside a routed block the
+registry's name answers with its routed wrapper)."""
+
+
+def _answered_later(seconds: float) -> torch.futures.Future:
+    """A future that answers ``None`` after ``seconds``: an issued write not sent."""
+    future: torch.futures.Future = torch.futures.Future()
+    timer = threading.Timer(seconds, future.set_result, args=(None,))
+    timer.daemon = True
+    timer.start()
+    return future
 
 
 def awaited(value: Any, spec: RemoteCallSpec | None) -> Any:

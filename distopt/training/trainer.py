@@ -130,12 +130,13 @@ def _prediction(
 
     Only for models captured as a graph that makes remote calls, whatever serves them (distopt's
     tables, the user's own functions, RRefs, Ray actors); see
-    :func:`distopt.optimize.gain.predict_gain` (each request timed as the model sends it, the forward
-    saving taken off a measured forward+backward of the model as written), and the whole step
-    phase by phase (:mod:`distopt.estimate.step`).
+    :func:`distopt.optimize.gain.predict_gain`: steps of both models rehearsed on the first batch,
+    pushing as the job will (deterministic jobs: in turn), and the whole step phase by phase
+    (:mod:`distopt.estimate.step`).
     """
     if not isinstance(optimized, torch.fx.GraphModule) or not remote_ops(optimized.graph):
         return {}
+    in_turn = config.deterministic and ps_calls.is_connected()
     try:
         prediction = predict_gain(
             model,
@@ -144,13 +145,13 @@ def _prediction(
             measure_step=True,
             pipeline_staleness=staleness,
             repeats=PREDICTION_REPEATS,
+            pushes="in_turn" if in_turn else "async",
         )
     except CaptureError:
         return {}  # the prediction is optional: no graph, no prediction (never a failed job)
     if prediction.unmeasured_step is not None:
         logger.info("prediction: no step time predicted: %s", prediction.unmeasured_step)
     header = prediction.to_header()
-    blocking = config.deterministic and ps_calls.is_connected()
     step = step_of(
         prediction,
         optimizer_s=time_optimizer_step(
@@ -158,8 +159,7 @@ def _prediction(
         ),
         all_reduce_s=_all_reduce_s(model, config, num_trainers),
         num_trainers=num_trainers,
-        blocking_pushes=blocking,
-        barrier_s=_barrier_s() if blocking and num_trainers > 1 else 0.0,
+        barrier_s=_barrier_s() if in_turn and num_trainers > 1 else 0.0,
     )
     if step is not None:
         header.update(step.to_header())
@@ -167,8 +167,8 @@ def _prediction(
 
 
 PREDICTION_REPEATS = 15
-"""Timed runs of each graph (and of the model's backward) the prediction takes the median of:
-enough that two runs of one job predict alike on a busy host (docs/cost_model.md)."""
+"""Timed runs of each graph, and rehearsed steps of each schedule, the prediction takes the
+median of: enough that two runs of one job predict alike on a busy host (docs/cost_model.md)."""
 
 
 def _barrier_s() -> float:

@@ -45,14 +45,25 @@ def test_ps_overlap_runs_and_logs(tmp_path) -> None:
         p.parent.name.rsplit("-", 1)[-1]: p for p in (tmp_path / "runs").glob("*/qps-rank0.jsonl")
     }
     assert sorted(logs) == variants
+    # Each predicted variant's log header carries its step, phase by phase, beside the baseline's.
     header = json.loads(logs["optimized"].read_text().splitlines()[0])
-    assert header["predicted_saving_s"] == point["predicted_saving_s"]
+    assert header["predicted_gain"] == point["prediction"]["optimized"]["predicted_gain"]
+    assert header["predicted_step_time_s"] == point["predicted_step_s"]["optimized"] > 0
+    assert header["predicted_phases"]["baseline"] == point["predicted_phases"]["baseline"]
     assert "predicted_pipeline_staleness" not in header
     piped = json.loads(logs["pipelined"].read_text().splitlines()[0])
     # auto: per point the cost model's choice, deepened in the run while reads were late.
     assert piped["predicted_pipeline_staleness"] == point["predicted_pipeline_staleness"] >= 1
     assert point["predicted_pipeline_staleness"] <= point["pipeline_staleness"] <= 4
-    assert piped["predicted_step_time_s"] == point["predicted_pipelined_step_s"] > 0
+    assert piped["predicted_step_time_s"] == point["predicted_step_s"]["pipelined"] > 0
+    for name in ("optimized", "pipelined"):
+        score = point["prediction"][name]
+        measured = (
+            point["variants"]["baseline"]["median_step_s"]
+            / point["variants"][name]["median_step_s"]
+        )
+        assert score["measured_gain"] == pytest.approx(measured)
+        assert score["error"] == pytest.approx(score["predicted_gain"] / measured - 1)
     assert point["pipelined_vs_no_network_qps"] > 0 and point["pipelined_vs_optimized_qps"] > 0
 
 
@@ -144,8 +155,8 @@ def test_remote_idioms_runs(tmp_path) -> None:
         "kind: remote_idioms\nidioms: [tests.remote.corpus.rref_helper]\n"
         "reads: [tests.remote.corpus.tables:lookup_rows]\nlatency_ms: 0.0\n"
         "rounds: 1\nsteps: 3\nwarmup: 1\nbatch_size: 8\n"
-        "target_hidden: -1000.0\ntarget_ratio_vs_hand: 0.0\n"  # one round on a loaded CI host is
-        # noise: the targets are the bench's
+        "target_hidden: -1000.0\ntarget_ratio_vs_hand: 0.0\ntarget_prediction_error: 1000.0\n"
+        "prediction_steps: 3\n"  # one round on a loaded CI host is noise: the targets are the bench's
     )
     out = tmp_path / "out.json"
     result = subprocess.run(
@@ -164,6 +175,15 @@ def test_remote_idioms_runs(tmp_path) -> None:
         "hand",
     }
     assert row["opt_vs_hand_qps"] > 0
+    # The cost model's step of both models (rehearsed with dist_autograd), scored beside the
+    # measured speed-up.
+    prediction = row["prediction"]
+    assert prediction["baseline_s"] > 0 and prediction["optimized_s"] > 0
+    assert prediction["predicted_gain"] == pytest.approx(
+        prediction["baseline_s"] / prediction["optimized_s"]
+    )
+    measured = row["median_step_s"]["baseline"] / row["median_step_s"]["optimized"]
+    assert prediction["error"] == pytest.approx(prediction["predicted_gain"] / measured - 1)
     # Only torch's own deprecation of DistributedOptimizer's TorchScript path (see
     # distopt.bench.remote_idioms): no pipe errors, no RRef leaks at shutdown.
     torchscript = (

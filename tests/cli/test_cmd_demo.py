@@ -18,6 +18,7 @@ from distopt.cli.cmd_demo import alternated
          "--config: config file not found: configs/jobs/nope.yaml"),
         (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
         (["--rounds", "0"], "--rounds: expected an integer >= 1, got 0"),
+        (["--assert-prediction", "-0.1"], "--assert-prediction: expected a fraction >= 0, got -0.1"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line(

@@ -10,7 +10,7 @@ import distopt
 from distopt.capture import symbolic_capture
 from distopt.config import CaptureConfig
 from tests.passes.remote import inprocess_server as ps
-from tests.passes.remote.inprocess_server import fetch, push
+from tests.passes.remote.inprocess_server import fetch, push, push_async
 
 PASSES = ["split_remote", "hoist_issue", "batch_fetch", "sink_wait"]
 
@@ -69,6 +69,35 @@ class PushesInBackward(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         return self.fc(x) + pushed(fetch("t1", ids), ids)
+
+
+class _IssuePushOnBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(ids)
+        return rows.view_as(rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        push_async("t1", ctx.saved_tensors[0], grad).wait()
+        return None, None
+
+
+@torch.fx.wrap
+def push_issued(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """``rows``, whose gradient backward issues as a push to ``t1`` and waits for."""
+    return _IssuePushOnBackward.apply(rows.requires_grad_(), ids)
+
+
+class IssuesPushInBackward(nn.Module):
+    """As :class:`PushesInBackward`, but its backward issues the push (an async write)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(ps.DIM, ps.DIM)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) + push_issued(fetch("t1", ids), ids)
 
 
 def inputs() -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,9 +17,8 @@ from distopt.estimate.predict import (
     predict,
 )
 from distopt.estimate.timeline import Timeline
-from distopt.optimize.gain import predict_gain
-from tests.estimate import remote_models
-from tests.estimate.remote_models import PushesInBackward, graphs, inputs
+from distopt.optimize.gain import REHEARSAL_ROUNDS, predict_gain, step_of
+from tests.estimate.remote_models import IssuesPushInBackward, PushesInBackward, graphs, inputs
 from tests.passes.remote import inprocess_server as ps
 from tests.passes.remote.inprocess_server import STORE, fetch
 
@@ -111,8 +109,10 @@ def test_predict_gain_leaves_the_model_as_it_was() -> None:
     assert prediction.forward.before.requests == 2 and prediction.forward.unmatched == []
     assert all(p.grad is None for p in model.parameters())
     assert torch.equal(torch.random.get_rng_state(), rng)
-    # The captured graph's two reads in each of its 3 profiling runs, and in three measured steps.
-    assert STORE.requests == 2 * 3 + 3 * 2
+    # The captured graph's two reads in each of its 3 profiling runs, and in every rehearsed step
+    # of both models: 3 rounds of a chunk of 2 steps (the first not counted) each.
+    assert REHEARSAL_ROUNDS == 3
+    assert STORE.requests == 2 * 3 + REHEARSAL_ROUNDS * 2 * 2 * 2
 
 
 def test_predict_gain_sends_nothing_when_there_is_no_graph() -> None:
@@ -136,21 +136,40 @@ def test_each_request_costs_what_the_models_own_request_took() -> None:
     assert prediction.after_s < prediction.before_s - 0.015  # they overlap each other
 
 
-def test_a_step_that_pushes_in_backward_is_not_measured_and_nothing_is_pushed() -> None:
+def test_a_write_in_backward_is_waited_out_not_sent() -> None:
+    """The user's own push in backward: the rehearsed step waits the model's median read
+    instead of sending it, so the step is predicted and the table never changes."""
     model, example = PushesInBackward(), inputs()
-    STORE.reset()
+    STORE.reset(delay_s=0.01)
     before = STORE.snapshot()
     optimized = distopt.optimize(
         model, example, passes=["split_remote", "hoist_issue", "sink_wait"]
     )
     prediction = predict_gain(model, optimized, example, measure_step=True, repeats=2)
-    assert prediction.measured_step_s is None
-    assert prediction.unmeasured_step == (
-        f"the step sends a remote write (push at {Path(remote_models.__file__)}:53: "
-        'push("t1", ctx.saved_tensors[0], grad))'
-    )
-    assert "predicted_step_time_s" not in prediction.to_header()
+    assert prediction.unmeasured_step is None and prediction.costs is not None
+    assert prediction.costs.write_stand_ins == 1
+    assert prediction.costs.read_latency_s == prediction.rpc_latency_s >= 0.01
+    # The waited-out write is in the backward of both schedules.
+    for schedule in ("baseline", "optimized"):
+        assert prediction.costs.rehearsed[schedule]["backward"] >= 0.01
+    step = step_of(prediction, optimizer_s=0.0, all_reduce_s=0.0, num_trainers=1)
+    assert step is not None and "waited out" in step.assumptions["backward"]
     assert torch.equal(STORE.snapshot()["t1"], before["t1"])  # verified, predicted: never pushed
+
+
+def test_an_issued_write_in_backward_answers_later_and_is_not_sent() -> None:
+    """The write issued as a future (``push_async(...).wait()``): the rehearsal hands back a
+    future that answers after the median read, so its wait costs what the write would."""
+    model, example = IssuesPushInBackward(), inputs()
+    STORE.reset(delay_s=0.01)
+    before = STORE.snapshot()
+    optimized = distopt.optimize(
+        model, example, passes=["split_remote", "hoist_issue", "sink_wait"]
+    )
+    prediction = predict_gain(model, optimized, example, measure_step=True, repeats=2)
+    assert prediction.costs is not None and prediction.costs.write_stand_ins == 1
+    assert prediction.costs.rehearsed["baseline"]["backward"] >= 0.01
+    assert torch.equal(STORE.snapshot()["t1"], before["t1"])
 
 
 def test_predict_gain_refuses_a_bad_pipeline_staleness_before_any_request() -> None:

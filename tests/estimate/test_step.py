@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -12,9 +13,11 @@ from distopt.estimate.predict import GainPrediction, Prediction
 from distopt.estimate.step import (
     PHASES,
     REPORTED,
+    StepCosts,
     StepPhases,
     StepPrediction,
     gradient_bytes,
+    predict_phases,
     predict_step,
     time_optimizer_step,
 )
@@ -77,48 +80,46 @@ def test_backward_and_its_all_reduce_part() -> None:
     assert phases.take()["all_reduce"] == 0.0
 
 
-def test_predict_step_changes_only_the_forward() -> None:
-    step = predict_step(
-        forward_before_s=0.030,
-        forward_after_s=0.010,
-        waits_before_s=0.028,
-        waits_after_s=0.008,
-        backward_s=0.004,
-        request_latency_s=0.006,
+def _rehearsed(forward: float, waits: float, pushes: float) -> dict[str, float]:
+    return {"forward": forward, "waits": waits, "backward": 0.004, "pushes": pushes}
+
+
+def test_predict_step_adds_the_jobs_own_parts_to_the_rehearsed_phases() -> None:
+    costs = StepCosts(
+        rehearsed={
+            "baseline": _rehearsed(0.030, 0.028, 0.006),
+            "optimized": _rehearsed(0.010, 0.008, 0.006),
+        },
+        pushes="in_turn",
         optimizer_s=0.001,
         all_reduce_s=0.002,
-        num_trainers=2,
-        blocking_pushes=True,
         barrier_s=0.0005,
+        num_trainers=2,
     )
+    step = predict_step(costs)
     assert list(step.baseline) == list(REPORTED) == list(step.optimized)
-    # Two trainers, one after the other, each a push and a barrier.
+    # Two trainers, one after the other, each its rehearsed push and a barrier.
     assert step.baseline["pushes"] == pytest.approx(0.013)
     assert step.baseline["backward"] == pytest.approx(0.006)  # the all-reduce is inside it
     assert step.baseline_s == pytest.approx(0.030 + 0.006 + 0.013 + 0.001)
     assert step.optimized_s == pytest.approx(0.010 + 0.006 + 0.013 + 0.001)
     assert step.gain == pytest.approx(step.baseline_s / step.optimized_s)
-    assert {k: step.baseline[k] for k in REPORTED if k not in ("forward", "waits")} == {
-        k: step.optimized[k] for k in REPORTED if k not in ("forward", "waits")
-    }
     header = step.to_header()
     assert header["predicted_saving_s"] == pytest.approx(0.020)
     assert header["predicted_gain"] == step.gain
     assert set(header["predicted_phases"]) == {"baseline", "optimized", "how"}
     assert set(header["predicted_phases"]["how"]) == set(REPORTED)
-    asynchronous = predict_step(
-        forward_before_s=0.03,
-        forward_after_s=0.01,
-        waits_before_s=0.0,
-        waits_after_s=0.0,
-        backward_s=0.0,
-        request_latency_s=0.006,
-        optimizer_s=0.0,
-        all_reduce_s=0.0,
-        num_trainers=2,
-        blocking_pushes=False,
-    )
-    assert asynchronous.optimized["pushes"] == 0.0
+    assert "one after the other" in header["predicted_phases"]["how"]["pushes"]
+    # Asynchronous pushes cost what the rehearsal measured: sending them.
+    sent = predict_step(dataclasses.replace(costs, pushes="async"))
+    assert sent.optimized["pushes"] == 0.006 and "dry-run" in sent.assumptions["pushes"]
+
+
+def test_predict_phases_of_a_schedule_not_rehearsed_is_an_error() -> None:
+    costs = StepCosts(rehearsed={"baseline": _rehearsed(0.03, 0.02, 0.0)})
+    assert predict_phases(costs, "baseline")["forward"] == 0.03
+    with pytest.raises(KeyError):
+        predict_phases(costs, "pipelined")
 
 
 def test_step_total_is_the_disjoint_phases() -> None:
@@ -139,26 +140,25 @@ def test_optimizer_step_is_timed_on_copies() -> None:
     assert gradient_bytes(model) == sum(p.numel() * 4 for p in model.parameters())
 
 
-def test_step_of_a_gain_prediction_uses_the_pipelined_forward() -> None:
+def test_step_of_a_gain_prediction_uses_the_pipelined_rehearsal() -> None:
     before = Timeline(total_s=0.030, compute_s=0.002, blocked_s=0.028, requests=4)
     after = Timeline(total_s=0.010, compute_s=0.002, blocked_s=0.008, requests=1)
     forward = Prediction(before=before, after=after, rpc_latency_s=0.007)
     assert (
-        step_of(
-            GainPrediction(forward=forward),
-            optimizer_s=0,
-            all_reduce_s=0,
-            num_trainers=1,
-            blocking_pushes=False,
-        )
+        step_of(GainPrediction(forward=forward), optimizer_s=0, all_reduce_s=0, num_trainers=1)
         is None
     )
-    pipelined = Timeline(total_s=0.003, compute_s=0.002, blocked_s=0.001, requests=1)
-    gain = GainPrediction(
-        forward=forward, measured_step_s=0.034, measured_backward_s=0.004, pipelined=pipelined
+    costs = StepCosts(
+        rehearsed={
+            "baseline": _rehearsed(0.030, 0.028, 0.007),
+            "optimized": _rehearsed(0.010, 0.008, 0.007),
+            "pipelined": _rehearsed(0.003, 0.001, 0.001),
+        },
+        pushes="blocking",
     )
-    step = step_of(gain, optimizer_s=0.001, all_reduce_s=0.0, num_trainers=1, blocking_pushes=True)
+    gain = GainPrediction(forward=forward, costs=costs, pipeline_staleness=2)
+    step = step_of(gain, optimizer_s=0.001, all_reduce_s=0.0, num_trainers=1)
     assert step is not None
     assert step.baseline["forward"] == 0.030 and step.optimized["forward"] == 0.003
     assert step.optimized["waits"] == 0.001 and step.baseline["pushes"] == 0.007
-    assert step.baseline["backward"] == 0.004
+    assert step.baseline["backward"] == 0.004 and step.optimized["optimizer"] == 0.001

@@ -30,8 +30,15 @@ def test_own_rpc_model_trains_as_a_job(variant: str, tmp_path: Path) -> None:
     assert auc > 0.85  # the labels follow the remote rows: it learned them through rpc_sync
     header = load_run(tmp_path / f"own-{variant}").ranks[0].header
     if variant == "optimized":
-        # The prediction timed the user's own lookup on ps0 (there is no table of distopt's).
-        assert 0 < header["predicted_rpc_latency_s"] < 1 and header["predicted_saving_s"] > 0
+        # The prediction timed the user's own lookup on ps0 (there is no table of distopt's), and
+        # rehearsed the whole step: its backward's own write (apply_gradient) waited out, not sent.
+        assert 0 < header["predicted_rpc_latency_s"] < 1
+        how = header["predicted_phases"]["how"]["backward"]
+        assert "1 remote write(s) per step not sent" in how, how
+        assert (
+            header["predicted_phases"]["optimized"]["backward"] >= header["predicted_rpc_latency_s"]
+        )
+        assert 0 < header["predicted_gain"] < 10
     else:
         assert "predicted_gain" not in header
 

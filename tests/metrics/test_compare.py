@@ -8,12 +8,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from distopt.cli import main
 from distopt.estimate.step import PHASES
 from distopt.metrics.compare import (
     CompareError,
     bootstrap_ratio_of_medians,
     compare_runs,
     failed_gains,
+    mispredicted,
     summarize,
 )
 from distopt.metrics.qps_log import QpsLogWriter, load_run
@@ -201,6 +203,60 @@ def test_phases_predicted_beside_measured(tmp_path: Path) -> None:
     assert result.to_json()["phases"][1]["phase"] == "forward"
     old = load_run(_phased_run(tmp_path, "old", "optimized", measured_opt))
     assert compare_runs([base, old], warmup=3).phases == ()
+
+
+def test_compare_says_when_phases_the_rewrite_leaves_alone_moved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new user's baseline ran its backward and all-reduce twice as slowly as the optimized
+    run (a loaded host): compare says so beside the gain, and not when those phases agree."""
+    base_phases = {"data": 0.0, "forward": 0.030, "waits": 0.020, "backward": 0.022}
+    base_phases |= {"all_reduce": 0.015, "pushes": 0.001, "optimizer": 0.001}
+    opt_phases = {**base_phases, "forward": 0.012, "waits": 0.004, "backward": 0.011}
+    base = _phased_run(tmp_path, "base", "baseline", base_phases)
+    slow = _phased_run(tmp_path, "slow", "optimized", opt_phases)
+    same = _phased_run(tmp_path, "same", "optimized", {**opt_phases, "backward": 0.021})
+    result = compare_runs([load_run(base), load_run(slow), load_run(same)], warmup=3)
+    moved, agreed = result.gains
+    assert moved.unchanged_s is not None
+    assert moved.unchanged_s[0] == pytest.approx(0.024, rel=0.03)
+    assert moved.unchanged_s[1] == pytest.approx(0.013, rel=0.03)
+    assert moved.unchanged_differ and not agreed.unchanged_differ
+    assert result.to_json()["runs"][1]["unchanged_phases_s"] == list(moved.unchanged_s)
+    assert main(["compare", str(base), str(slow), str(same)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("the phases the rewrite does not change") == 1
+    assert (
+        "slow: the phases the rewrite does not change (data, backward, pushes, optimizer)"
+        in " ".join(out.split())
+    )
+
+
+def test_compare_prints_and_asserts_the_prediction_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    phases = {"data": 0.0, "forward": 0.030, "waits": 0.020, "backward": 0.004}
+    phases |= {"all_reduce": 0.0, "pushes": 0.001, "optimizer": 0.001}
+    base = _phased_run(tmp_path, "base", "baseline", phases)
+    fast = {**phases, "forward": 0.012, "waits": 0.002}  # 36 ms -> 18 ms: 2x
+    good = _phased_run(tmp_path, "good", "optimized", fast, predicted_gain=2.1)
+    bad = _phased_run(tmp_path, "bad", "optimized", fast, predicted_gain=3.0)
+    result = compare_runs([load_run(base), load_run(good), load_run(bad)], warmup=3)
+    assert result.gains[0].prediction_error == pytest.approx(2.1 / result.gains[0].median - 1)
+    assert [g.label for g in mispredicted(result, 0.15)] == [str(bad)]
+    assert main(["compare", str(base), str(good), "--assert-prediction", "0.15"]) == 0
+    out = capsys.readouterr().out
+    assert "good: predicted gain 2.100× vs measured 2.0" in out
+    assert main(["compare", str(base), str(good), str(bad), "--assert-prediction", "0.15"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"distopt compare: assertion failed: the predicted gain of {bad} is off by +"
+    )
+    assert err.rstrip().endswith("beyond --assert-prediction 0.15")
+    # A run without a prediction has nothing to trust.
+    plain = _phased_run(tmp_path, "plain", "optimized", fast)
+    assert main(["compare", str(base), str(plain), "--assert-prediction", "0.15"]) == 1
+    assert "has no prediction" in capsys.readouterr().err
 
 
 def test_interval_resamples_blocks_of_steps(write_run: WriteRun) -> None:

@@ -34,6 +34,7 @@ TABLES = (
     TableSpec(name="many_sgd", num_rows=10, dim=4),
     TableSpec(name="many_ada", num_rows=12, dim=3, optimizer="adagrad"),
     TableSpec(name="many_bad", num_rows=8, dim=2),
+    TableSpec(name="dry", num_rows=10, dim=4, optimizer="adagrad"),
 )
 
 
@@ -185,6 +186,41 @@ def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(
         assert after.get("push", 0) == before[server].get("push", 0)
     torch.testing.assert_close(rows[0], expected["many_sgd"].weight)
     torch.testing.assert_close(rows[1], expected["many_ada"].weight)
+
+
+def test_a_dry_run_push_is_a_pushs_requests_that_change_nothing(job: ps.PSJob) -> None:
+    """The cost model's rehearsal: one request per server as a push, a later fetch waits for it
+    and push listeners hear of it, but rows and optimizer state stay; each server counts it and
+    the CPU its handlers took."""
+    state = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
+    before = ps.fetch("dry", torch.arange(10)).detach()
+    heard: list[str] = []
+    stop = calls.on_push(lambda table, ids: heard.append(table))
+    try:
+        fut = calls.push_many_async(
+            [("dry", torch.tensor([0, 1, 1, 6]), torch.randn(4, 4))], 0.5, dry_run=True
+        )
+        assert not fut.done()  # 20 ms on each server
+        with torch.no_grad():
+            rows = ps.wait(ps.fetch_async("dry", torch.arange(10)))
+        assert fut.done() and ps.wait(fut) is None
+    finally:
+        stop()
+    assert heard == ["dry"]
+    assert torch.equal(rows, before)
+    for shards in ps.state_dict().values():
+        assert not shards["dry"]["accum"].any()  # Adagrad's state untouched on both shards
+    for server in ("ps0", "ps1"):
+        after = ps.server_stats(server)
+        assert after["push_dry_run"] - state[server].get("push_dry_run", 0) == 1
+        assert after.get("push_many", 0) == state[server].get("push_many", 0)
+        assert after["cpu_us"] > state[server]["cpu_us"] and after["cpu_us_push_dry_run"] >= 0
+    # A real push afterwards is applied once, as if the dry run had never been.
+    expected = ShardTable(_spec("dry"), shard=0, num_shards=1, seed=SEED)
+    grads = torch.randn(2, 4)
+    expected.push(torch.tensor([3, 4]), grads, lr=0.5)
+    ps.push("dry", torch.tensor([3, 4]), grads, lr=0.5)
+    torch.testing.assert_close(ps.fetch("dry", torch.arange(10)).detach(), expected.weight)
 
 
 def test_a_failed_batched_push_fails_later_operations_of_each_of_its_tables(job: ps.PSJob) -> None:

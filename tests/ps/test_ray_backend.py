@@ -3,6 +3,7 @@ the same numerics, ordering, errors and checkpoints as the RPC backend."""
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import time
@@ -17,6 +18,7 @@ import distopt.ps as ps
 from distopt.config import from_dict
 from distopt.errors import ConfigError, RemoteCallError
 from distopt.models.dlrm import DLRM, DLRMConfig, dlrm_tables, make_batch
+from distopt.optimize.gain import predict_gain
 from distopt.ps.server.table import ShardTable, initial_rows
 from distopt.ps.spec import ServerOptions, TableSpec
 from distopt.remote.ops import remote_ops
@@ -226,6 +228,40 @@ def test_optimize_hoists_and_batches_fetches_on_the_ray_backend(ray_cluster) -> 
             torch.testing.assert_close(
                 gm(batch.dense, batch.sparse), model(batch.dense, batch.sparse), rtol=0, atol=0
             )
+
+
+def test_the_cost_model_rehearses_every_schedule_on_the_ray_backend(ray_cluster) -> None:
+    """The rehearsal's dry-run pushes and the pipeline's prefetches reach the actors as calls of
+    their own (not the model's, which a measuring run refuses to write with), and change nothing."""
+    config = DLRMConfig(num_tables=2, num_rows=50, embedding_dim=4, batch_size=6, bag_size=3)
+    options = ServerOptions(num_servers=1, backend="ray", latency_ms=2, start_timeout_s=30)
+    batch = make_batch(config, 0)
+    with ps.local_job(dlrm_tables(config), options):
+        torch.manual_seed(0)
+        model = DLRM(config)
+        gm = distopt.optimize(copy.deepcopy(model), (batch.dense, batch.sparse))
+        ps.discard_step()
+        with torch.no_grad():
+            before = {t: ps.fetch(t) for t in config.table_names}
+        prediction = predict_gain(
+            model,
+            gm,
+            (batch.dense, batch.sparse),
+            measure_step=True,
+            repeats=2,
+            pipeline_staleness=2,
+            baseline_pushes="blocking",
+        )
+        with torch.no_grad():
+            after = {t: ps.fetch(t) for t in config.table_names}
+        stats = ps.server_stats("ps0")
+    assert prediction.costs is not None
+    assert set(prediction.costs.rehearsed) == {"baseline", "optimized", "pipelined"}
+    # The baseline waits for its push (2 ms on the actor); the others only send theirs.
+    rehearsed = prediction.costs.rehearsed
+    assert rehearsed["baseline"]["pushes"] >= 0.002 > rehearsed["optimized"]["pushes"]
+    assert stats["push_dry_run"] > 0 and stats.get("push_many", 0) == 0
+    assert all(torch.equal(before[t], after[t]) for t in before)
 
 
 def test_a_private_instance_stays_on_loopback_and_runs_actors_at_the_trainers_priority() -> None:

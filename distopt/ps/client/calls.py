@@ -448,40 +448,26 @@ def push_async(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> Future:
     return push_many_async([(table, ids, grads)], lr)
 
 
-def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) -> Future:
+def push_many_async(
+    pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float, *, dry_run: bool = False
+) -> Future:
     """Several ``(table, ids, grads)`` pushes as one request per server (one latency and one
     serialization instead of one per table), each table ordered as by :func:`push_async`. A server
     checks every table and row before applying any; if the request still fails, later operations
-    of each of its tables fail (their state is unknown). Resolve with :func:`wait`."""
+    of each of its tables fail (their state is unknown). Resolve with :func:`wait`.
+
+    ``dry_run``: the same requests, ordered the same way and heard by the push listeners (a
+    pipeline's staleness journal) alike, but the servers compute the update on copies of the rows
+    and change nothing (``push_dry_run``), and no cache takes it: the cost model rehearses a
+    step's push this way (a push is never sent twice).
+    """
     client = current()
-    named: list[tuple[str, torch.Tensor]] = []  # (table, flat ids), for the push listeners
-    per_server: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}
-    shards: dict[str, list[int]] = {}  # the shard of each item of per_server
-    for table, ids, grads in pushes:
-        route = client.route(table)
-        flat = _as_ids(route, ids).reshape(-1)
-        if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
-            raise ConfigError(
-                f"push to {table!r}: grads must be a float tensor, got {type(grads).__name__}"
-            )
-        if grads.numel() != flat.numel() * route.spec.dim:
-            raise ConfigError(
-                f"push to {table!r}: grads of shape {tuple(grads.shape)} do not match {flat.numel()} ids "
-                f"of dim {route.spec.dim}"
-            )
-        # Sent from host memory, contiguous: a cache applies the rows as the server receives them.
-        rows = grads.detach().reshape(-1, route.spec.dim).to("cpu").contiguous()
-        for shard, pos, shard_ids in _split(flat, len(route.servers)):
-            shard_rows = rows if pos is None else rows.index_select(0, pos)
-            server = route.servers[shard]
-            per_server.setdefault(server, []).append((table, shard_ids, shard_rows))
-            shards.setdefault(server, []).append(shard)
-        named.append((table, flat))
+    named, per_server, shards = _push_plan(client, pushes)
     tables = [table for table, _ in named]
     out: Future = Future()
     out.label = label = f"ps.push:{'+'.join(tables)}"  # type: ignore[attr-defined]
     plan = list(per_server.items())
-    cached = any(table in client.caches for table in tables)
+    cached = not dry_run and any(table in client.caches for table in tables)
 
     def start() -> Future:
         """One request per server: ``push`` for one item, else ``push_many``. Gradient rows
@@ -494,7 +480,9 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
             writers = [_writer(client, table) for table, _, _ in items] if cached else None
             wire = [(table, ids, pack_rows(rows)) for table, ids, rows in items]
             args: tuple[Any, ...]
-            if len(items) == 1:
+            if dry_run:
+                op, args = "push_dry_run", (list(items), float(lr))
+            elif len(items) == 1:
                 op = "push"
                 args = (*wire[0], float(lr), *(writers or ()))
             else:
@@ -525,6 +513,40 @@ def push_many_async(pushes: Sequence[tuple[str, Ids, torch.Tensor]], lr: float) 
     return out
 
 
+_PerServer = dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]]
+
+
+def _push_plan(
+    client: Client, pushes: Sequence[tuple[str, Ids, torch.Tensor]]
+) -> tuple[list[tuple[str, torch.Tensor]], _PerServer, dict[str, list[int]]]:
+    """The pushes checked and split by server: ``(table, flat ids)`` per push, the
+    ``(table, ids, rows)`` items of each server's request, and the shard of each item."""
+    named: list[tuple[str, torch.Tensor]] = []  # (table, flat ids), for the push listeners
+    per_server: _PerServer = {}
+    shards: dict[str, list[int]] = {}  # the shard of each item of per_server
+    for table, ids, grads in pushes:
+        route = client.route(table)
+        flat = _as_ids(route, ids).reshape(-1)
+        if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
+            raise ConfigError(
+                f"push to {table!r}: grads must be a float tensor, got {type(grads).__name__}"
+            )
+        if grads.numel() != flat.numel() * route.spec.dim:
+            raise ConfigError(
+                f"push to {table!r}: grads of shape {tuple(grads.shape)} do not match {flat.numel()} ids "
+                f"of dim {route.spec.dim}"
+            )
+        # Sent from host memory, contiguous: a cache applies the rows as the server receives them.
+        rows = grads.detach().reshape(-1, route.spec.dim).to("cpu").contiguous()
+        for shard, pos, shard_ids in _split(flat, len(route.servers)):
+            shard_rows = rows if pos is None else rows.index_select(0, pos)
+            server = route.servers[shard]
+            per_server.setdefault(server, []).append((table, shard_ids, shard_rows))
+            shards.setdefault(server, []).append(shard)
+        named.append((table, flat))
+    return named, per_server, shards
+
+
 def _writer(client: Client, table: str) -> int:
     """The writer token of ``table``'s cache, 0 for an uncached table."""
     cache = client.caches.get(table)
@@ -536,6 +558,19 @@ def push(table: str, ids: Ids, grads: torch.Tensor, lr: float) -> None:
     wait(push_async(table, ids, grads, lr))
 
 
+def step_pushes() -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """What :func:`push_gradients` would push now: per table of this thread's step, the ids of
+    every row fetched with a gradient and those gradients (the step's records stay)."""
+    by_table: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for rec in context.current():
+        if rec.rows.grad is None:
+            continue  # fetched but unused by the loss
+        ids, grads = by_table.setdefault(rec.table, ([], []))
+        ids.append(rec.ids)
+        grads.append(rec.rows.grad.reshape(rec.ids.numel(), -1))
+    return [(t, torch.cat(ids), torch.cat(grads)) for t, (ids, grads) in by_table.items()]
+
+
 def push_gradients(*, lr: float, blocking: bool = False) -> list[Future]:
     """Push the gradients of every row fetched in this thread's step, then clear the step.
 
@@ -544,20 +579,11 @@ def push_gradients(*, lr: float, blocking: bool = False) -> list[Future]:
     ``blocking=False`` the push overlaps what follows (the next step's fetches of a table are
     ordered after it); returns its future (none when nothing was fetched with a gradient).
     """
-    by_table: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for rec in context.take():
-        if rec.rows.grad is None:
-            continue  # fetched but unused by the loss
-        ids, grads = by_table.setdefault(rec.table, ([], []))
-        ids.append(rec.ids)
-        grads.append(rec.rows.grad.reshape(rec.ids.numel(), -1))
-    if not by_table:
+    pushes = step_pushes()
+    context.take()
+    if not pushes:
         return []
-    futures = [
-        push_many_async(
-            [(t, torch.cat(ids), torch.cat(grads)) for t, (ids, grads) in by_table.items()], lr
-        )
-    ]
+    futures = [push_many_async(pushes, lr)]
     if blocking:
         for fut in futures:
             wait(fut)

@@ -83,7 +83,11 @@ class ParameterServer:
         """Run ``op`` with ``args``: how both transports dispatch every call."""
         if op.fenced and self.fence:
             raise ServerRestarted(f"{self.fence}; call distopt.ps.recover() to reload every server")
+        start = time.thread_time_ns()
         result = op.method(self, *args)
+        cpu_us = (time.thread_time_ns() - start) // 1000
+        with self.counts_lock:
+            self.counts[f"cpu_us_{op.name}"] += cpu_us
         if op.unfences:
             self.fence = ""
         return result
@@ -205,6 +209,19 @@ class ParameterServer:
         )
         return answers if writers is not None else None
 
+    @operation(read=True, fenced=True)
+    def push_dry_run(self, pushes: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
+        """:meth:`push_many`'s request, latency, checks and update math, on copies of the rows:
+        nothing changes (the cost model times a push this way; a push itself is never sent
+        twice)."""
+        self.begin("push_dry_run")
+        checked = [
+            (self.table(table), *self.table(table).checked(ids, grads))
+            for table, ids, grads in pushes
+        ]
+        for shard, local, rows in checked:
+            shard.rehearse(local, rows, float(lr))
+
     # --- whole shards: checkpoints -----------------------------------------------------------------
 
     @operation(read=True)
@@ -267,9 +284,13 @@ class ParameterServer:
     def stats(self) -> dict[str, int]:
         """Request counts by operation since start (``requests`` is the total), rows and bytes
         of tensors served (``rows_served``, ``bytes_served``) and received in pushes
-        (``rows_pushed``, ``bytes_pushed``), and the PID."""
+        (``rows_pushed``, ``bytes_pushed``), the CPU microseconds the handlers of each operation
+        took (``cpu_us_<op>``: the thread's CPU time, not the injected latency, nor the
+        transport's work around the handler), the whole process's CPU microseconds (``cpu_us``:
+        every thread, the transport's too) and the PID."""
         with self.counts_lock:
-            return {**self.counts, "pid": os.getpid()}
+            counts = {**self.counts}
+        return {**counts, "cpu_us": int(time.process_time() * 1e6), "pid": os.getpid()}
 
     @operation()
     def set_latency(self, latency_ms: float) -> float:

@@ -325,6 +325,19 @@ class ShardTable:
                 self.writer.index_fill_(0, rows, writer)
             return self.epoch, before, run
 
+    def rehearse(self, local: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
+        """The work of :meth:`apply` on copies of the rows it would update, which are then
+        dropped: the shard is left as it was (the cost model times a push this way)."""
+        if local.numel() == 0:
+            return
+        rows, summed = accumulate(local, grads.to(self.weight.dtype))
+        with self.lock:
+            weight = self.weight.index_select(0, rows)
+            accum = None if self.accum is None else self.accum.index_select(0, rows)
+            version = self.version.index_select(0, rows)
+        step_rows(self.spec, weight, accum, torch.arange(len(rows)), summed, lr)
+        version.add_(1)
+
     def state_dict(self) -> dict[str, Any]:
         """Copies of this shard's tensors plus where it sits, for checkpoints."""
         with self.lock:
