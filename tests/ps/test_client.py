@@ -189,16 +189,18 @@ def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(
 
 
 def test_a_dry_run_push_is_a_pushs_requests_that_change_nothing(job: ps.PSJob) -> None:
-    """The cost model's rehearsal: one request per server as a push, a later fetch waits for it
-    and push listeners hear of it, but rows and optimizer state stay; each server counts it and
-    the CPU its handlers took."""
+    """The cost model's rehearsal: one request per server as a push (its bags' rows packed as a
+    push's), a later fetch waits for it and push listeners hear of it, but rows and optimizer
+    state stay; each server counts it and the CPU its handlers took."""
     state = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
     before = ps.fetch("dry", torch.arange(10)).detach()
     heard: list[str] = []
     stop = calls.on_push(lambda table, ids: heard.append(table))
     try:
         fut = calls.push_many_async(
-            [("dry", torch.tensor([0, 1, 1, 6]), torch.randn(4, 4))], 0.5, dry_run=True
+            [("dry", torch.tensor([0, 2, 1, 3]), torch.randn(2, 4).repeat_interleave(2, dim=0))],
+            0.5,
+            dry_run=True,
         )
         assert not fut.done()  # 20 ms on each server
         with torch.no_grad():

@@ -481,7 +481,7 @@ def push_many_async(
             wire = [(table, ids, pack_rows(rows)) for table, ids, rows in items]
             args: tuple[Any, ...]
             if dry_run:
-                op, args = "push_dry_run", (list(items), float(lr))
+                op, args = "push_dry_run", (wire, float(lr))  # the bytes a push sends
             elif len(items) == 1:
                 op = "push"
                 args = (*wire[0], float(lr), *(writers or ()))

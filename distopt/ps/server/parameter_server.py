@@ -210,7 +210,7 @@ class ParameterServer:
         return answers if writers is not None else None
 
     @operation(read=True, fenced=True)
-    def push_dry_run(self, pushes: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
+    def push_dry_run(self, pushes: list[tuple[str, torch.Tensor, Grads]], lr: float) -> None:
         """:meth:`push_many`'s request, latency, checks and update math, on copies of the rows:
         nothing changes (the cost model times a push this way; a push itself is never sent
         twice)."""
