@@ -434,6 +434,13 @@ def _warm_up(
             )
 
 
+def _own_tables(cfg: DLRMConfig, variant: str) -> DLRMConfig:
+    """``cfg`` with tables of ``variant``'s own: ``pipelined+cached`` reads
+    ``pipelined_cached.emb0 ..``."""
+    prefix = variant.replace("+", "_")
+    return dataclasses.replace(cfg, table_prefix=f"{prefix}.{cfg.table_prefix}")
+
+
 def _cache_rows(bench: PSOverlapConfig, cfg: DLRMConfig) -> int:
     return max(1, int(bench.cache_fraction * cfg.num_rows))
 
@@ -587,28 +594,32 @@ def _point(
     warm_batches = [make_batch(cfg, step) for step in range(bench.cache_warmup_steps)]
     first = len(warm_batches)
     batches = [make_batch(cfg, first + step) for step in range(bench.steps)]
+    # Each cached variant trains tables of its own (same sizes and ids): sharing the others'
+    # tables, an exact cache would fetch again every hot row their chunks pushed, as if two
+    # more trainers wrote the job's hot rows at full speed, which a one-trainer job never sees.
+    own = {name: _own_tables(cfg, name) for name in cached}
     cache_configs = {
-        table: ps.CacheConfig(
-            capacity_rows=_cache_rows(bench, cfg),
-            policy=bench.cache_policy,
-            consistency="staleness" if bench.cache_staleness else "exact",
-            staleness=bench.cache_staleness,
-        )
-        for table in cfg.table_names
+        name: {
+            table: ps.CacheConfig(
+                capacity_rows=_cache_rows(bench, cfg),
+                policy=bench.cache_policy,
+                consistency="staleness" if bench.cache_staleness else "exact",
+                staleness=bench.cache_staleness,
+            )
+            for table in own[name].table_names
+        }
+        for name in cached
     }
-    if cached:  # every cached variant holds caches of its own, all on this host
-        room = memory_available()
-        check_caches(
-            cache_configs,
-            dlrm_tables(cfg),
-            available=None if room is None else room // len(cached),
-        )
+    job_tables = dlrm_tables(cfg) + tuple(t for name in cached for t in dlrm_tables(own[name]))
+    room = memory_available()
+    for configs in cache_configs.values():  # every cached variant's caches, all on this host
+        check_caches(configs, job_tables, available=None if room is None else room // len(cached))
     drawn = warm_batches + batches
     fetched = {name: _Fetched() for name in bench.variants}
     timed = {name: _Fetched() for name in bench.variants}  # the rounds' alone, after warm-ups
     # Bytes the servers' host received and sent during each variant's chunks, and their steps.
     wire: dict[str, list[int]] = {name: [0, 0, 0] for name in bench.variants}
-    with ps.local_job(dlrm_tables(cfg), options):
+    with ps.local_job(job_tables, options):
         baseline = DLRM(cfg)
         example = (batches[0].dense, batches[0].sparse)
         with warnings.catch_warnings():
@@ -633,14 +644,16 @@ def _point(
             list(baseline.parameters()), lambda params: torch.optim.SGD(params, lr=bench.lr)
         )
         models = {"baseline": baseline, "optimized": optimized, "hand": DLRMHandAsync(cfg)}
-        # Each trains its own copy of the optimized model.
+        # Each trains its own copy of the optimized model (a cached one: of its own tables,
+        # with the same dense parameters).
         for name in ("pipelined", "no_network", *CACHED_VARIANTS):
             if name in bench.variants:
-                models[name] = distopt.optimize(copy.deepcopy(baseline), example, strict=True)
+                source = DLRM(own[name]) if name in own else copy.deepcopy(baseline)
+                models[name] = distopt.optimize(source, example, strict=True)
                 ps.discard_step()
         tables = {t: (r.spec, len(r.servers)) for t, r in ps.routes().items()}
         caches: dict[str, dict[str, TableCache]] = {
-            name: build_caches(cache_configs, tables) for name in cached
+            name: build_caches(cache_configs[name], tables) for name in cached
         }
         variants = bench.variants
         optimizers = {

@@ -101,10 +101,11 @@ def test_rows_cross_the_shaped_link_and_nothing_is_left_behind(tmp_path: Path) -
     assert link["rows_per_step"] == 64 * 4 and payload == 64 * 4 * 64 * 4
     for name in ("optimized", "no_network"):
         wire = link["variants"][name]
-        # Every fetched row crosses toward the trainer and every gradient row toward the
-        # servers (with the ids, headers and TCP/IP framing on top): what cma would bypass.
+        # Every fetched row crosses toward the trainer (with the ids, headers and TCP/IP
+        # framing on top): what cma would bypass. Toward the servers, a sum-pooled bag's 4
+        # gradient rows are equal and cross as one row and a count, with the 4 ids.
         assert payload < wire["from_servers_bytes_per_step"] < 1.5 * payload, wire
-        assert payload < wire["to_servers_bytes_per_step"] < 2.0 * payload, wire
+        assert payload / 4 < wire["to_servers_bytes_per_step"] < payload / 2, wire
     assert 0 < point["static_optimal_hit_rate"] <= 1 and point["cache_rows"] == 200
     prefix = f"dl{bench.pid % 65536:04x}"
     namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

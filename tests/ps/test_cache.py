@@ -393,6 +393,47 @@ def test_pinned_rows_are_never_evicted(
         assert len(held) <= capacity
 
 
+def _victims_by_sorting(cache: TableCache, count: int) -> list[int]:
+    """The policy's eviction order written as two stable sorts of every unpinned held slot."""
+    candidates = [
+        slot
+        for slot, row in enumerate(cache.ids.tolist())
+        if row >= 0 and row not in set(cache.pinned.tolist())
+    ]
+    uses = (lambda slot: int(cache.uses[cache.ids[slot]])) if cache.uses is not None else None
+    key = (lambda slot: (uses(slot), int(cache.used[slot]))) if uses else cache.used.__getitem__
+    return sorted(candidates, key=lambda slot: (key(slot), slot))[:count]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    batches=st.lists(
+        st.lists(st.integers(0, 59), min_size=1, max_size=12), min_size=1, max_size=12
+    ),
+    pinned=st.lists(st.integers(0, 59), max_size=8),
+    count=st.integers(1, 20),
+    policy=st.sampled_from(["lru", "lfu"]),
+    huge_uses=st.booleans(),
+)
+def test_victims_are_picked_in_the_policys_order(
+    batches: list[list[int]], pinned: list[int], count: int, policy: str, huge_uses: bool
+) -> None:
+    """The few victims a full cache needs, picked without sorting every slot, are the first of
+    the policy's order; with counts too large for one 63-bit key, by sorting."""
+    me = Trainer(
+        _shards(TableSpec(name="t", num_rows=60, dim=2)),
+        CacheConfig(capacity_rows=10, policy=policy),
+    )
+    for batch in batches:
+        me.fetch(torch.tensor(sorted(set(batch))))
+    me.cache.pin(torch.tensor(pinned, dtype=torch.int64))
+    if huge_uses and me.cache.uses is not None:
+        me.cache.uses.mul_(1 << 58)
+    with me.cache.lock:
+        got = me.cache._victims(count).tolist()
+    assert got == _victims_by_sorting(me.cache, count)
+
+
 # --- the config and its one-line errors ----------------------------------------------------------
 
 

@@ -189,16 +189,18 @@ def test_batched_push_is_one_request_per_server_and_updates_each_table_in_order(
 
 
 def test_a_dry_run_push_is_a_pushs_requests_that_change_nothing(job: ps.PSJob) -> None:
-    """The cost model's rehearsal: one request per server as a push, a later fetch waits for it
-    and push listeners hear of it, but rows and optimizer state stay; each server counts it and
-    the CPU its handlers took."""
+    """The cost model's rehearsal: one request per server as a push (its bags' rows packed as a
+    push's), a later fetch waits for it and push listeners hear of it, but rows and optimizer
+    state stay; each server counts it and the CPU its handlers took."""
     state = {s: ps.server_stats(s) for s in ("ps0", "ps1")}
     before = ps.fetch("dry", torch.arange(10)).detach()
     heard: list[str] = []
     stop = calls.on_push(lambda table, ids: heard.append(table))
     try:
         fut = calls.push_many_async(
-            [("dry", torch.tensor([0, 1, 1, 6]), torch.randn(4, 4))], 0.5, dry_run=True
+            [("dry", torch.tensor([0, 2, 1, 3]), torch.randn(2, 4).repeat_interleave(2, dim=0))],
+            0.5,
+            dry_run=True,
         )
         assert not fut.done()  # 20 ms on each server
         with torch.no_grad():
@@ -310,6 +312,31 @@ def test_push_gradients_of_remote_embedding(job: ps.PSJob) -> None:
     assert ps.push_gradients(lr=0.2) == []  # nothing fetched since
     with torch.no_grad():
         torch.testing.assert_close(ps.fetch("bag"), expected.weight)
+
+
+def test_the_gradients_of_pooled_bags_travel_one_row_per_bag_and_update_as_sent_whole(
+    job: ps.PSJob,
+) -> None:
+    """Sum-pooled bags of 4 ids over 2 servers: the ids of each shard keep their order, so each
+    bag's rows on a server travel as one row and a count; the servers' rows are bitwise those
+    of the rows sent one by one."""
+    spec = _spec("bag")
+    emb = ps.RemoteEmbedding("bag", 4, pooling="sum")
+    ids = torch.tensor([[0, 2, 4, 6], [1, 3, 5, 7], [8, 8, 9, 11], [2, 2, 2, 2]])
+    upstream = torch.randn(4, 4)
+    with torch.no_grad():
+        before = ps.fetch("bag")
+    (emb(ids) * upstream).sum().backward()
+    expected = ShardTable(spec, shard=0, num_shards=1, seed=SEED)
+    expected.weight.copy_(before)
+    expected.push(ids.reshape(-1), upstream.repeat_interleave(4, dim=0), lr=0.2)
+    pushed = {s: ps.server_stats(s).get("bytes_pushed", 0) for s in ("ps0", "ps1")}
+    ps.wait(ps.push_gradients(lr=0.2)[0])
+    sent = {s: ps.server_stats(s)["bytes_pushed"] - pushed[s] for s in ("ps0", "ps1")}
+    # ps0: bags 0, 2 (8, 8), 3: 3 rows of 4 float32 and 3 counts; ps1: bags 1, 2 (9, 11): 2 and 2
+    assert sent == {"ps0": 3 * 16 + 3 * 4, "ps1": 2 * 16 + 2 * 4}
+    with torch.no_grad():
+        assert torch.equal(ps.fetch("bag"), expected.weight)
 
 
 def test_wait_is_a_profiler_range(job: ps.PSJob) -> None:

@@ -149,6 +149,35 @@ def test_batched_fetch_and_push_are_one_call_per_actor(ray_cluster) -> None:
         )
 
 
+def test_packed_pushes_reach_the_actors_and_update_as_the_rows_sent_whole(ray_cluster) -> None:
+    """Gradient rows in runs (pooled bags) cross to the actors packed, one push and a batched
+    push: the tables are bitwise those of the same rows pushed one by one."""
+    gen = torch.Generator().manual_seed(4)
+    pushes = [
+        (spec.name, 2 * torch.randint(0, spec.num_rows // 2, (12,), generator=gen), spec)
+        for spec in TABLES[:3]  # even ids: all on ps0, so each bag's 4 rows stay one run
+    ]
+    expected = {
+        spec.name: ShardTable(spec, shard=0, num_shards=1, seed=SEED) for _, _, spec in pushes
+    }
+    with ps.local_job(TABLES, _options("ray")), torch.no_grad():
+        for step in range(2):
+            batch = []
+            for name, ids, spec in pushes:
+                grads = torch.randn(3, spec.dim, generator=gen).repeat_interleave(4, dim=0)
+                expected[name].push(ids, grads, lr=0.3)
+                batch.append((name, ids, grads))
+            if step:
+                ps.wait(ps.push_many_async(batch, lr=0.3))
+            else:
+                for item in batch:
+                    ps.wait(ps.push_async(*item, lr=0.3))
+        pushed = sum(ps.server_stats(s).get("bytes_pushed", 0) for s in ("ps0", "ps1"))
+        assert all(torch.equal(ps.fetch(name), expected[name].weight) for name in expected)
+    # Per push: 3 rows of each table's dim and 3 counts (int32), not 12 rows.
+    assert pushed == 2 * sum(3 * 4 * spec.dim + 3 * 4 for spec in TABLES[:3])
+
+
 def test_errors_name_the_actor_and_a_killed_actor_fails_within_the_timeout(ray_cluster) -> None:
     options = _options("ray", latency_ms=500, rpc_timeout_s=5.0)
     with ps.local_job(TABLES, options), torch.no_grad():

@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 from distopt.errors import ConfigError
-from distopt.ps.server.table import ShardTable, accumulate, initial_rows
+from distopt.ps.server.table import (
+    ShardTable,
+    accumulate,
+    grads_nbytes,
+    initial_rows,
+    pack_rows,
+    unpack_rows,
+)
 from distopt.ps.spec import TableSpec
 
 
@@ -117,6 +124,66 @@ def test_push_rejects_mismatched_grads_before_touching_the_rows(grads: torch.Ten
     before = table.weight.clone()
     with pytest.raises(ConfigError, match=r"^table 't': grads (of shape|must be a float tensor)"):
         table.push(torch.tensor([0, 1]), grads, lr=1.0)
+    assert torch.equal(table.weight, before)
+
+
+def _bags(bags: int, size: int, dim: int, seed: int = 0) -> torch.Tensor:
+    """Gradient rows of ``bags`` sum-pooled bags of ``size`` ids: each bag's rows are equal."""
+    pooled = torch.randn(bags, dim, generator=torch.Generator().manual_seed(seed))
+    return pooled.repeat_interleave(size, dim=0)
+
+
+def test_pack_rows_sends_one_row_per_run_of_equal_rows_and_unpacks_the_same_bits() -> None:
+    rows = _bags(5, 4, 8)
+    rows[4:8] = -0.0  # a bag of -0.0 rows, then a +0.0 row: bitwise different, not one run
+    rows[8] = 0.0
+    rows[12:16] = float("nan")  # equal bits: one run
+    packed = pack_rows(rows)
+    assert isinstance(packed, tuple)
+    distinct, repeats = packed
+    assert repeats.tolist() == [4, 4, 1, 3, 4, 4] and distinct.shape == (6, 8)
+    assert grads_nbytes(packed) == 6 * 8 * 4 + 6 * 4 < grads_nbytes(rows)
+    assert torch.equal(unpack_rows(packed).view(torch.int32), rows.view(torch.int32))
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [torch.randn(6, 4), torch.ones(1, 4), torch.ones(2, 1), torch.zeros(0, 4)],
+    ids=["distinct", "one row", "a 1-wide row saves less than its count", "empty"],
+)
+def test_pack_rows_keeps_rows_it_cannot_shrink(rows: torch.Tensor) -> None:
+    assert pack_rows(rows) is rows
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad", "rowwise_adagrad"])
+def test_a_packed_push_updates_the_rows_bitwise_as_the_plain_push(optimizer: str) -> None:
+    spec = TableSpec(name="t", num_rows=40, dim=8, optimizer=optimizer)
+    plain, packed = _whole(spec, 1, seed=2) + _whole(spec, 1, seed=2)
+    ids = torch.randint(0, 40, (48,), generator=torch.Generator().manual_seed(1))  # duplicates
+    for step in range(3):
+        grads = _bags(12, 4, 8, seed=step)
+        _, before, run = plain.push(ids, grads, lr=0.3)
+        _, packed_before, packed_run = packed.push(ids, pack_rows(grads), lr=0.3)
+        assert torch.equal(before, packed_before) and torch.equal(run, packed_run)
+    assert torch.equal(plain.weight, packed.weight)
+    assert plain.accum is None or torch.equal(plain.accum, packed.accum)
+
+
+@pytest.mark.parametrize(
+    "grads",
+    [
+        (torch.ones(2, 2), torch.tensor([1, 2], dtype=torch.int32)),  # 3 rows for 4 ids
+        (torch.ones(2, 2), torch.tensor([4, 0], dtype=torch.int32)),
+        (torch.ones(2, 2), torch.tensor([4.0])),
+        (torch.ones(2, 2),),
+    ],
+    ids=["short", "a zero count", "float counts", "no counts"],
+)
+def test_bad_packed_grads_are_a_one_line_error_before_touching_the_rows(grads: tuple) -> None:
+    table = ShardTable(TableSpec(name="t", num_rows=4, dim=2), shard=0, num_shards=1)
+    before = table.weight.clone()
+    with pytest.raises(ConfigError, match=r"^table 't': (packed )?grads [^\n]*$"):
+        table.push(torch.tensor([0, 1, 2, 3]), grads, lr=1.0)
     assert torch.equal(table.weight, before)
 
 

@@ -427,15 +427,39 @@ class TableCache:
         self.used.index_fill_(0, at, self.clock)
 
     def _victims(self, count: int) -> torch.Tensor:
-        """Up to ``count`` held, unpinned slots in the order the policy evicts them."""
+        """Up to ``count`` held, unpinned slots in the order the policy evicts them: least
+        recently used first (``lru``), least used and then least recently used (``lfu``), the
+        lower slot first among equals.
+
+        Runs on every fetch answer that brings new rows into a full cache, so it picks the few
+        it needs (``topk`` over one key packing the policy's order) instead of sorting every
+        slot, where the key fits in 63 bits: always for ``lru`` (a slot's last use is at most
+        the lookup count), for ``lfu`` while the most used row's count does."""
         if count <= 0:
             return torch.zeros(0, dtype=torch.int64)
-        held = self.ids >= 0
-        candidates = (held & ~torch.isin(self.ids, self.pinned)).nonzero().squeeze(1)
-        order = torch.argsort(self.used.index_select(0, candidates), stable=True)
-        if self.uses is not None:  # least used first, least recently used among equals
-            uses = self.uses.index_select(0, self.ids.index_select(0, candidates[order]))
-            order = order.index_select(0, torch.argsort(uses, stable=True))
+        pinned = self.slot.index_select(0, self.pinned).to(torch.int64)
+        free = self.ids >= 0
+        free.index_fill_(0, pinned[pinned >= 0], False)
+        candidates = free.nonzero().squeeze(1)
+        count = min(count, candidates.numel())
+        used = self.used.index_select(0, candidates)
+        uses = (
+            None
+            if self.uses is None
+            else self.uses.index_select(0, self.ids.index_select(0, candidates))
+        )
+        position_bits = candidates.numel().bit_length()
+        used_bits = self.clock.bit_length()
+        uses_bits = 0 if uses is None or uses.numel() == 0 else int(uses.max()).bit_length()
+        if position_bits + used_bits + uses_bits <= 63:
+            key = used << position_bits | torch.arange(candidates.numel())
+            if uses is not None:
+                key |= uses << (used_bits + position_bits)
+            picked = torch.topk(key, count, largest=False, sorted=True).indices
+            return candidates.index_select(0, picked)
+        order = torch.argsort(used, stable=True)
+        if uses is not None:  # least used first, least recently used among equals
+            order = order.index_select(0, torch.argsort(uses[order], stable=True))
         return candidates.index_select(0, order[:count])
 
     def _slots_of_shard(self, shard: int) -> torch.Tensor:

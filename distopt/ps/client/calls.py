@@ -30,7 +30,7 @@ from distopt.ps.client import context
 from distopt.ps.client.cache import FetchCounts, Lookup, TableCache
 from distopt.ps.client.futures import FetchFuture, after, gather, when_all
 from distopt.ps.client.ordering import TableOrder, in_stale_reads
-from distopt.ps.server.table import VersionedRows
+from distopt.ps.server.table import VersionedRows, pack_rows
 from distopt.ps.spec import TableSpec
 from distopt.ps.transport.base import Transport
 
@@ -470,21 +470,23 @@ def push_many_async(
     cached = not dry_run and any(table in client.caches for table in tables)
 
     def start() -> Future:
-        """One request per server: ``push`` for one item, else ``push_many``. With a cache the
-        items carry its writer token (0: an uncached table), and the servers answer the versions
-        each push was applied to."""
+        """One request per server: ``push`` for one item, else ``push_many``. Gradient rows
+        travel packed where consecutive rows are equal (:func:`pack_rows`: a pooled bag's rows
+        share one gradient). With a cache the items carry its writer token (0: an uncached
+        table), and the servers answer the versions each push was applied to."""
         requests = []
         for server, items in plan:
             what = f"push to {', '.join(repr(table) for table, _, _ in items)}"
             writers = [_writer(client, table) for table, _, _ in items] if cached else None
+            wire = [(table, ids, pack_rows(rows)) for table, ids, rows in items]
             args: tuple[Any, ...]
             if dry_run:
-                op, args = "push_dry_run", (list(items), float(lr))
+                op, args = "push_dry_run", (wire, float(lr))  # the bytes a push sends
             elif len(items) == 1:
                 op = "push"
-                args = (*items[0], float(lr), *(writers or ()))
+                args = (*wire[0], float(lr), *(writers or ()))
             else:
-                op, args = "push_many", (list(items), float(lr), writers)
+                op, args = "push_many", (wire, float(lr), writers)
             requests.append(client.call(server, op, args, what=what, timeout_s=client.timeout_s))
         return gather(requests)
 

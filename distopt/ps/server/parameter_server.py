@@ -26,7 +26,7 @@ import torch
 
 from distopt.ps.server.operation import Operation, operation, operations
 from distopt.ps.server.shard_files import read_shards, write_shards
-from distopt.ps.server.table import ShardTable
+from distopt.ps.server.table import Grads, ShardTable, grads_nbytes
 from distopt.ps.spec import ServerOptions, TableSpec, server_name, trainer_name
 
 
@@ -164,22 +164,23 @@ class ParameterServer:
         self,
         table: str,
         ids: torch.Tensor,
-        grads: torch.Tensor,
+        grads: Grads,
         lr: float,
         writer: int | None = None,
     ) -> tuple[int, torch.Tensor, torch.Tensor] | None:
-        """Apply the table's sparse optimizer step to rows ``ids``; with a ``writer`` (the
-        pushing cache's token, 0 for none), answer the shard's epoch, the rows' versions
+        """Apply the table's sparse optimizer step to rows ``ids`` with gradient rows ``grads``
+        (``[n, dim]``, or packed: :func:`~distopt.ps.server.table.pack_rows`); with a ``writer``
+        (the pushing cache's token, 0 for none), answer the shard's epoch, the rows' versions
         before it and where the writer's run of pushes began (for the trainer's cache)."""
         self.begin("push")
         answer = self.table(table).push(ids, grads, float(lr), int(writer or 0))
-        self.count("pushed", ids.numel(), grads.numel() * grads.element_size())
+        self.count("pushed", ids.numel(), grads_nbytes(grads))
         return answer if writer is not None else None
 
     @operation(fenced=True)
     def push_many(
         self,
-        pushes: list[tuple[str, torch.Tensor, torch.Tensor]],
+        pushes: list[tuple[str, torch.Tensor, Grads]],
         lr: float,
         writers: list[int] | None = None,
     ) -> list[tuple[int, torch.Tensor, torch.Tensor]] | None:
@@ -204,12 +205,12 @@ class ParameterServer:
         self.count(
             "pushed",
             sum(local.numel() for _, local, _ in checked),
-            sum(rows.numel() * rows.element_size() for _, _, rows in checked),
+            sum(grads_nbytes(grads) for _, _, grads in pushes),
         )
         return answers if writers is not None else None
 
     @operation(read=True, fenced=True)
-    def push_dry_run(self, pushes: list[tuple[str, torch.Tensor, torch.Tensor]], lr: float) -> None:
+    def push_dry_run(self, pushes: list[tuple[str, torch.Tensor, Grads]], lr: float) -> None:
         """:meth:`push_many`'s request, latency, checks and update math, on copies of the rows:
         nothing changes (the cost model times a push this way; a push itself is never sent
         twice)."""

@@ -30,6 +30,47 @@ def initial_rows(spec: TableSpec, seed: int) -> torch.Tensor:
     return torch.randn(spec.num_rows, spec.dim, generator=gen) * spec.init_std
 
 
+Grads = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
+"""A push's gradient rows as they travel: ``[n, dim]``, or packed (:func:`pack_rows`)."""
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def pack_rows(rows: torch.Tensor) -> Grads:
+    """``rows`` (``[n, dim]``) as ``(distinct, repeats)`` when fewer bytes: ``distinct[i]``
+    stands for ``repeats[i]`` consecutive rows bitwise equal to it. The rows of a sum- or
+    mean-pooled bag share one gradient, so a push of bags of ``L`` ids sends about one row in
+    ``L``; :func:`unpack_rows` gives back the same bits, so the server's update is unchanged.
+    Else ``rows`` itself."""
+    n = rows.shape[0]
+    bits = _BITS.get(rows.element_size())
+    if n < 2 or rows.dim() != 2 or bits is None:
+        return rows
+    as_bits = rows.view(bits)  # bitwise: -0.0 is not 0.0, a NaN equals its own bits
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = (as_bits[1:] != as_bits[:-1]).any(dim=1)
+    first = starts.nonzero().squeeze(1)
+    saved = (n - first.numel()) * rows.shape[1] * rows.element_size()
+    if saved <= first.numel() * 4:  # each distinct row costs a 4-byte count
+        return rows
+    ends = torch.cat([first[1:], torch.tensor([n])])
+    return rows.index_select(0, first), (ends - first).to(torch.int32)
+
+
+def unpack_rows(grads: Grads) -> torch.Tensor:
+    """The ``[n, dim]`` rows of :func:`pack_rows`'s result (a plain tensor as it is)."""
+    if isinstance(grads, torch.Tensor):
+        return grads
+    distinct, repeats = grads
+    return distinct.repeat_interleave(repeats.to(torch.int64), dim=0)
+
+
+def grads_nbytes(grads: Grads) -> int:
+    """Bytes of the tensors a push's gradient rows travel as."""
+    tensors = (grads,) if isinstance(grads, torch.Tensor) else grads
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def accumulate(ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum the gradient rows of duplicate ids: ``(unique_ids, summed_grads)``."""
     unique, inverse = torch.unique(ids, return_inverse=True)
@@ -211,12 +252,15 @@ class ShardTable:
                 self.epoch, sent, versions.index_select(0, sent), rows, state, missed[~stale]
             )
 
-    def checked(self, ids: torch.Tensor, grads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local rows of ``ids`` and ``grads`` as ``[len(ids), dim]``, or an error naming the table."""
+    def checked(self, ids: torch.Tensor, grads: Grads) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local rows of ``ids`` and ``grads`` (plain or packed: :func:`pack_rows`) as
+        ``[len(ids), dim]``, or an error naming the table."""
         local = self.local_ids(ids)
+        if not isinstance(grads, torch.Tensor):
+            grads = self._unpacked(grads, local.numel())
         if not isinstance(grads, torch.Tensor) or not grads.is_floating_point():
             raise ConfigError(
-                f"table {self.spec.name!r}: grads must be a float tensor, got {grads!r}"
+                f"table {self.spec.name!r}: grads must be a float tensor, got {_shapes(grads)}"
             )
         if grads.numel() % self.spec.dim or grads.numel() // self.spec.dim != local.numel():
             raise ConfigError(
@@ -225,8 +269,29 @@ class ShardTable:
             )
         return local, grads.reshape(local.numel(), self.spec.dim)
 
+    def _unpacked(self, grads: Any, count: int) -> torch.Tensor:
+        """Packed gradient rows for ``count`` ids as ``[count, dim]``, or an error naming the
+        table."""
+        pair = isinstance(grads, tuple | list) and len(grads) == 2  # Ray may hand back a list
+        distinct, repeats = grads if pair else (None, None)
+        if (
+            not isinstance(distinct, torch.Tensor)
+            or not isinstance(repeats, torch.Tensor)
+            or distinct.dim() != 2
+            or repeats.dim() != 1
+            or repeats.dtype not in (torch.int32, torch.int64)
+            or repeats.numel() != distinct.shape[0]
+            or (repeats.numel() and int(repeats.min()) < 1)
+            or int(repeats.sum()) != count
+        ):
+            raise ConfigError(
+                f"table {self.spec.name!r}: packed grads {_shapes(grads)} do not give {count} "
+                "rows (expected (distinct rows [m, dim], repeats [m] >= 1 summing to the ids))"
+            )
+        return unpack_rows((distinct, repeats))
+
     def push(
-        self, ids: torch.Tensor, grads: torch.Tensor, lr: float, writer: int = 0
+        self, ids: torch.Tensor, grads: Grads, lr: float, writer: int = 0
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Apply the table's sparse optimizer to rows ``ids`` with gradient rows ``grads``;
         returns what :meth:`apply` does."""
@@ -316,6 +381,15 @@ class ShardTable:
             self.version.zero_()
             self.writer = self.run_from = None
             self.epoch = new_epoch()  # every cached copy of this shard is void
+
+
+def _shapes(value: Any) -> str:
+    """``value`` in one line: tensors by dtype and shape."""
+    if isinstance(value, torch.Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(_shapes(v) for v in value) + ")"
+    return repr(value)
 
 
 def _describe(accum_shape: tuple[int, ...] | None) -> str:
