@@ -61,6 +61,17 @@ REHEARSAL_ROUNDS = 3
 """Rounds of the rehearsal: each runs a chunk of steps of every schedule in turn, so that a
 host getting faster or slower during it favours none."""
 
+REHEARSAL_CHUNK_S = 0.5
+"""Counted seconds per chunk, at least (and at least the chunk's steps): a step of a few
+milliseconds on a shared 2-core host varies by a third from one step to the next, and a
+pipeline's first steps after its fill find their reads early. Measured (ps_overlap K = 1, 5 ms,
+light, staleness 4): 2 counted pipelined steps per round predicted an 18 ms step one run and a
+7 ms step the next, where the run's steady state was 9.6 ms; medians of 5 steps ranged from 5 to
+16 ms."""
+
+REHEARSAL_MAX_STEPS = 500
+"""Counted steps per chunk, at most (a step of microseconds must not rehearse forever)."""
+
 
 Backward = Callable[[torch.Tensor], None]
 StepScope = Callable[[], AbstractContextManager[Backward]]
@@ -157,7 +168,8 @@ def rehearse(
     write) raises :class:`RemoteWriteRefused` before it is sent. No optimizer step. Schedules
     take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps`` steps, the first step of each
     chunk not counted (a pipelined chunk runs as many steps more as its staleness, which are
-    not counted either: their reads were sent before its first step); the backward, which the passes do not change, is the median over every
+    not counted either: their reads were sent before its first step), each chunk going on until
+    its counted steps took :data:`REHEARSAL_CHUNK_S`; the backward, which the passes do not change, is the median over every
     schedule's steps, and so are the pushes of schedules that push alike. The pipeline deepens as in a run when its reads arrive late, up to
     ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where it ended). Grads, buffers, the
     RNG stream and remote state such as fetched-row records are as they were afterwards.
@@ -200,26 +212,17 @@ def rehearse(
                     if split is not None and name == "pipelined":
                         # The first batches' reads were sent before the chunk's first step: a
                         # chunk counts from the step whose reads an earlier step sent.
-                        warm = depth
                         depth = _pipelined_chunk(
-                            split,
-                            example_inputs,
-                            depth,
-                            max_staleness,
-                            push,
-                            warm + chunk,
-                            chunk_times,
+                            split, example_inputs, depth, max_staleness, push, chunk, chunk_times
                         )
-                        for values in chunk_times.values():
-                            del values[:warm]
                     else:
-                        for _ in range(chunk):
+                        while not _chunk_done(chunk_times, chunk):
                             _timed_step(_loss_of(view, example_inputs), push, chunk_times, scope)
                             _clear_grads(module)
                     if ps_calls.is_connected():
                         ps_calls.flush()  # the last dry-run push belongs to this chunk
                 if name == "baseline":
-                    stand_ins = len(record.stood_in) // chunk
+                    stand_ins = len(record.stood_in) // len(chunk_times["forward"])
                     baseline_wrote = bool(record.stood_in) or any(
                         registry.effect_of(call.spec, call.args or (), call.kwargs or {}) != "read"
                         for call in record.calls
@@ -263,6 +266,16 @@ def _rehearsal_recording(
     return recording(view, allow_writes=False, write_cost_s=read_latency_s)
 
 
+def _chunk_done(times: dict[str, list[float]], steps: int) -> bool:
+    """Whether a chunk has its ``steps`` steps and :data:`REHEARSAL_CHUNK_S` counted (its first
+    step is not counted) or :data:`REHEARSAL_MAX_STEPS`."""
+    done = len(times["forward"])
+    if done >= REHEARSAL_MAX_STEPS + 1:
+        return True
+    counted = sum(sum(times[phase][1:]) for phase in ("forward", "backward", "pushes"))
+    return done >= steps and counted >= REHEARSAL_CHUNK_S
+
+
 def _pipelined_chunk(
     split: PrefetchSplit,
     example_inputs: tuple[Any, ...],
@@ -272,21 +285,25 @@ def _pipelined_chunk(
     steps: int,
     times: dict[str, list[float]],
 ) -> int:
-    """``steps`` rehearsed steps of the pipeline's main stage, the next batches' reads in flight
-    (the prefetch counted in the forward); returns the staleness it ended at."""
+    """Rehearsed steps of the pipeline's main stage, the next batches' reads in flight (the
+    prefetch counted in the forward), until :func:`_chunk_done` with ``steps``; returns the
+    staleness it ended at. The first ``staleness`` steps are not in ``times``: their reads were
+    sent before the chunk's first step (a chunk counts from the step whose reads an earlier step
+    sent)."""
     prefetcher = Prefetcher(
         split,
-        itertools.repeat(example_inputs, steps),
+        itertools.repeat(example_inputs),
         staleness=staleness,
         inputs=lambda batch: batch,
         max_staleness=max_staleness,
     )
+    warm: dict[str, list[float]] = {phase: [] for phase in times}
     # The prefetch stage sends reads only (that is what it is made of): not the model's calls
     # to route, so a transport's own calls in it (Ray's actor methods) run as they are.
     try:
         with calling_through():
             prefetcher.fill()
-        for _ in range(steps):
+        while not _chunk_done(times, steps):
 
             def forward() -> torch.Tensor:
                 with calling_through():
@@ -297,7 +314,7 @@ def _pipelined_chunk(
                     prefetcher.before_backward()
                 return loss
 
-            _timed_step(forward, push, times)
+            _timed_step(forward, push, warm if len(warm["forward"]) < staleness else times)
             with calling_through():
                 prefetcher.after_push()
             _clear_grads(split.main)

@@ -17,6 +17,7 @@ from distopt.estimate.predict import (
     predict,
 )
 from distopt.estimate.timeline import Timeline
+from distopt.optimize import gain
 from distopt.optimize.gain import REHEARSAL_ROUNDS, predict_gain, step_of
 from tests.estimate.remote_models import IssuesPushInBackward, PushesInBackward, graphs, inputs
 from tests.passes.remote import inprocess_server as ps
@@ -99,7 +100,9 @@ def test_gain_takes_the_forward_saving_off_the_measured_step() -> None:
     assert "predicted_step_time_s" not in forward_only.to_header()
 
 
-def test_predict_gain_leaves_the_model_as_it_was() -> None:
+def test_predict_gain_leaves_the_model_as_it_was(monkeypatch) -> None:
+    # Chunks of their minimum steps, so that the requests can be counted.
+    monkeypatch.setattr(gain, "REHEARSAL_CHUNK_S", 0.0)
     model, _, after, inputs = graphs()
     STORE.reset()
     rng = torch.random.get_rng_state()
