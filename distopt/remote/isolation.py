@@ -40,14 +40,12 @@ def isolated() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def preserved_state(*modules: nn.Module) -> Iterator[list[torch.Tensor]]:
+def preserved_state(*modules: nn.Module) -> Iterator[None]:
     """Restore buffers (e.g. BatchNorm running stats) and ``.grad`` of ``modules`` on exit.
 
     Verification runs real forward/backward passes; the user's model must come out unchanged.
-    Only local state counts (a ``RemoteModule`` lives on its owner). Yields a list that holds,
-    after exit, the buffers whose values had changed (a run that wrote none left no trace).
+    Only local state counts (a ``RemoteModule`` lives on its owner).
     """
-    restored: list[torch.Tensor] = []
     tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for module in modules:
@@ -56,7 +54,7 @@ def preserved_state(*modules: nn.Module) -> Iterator[list[torch.Tensor]]:
         for _, param in named_local_tensors(module, "_parameters"):
             grads.setdefault(id(param), (param, param.grad))
     try:
-        yield restored
+        yield
     finally:
         with torch.no_grad():
             # Only buffers whose values changed (BatchNorm's kernel writes its running statistics
@@ -65,6 +63,5 @@ def preserved_state(*modules: nn.Module) -> Iterator[list[torch.Tensor]]:
             for buf, saved in tensors.values():
                 if not torch.equal(buf, saved):
                     buf.copy_(saved)
-                    restored.append(buf)
         for param, grad in grads.values():
             param.grad = grad
