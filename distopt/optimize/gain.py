@@ -169,8 +169,9 @@ def rehearse(
     take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps`` steps, the first step of each
     chunk not counted (a pipelined chunk runs as many steps more as its staleness, which are
     not counted either: their reads were sent before its first step), each chunk going on until
-    its counted steps took :data:`REHEARSAL_CHUNK_S`; the backward, which the passes do not change, is the median over every
-    schedule's steps, and so are the pushes of schedules that push alike. The pipeline deepens as in a run when its reads arrive late, up to
+    its counted steps took :data:`REHEARSAL_CHUNK_S`; the backward, which the passes do not
+    change, is the median over every schedule's steps, and so are the pushes of schedules that
+    push alike. The pipeline deepens as in a run when its reads arrive late, up to
     ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where it ended). Grads, buffers, the
     RNG stream and remote state such as fetched-row records are as they were afterwards.
     ``scope`` says how the model's backward runs (:data:`StepScope`; the pipeline's rehearsal
