@@ -2,7 +2,7 @@
 predicts, with the same names, so that a wrong term shows as one wrong row (docs/cost_model.md).
 
 A step of the QPS log (its ``step_time_s``) is the sum of these disjoint phases, plus a
-remainder (``other``: bookkeeping between them):
+remainder (bookkeeping between them):
 
 * ``data`` — taking the next batch (from the loader or the pipeline) and moving it to the device;
 * ``forward`` — the model and its loss; ``waits`` is the part of it spent blocked on remote
@@ -12,6 +12,11 @@ remainder (``other``: bookkeeping between them):
 * ``pushes`` — the trainer's gradient pushes to the parameter servers (in deterministic jobs one
   trainer at a time, each waiting for its push);
 * ``optimizer`` — clipping, the optimizer and scheduler step.
+
+Over many steps, the median step is not the sum of the phases' medians: a step's phases vary
+together (a late read makes its forward long and its push wait), and the remainder adds to each.
+``other`` is that difference, median step less the sum of the phases' medians, reported on both
+sides (:data:`OTHER`), so that the rows of a report add up to its step.
 
 :class:`StepPhases` measures them in the training loop. :func:`predict_step` predicts each for
 the model as written and as optimized, from start-up measurements of that phase (forward,
@@ -37,7 +42,11 @@ PHASES: tuple[str, ...] = ("data", "forward", "backward", "pushes", "optimizer")
 """The disjoint phases of a step, in order."""
 PARTS: dict[str, str] = {"waits": "forward", "all_reduce": "backward"}
 """Measured parts of a phase: part → the phase that contains it."""
-REPORTED: tuple[str, ...] = (
+OTHER = "other"
+"""The median step less the sum of its phases' medians (see the module): not a phase of one step,
+a property of many, so the training loop does not log it; the rehearsal and ``distopt compare``
+derive it from the steps."""
+LOGGED: tuple[str, ...] = (
     "data",
     "forward",
     "waits",
@@ -46,6 +55,8 @@ REPORTED: tuple[str, ...] = (
     "pushes",
     "optimizer",
 )
+"""What the training loop logs per step: the phases and their parts, in step order."""
+REPORTED: tuple[str, ...] = (*LOGGED, OTHER)
 """The rows of a per-phase report, in step order."""
 
 
@@ -112,12 +123,12 @@ class StepPhases:
                 handle.remove()
 
     def take(self) -> dict[str, float]:
-        """This step's phases and parts (seconds, :data:`REPORTED` order); starts the next step."""
+        """This step's phases and parts (seconds, :data:`LOGGED` order); starts the next step."""
         self._waited()
         taken = {**self._seconds, **self._parts}
         self._seconds = dict.fromkeys(PHASES, 0.0)
         self._parts = dict.fromkeys(PARTS, 0.0)
-        return {name: taken[name] for name in REPORTED}
+        return {name: taken[name] for name in LOGGED}
 
     def take_waited(self) -> float:
         """Seconds blocked on remote requests since the last call (the step's ``wait_s``)."""
@@ -138,8 +149,8 @@ class StepPrediction:
 
     @staticmethod
     def total(phases: Mapping[str, float]) -> float:
-        """The step: the sum of the disjoint phases (parts are inside them)."""
-        return sum(phases.get(name, 0.0) for name in PHASES)
+        """The step: the sum of the disjoint phases and :data:`OTHER` (parts are inside them)."""
+        return sum(phases.get(name, 0.0) for name in (*PHASES, OTHER))
 
     @property
     def baseline_s(self) -> float:
@@ -230,7 +241,7 @@ class StepCosts:
 
     rehearsed: Mapping[str, Mapping[str, float]]
     """Per schedule (:data:`SCHEDULES`, those rehearsed): the median ``forward``, ``waits``,
-    ``backward`` and ``pushes`` of steps run at start-up on the first batch — remote reads sent
+    ``backward`` and ``pushes``, and :data:`OTHER`, of steps run at start-up on the first batch — remote reads sent
     for real, distopt pushes as dry runs (the servers compute on copies and change nothing), a
     remote write of the user's own not sent but waited out at :attr:`read_latency_s`, no
     optimizer step (:func:`distopt.optimize.gain.rehearse`)."""
@@ -266,6 +277,7 @@ def predict_phases(costs: StepCosts, schedule: str) -> dict[str, float]:
         "all_reduce": costs.all_reduce_s,
         "pushes": pushes,
         "optimizer": costs.optimizer_s,
+        OTHER: rehearsed.get(OTHER, 0.0),
     }
 
 
@@ -296,6 +308,7 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
         "dense gradient bytes in one bucket, not overlapped with backward",
         "pushes": push_how[costs.pushes],
         "optimizer": "median of timed optimizer steps on copies of the parameters",
+        OTHER: f"the rehearsed steps' median less the sum of their phases' medians ({rehearsed})",
     }
 
 

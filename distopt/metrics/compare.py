@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from distopt.errors import DistoptError
+from distopt.estimate.step import OTHER, PHASES, StepPrediction
 from distopt.metrics.records import MergedStep, RunLog, StepRecord
 
 DEFAULT_WARMUP = 5
@@ -287,11 +288,13 @@ def summarize(run: Jobs, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSumm
     qps = np.asarray([m.qps for m in merged], dtype=float)
     measured = np.concatenate([np.asarray(seg) for seg in segments])
     step_times = np.asarray([m.step_time_s for m in counted_steps], dtype=float)
-    phases = (
-        {name: float(np.median([p.get(name, 0.0) for p in recorded])) for name in recorded[0]}
-        if recorded
-        else None
-    )
+    phases = None
+    if recorded:
+        phases = {
+            name: float(np.median([p.get(name, 0.0) for p in recorded])) for name in recorded[0]
+        }
+        # What the phases' medians leave of the median step, as the prediction's OTHER is made.
+        phases[OTHER] = float(np.median(step_times)) - sum(phases.get(n, 0.0) for n in PHASES)
     return RunSummary(
         label=label,
         run_id=run.run_id,
@@ -518,7 +521,7 @@ def phase_rows(base: RunSummary, run: RunSummary) -> list[PhaseRow]:
         return []
     names = list(predicted["optimized"])
     names += [n for n in (run.phases or {}) if n not in names]
-    return [
+    rows = [
         PhaseRow(
             label=run.label,
             phase=name,
@@ -529,6 +532,22 @@ def phase_rows(base: RunSummary, run: RunSummary) -> list[PhaseRow]:
         )
         for name in names
     ]
+    # The step: the sum of the rows above on the predicted side, the median step measured.
+    rows.append(
+        PhaseRow(
+            label=run.label,
+            phase=STEP_ROW,
+            baseline_predicted=StepPrediction.total(predicted["baseline"]),
+            baseline_measured=base.median_step_time_s,
+            predicted=StepPrediction.total(predicted["optimized"]),
+            measured=run.median_step_time_s,
+        )
+    )
+    return rows
+
+
+STEP_ROW = "step"
+"""The last row of a per-phase report: the whole step."""
 
 
 def predicted_gain(base: RunSummary, run: RunSummary) -> float | None:

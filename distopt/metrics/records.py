@@ -77,7 +77,7 @@ class StepRecord:
     """Jobs with row caches: the most updates of other trainers a row served from a cache had
     missed, over the run so far (0 under ``consistency: exact``)."""
     phases: dict[str, float] | None = None
-    """Seconds of each phase of the step (:data:`distopt.estimate.step.REPORTED`), when logged."""
+    """Seconds of each phase of the step (:data:`distopt.estimate.step.LOGGED`), when logged."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)

@@ -33,7 +33,7 @@ from distopt.estimate.predict import (
     predict,
     staleness_to_hide,
 )
-from distopt.estimate.step import PushMode, StepCosts, StepPrediction, predict_step
+from distopt.estimate.step import OTHER, PushMode, StepCosts, StepPrediction, predict_step
 from distopt.estimate.timeline import Timeline, simulate
 from distopt.optimize.api import optimize
 from distopt.pipeline.prefetch import Prefetcher
@@ -91,8 +91,9 @@ def _timed_step(
     times: dict[str, list[float]],
     scope: StepScope = local_backward,
 ) -> None:
-    """One rehearsed step: forward (the waits in it counted), backward, push; appended to
-    ``times``."""
+    """One rehearsed step: forward (the waits in it counted), backward, push, and the whole
+    ``step``; appended to ``times``."""
+    step_start = time.perf_counter()
     with scope() as backward_of:
         ps_calls.take_wait_time()
         start = time.perf_counter()
@@ -105,11 +106,13 @@ def _timed_step(
         start = time.perf_counter()
         push()
         pushes = time.perf_counter() - start
+    step = time.perf_counter() - step_start
     for name, value in (
         ("forward", forward),
         ("waits", waits),
         ("backward", backward),
         ("pushes", pushes),
+        ("step", step),
     ):
         times[name].append(value)
 
@@ -171,11 +174,13 @@ def rehearse(
     not counted either: their reads were sent before its first step), each chunk going on until
     its counted steps took :data:`REHEARSAL_CHUNK_S`; the backward, which the passes do not
     change, is the median over every schedule's steps, and so are the pushes of schedules that
-    push alike. The pipeline deepens as in a run when its reads arrive late, up to
-    ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where it ended). Grads, buffers, the
-    RNG stream and remote state such as fetched-row records are as they were afterwards.
-    ``scope`` says how the model's backward runs (:data:`StepScope`; the pipeline's rehearsal
-    always runs ``loss.backward()``).
+    push alike; each schedule's :data:`~distopt.estimate.step.OTHER` is its own steps' median
+    less the sum of its own phases' medians (phases vary together: at K = 1, 5 ms, light, a
+    pipelined step's median was 2 ms over the sum, 30%). The pipeline deepens as in a run when
+    its reads arrive late, up to ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where
+    it ended). Grads, buffers, the RNG stream and remote state such as fetched-row records are
+    as they were afterwards. ``scope`` says how the model's backward runs (:data:`StepScope`;
+    the pipeline's rehearsal always runs ``loss.backward()``).
     """
     chunk = max(2, -(-steps // REHEARSAL_ROUNDS) + 1)
     known: dict[str, tuple[nn.Module, PushMode]] = {
@@ -192,7 +197,8 @@ def rehearse(
             )
         split = check_pipelined(optimized, pipeline_staleness, push=True)
     times: dict[str, dict[str, list[float]]] = {
-        name: {phase: [] for phase in ("forward", "waits", "backward", "pushes")} for name in runs
+        name: {phase: [] for phase in ("forward", "waits", "backward", "pushes", "step")}
+        for name in runs
     }
     stand_ins = 0
     baseline_wrote: bool | None = None  # unknown until the model as written was rehearsed
@@ -231,6 +237,12 @@ def rehearse(
                     )
                 for phase, values in chunk_times.items():
                     times[name][phase].extend(values[1:])
+    # A schedule's steps, less the sum of its phases' medians (before the pooling below).
+    other = {
+        name: statistics.median(phases["step"])
+        - sum(statistics.median(phases[p]) for p in ("forward", "backward", "pushes"))
+        for name, phases in times.items()
+    }
     # The passes change the forward alone: each schedule's backward, and its pushes where it
     # pushes as another does, are one cost measured several times, taken together.
     for phase, same in (
@@ -244,7 +256,14 @@ def rehearse(
             times[name][phase] = pooled[same(name)]
     return StepCosts(
         rehearsed={
-            name: {phase: statistics.median(values) for phase, values in phases.items()}
+            name: {
+                **{
+                    phase: statistics.median(values)
+                    for phase, values in phases.items()
+                    if phase != "step"
+                },
+                OTHER: other[name],
+            }
             for name, phases in times.items()
         },
         pushes=pushes,

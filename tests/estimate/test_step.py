@@ -11,6 +11,8 @@ from torch import nn
 
 from distopt.estimate.predict import GainPrediction, Prediction
 from distopt.estimate.step import (
+    LOGGED,
+    OTHER,
     PHASES,
     REPORTED,
     StepCosts,
@@ -51,12 +53,12 @@ def test_phases_add_up_and_waits_belong_to_the_forward() -> None:
     with phases.phase("pushes"):
         waits.blocked(0.125)  # a blocking push waits too, but not in the forward
     taken = phases.take()
-    assert list(taken) == list(REPORTED)
+    assert list(taken) == list(LOGGED)
     assert taken["data"] >= 0.002 and taken["forward"] >= 0.002
     assert taken["waits"] == 0.25
     assert taken["backward"] == taken["all_reduce"] == taken["optimizer"] == 0.0
     assert phases.take_waited() == 0.875
-    assert phases.take() == dict.fromkeys(REPORTED, 0.0)  # the next step starts from zero
+    assert phases.take() == dict.fromkeys(LOGGED, 0.0)  # the next step starts from zero
     with pytest.raises(ValueError, match="got 'fetch'"):
         with phases.phase("fetch"):
             pass
@@ -122,10 +124,12 @@ def test_predict_phases_of_a_schedule_not_rehearsed_is_an_error() -> None:
         predict_phases(costs, "pipelined")
 
 
-def test_step_total_is_the_disjoint_phases() -> None:
+def test_step_total_is_the_disjoint_phases_and_other() -> None:
     phases = {"data": 1.0, "forward": 2.0, "waits": 1.5, "backward": 3.0, "all_reduce": 2.5}
     assert StepPrediction.total({**phases, "pushes": 4.0, "optimizer": 5.0}) == 15.0
-    assert set(PHASES) | {"waits", "all_reduce"} == set(REPORTED)
+    assert StepPrediction.total({**phases, "pushes": 4.0, "optimizer": 5.0, OTHER: 0.5}) == 15.5
+    assert set(PHASES) | {"waits", "all_reduce"} == set(LOGGED)
+    assert REPORTED == (*LOGGED, OTHER)
 
 
 def test_optimizer_step_is_timed_on_copies() -> None:

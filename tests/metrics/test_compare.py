@@ -192,7 +192,12 @@ def test_phases_predicted_beside_measured(tmp_path: Path) -> None:
     )
     result = compare_runs([base, opt], labels=["b", "o"], warmup=3)
     rows = {row.phase: row for row in result.phases}
-    assert list(rows) == list(measured_opt)
+    assert list(rows) == [*measured_opt, "other", "step"]
+    # Every step is its phases' sum, scaled alike: the medians add up and nothing is left over.
+    assert rows["other"].measured == pytest.approx(0.0, abs=1e-12)
+    assert rows["other"].predicted is None  # a header from before the rehearsal reported it
+    assert rows["step"].predicted == pytest.approx(sum(predicted["optimized"][n] for n in PHASES))
+    assert rows["step"].measured == result.runs[1].median_step_time_s
     assert rows["forward"].baseline_predicted == 0.024
     assert rows["forward"].baseline_measured == pytest.approx(0.030, rel=0.02)
     assert rows["forward"].measured == pytest.approx(0.012, rel=0.02)
@@ -203,6 +208,32 @@ def test_phases_predicted_beside_measured(tmp_path: Path) -> None:
     assert result.to_json()["phases"][1]["phase"] == "forward"
     old = load_run(_phased_run(tmp_path, "old", "optimized", measured_opt))
     assert compare_runs([base, old], warmup=3).phases == ()
+
+
+def test_other_is_what_the_phase_medians_leave_of_the_median_step(tmp_path: Path) -> None:
+    """Phases that vary together do not add up by their medians: steps that are long in their
+    forward or in their push, and short ones, have a median step of 11 ms and phase medians of
+    1 ms each; ``other`` holds the 9 ms."""
+    shapes = [(0.010, 0.001), (0.001, 0.010), (0.001, 0.001)]
+    with QpsLogWriter.create(
+        tmp_path,
+        run_id="r",
+        variant="optimized",
+        rank=0,
+        world_size=1,
+        global_batch_size=64,
+        config={"model": "dlrm", "variant": "optimized", "run_id": "r"},
+    ) as writer:
+        for step in range(30):
+            forward, pushes = shapes[step % 3]
+            phases = {"data": 0.0, "forward": forward, "backward": 0.0, "pushes": pushes}
+            writer.log_step(step, forward + pushes, phases=phases)
+    summary = summarize(load_run(tmp_path / "r"), label="r", warmup=0)
+    assert summary.phases is not None
+    assert summary.median_step_time_s == pytest.approx(0.011)
+    assert summary.phases["forward"] == pytest.approx(0.001)
+    assert summary.phases["pushes"] == pytest.approx(0.001)
+    assert summary.phases["other"] == pytest.approx(0.009)
 
 
 def test_compare_says_when_phases_the_rewrite_leaves_alone_moved(
