@@ -9,7 +9,10 @@ interval is a percentile block bootstrap: each run's post-warm-up steps are cut 
 ``block`` consecutive steps (the units: consecutive steps are not independent, a block of them
 nearly is), each run's blocks are resampled with replacement independently, the ratio of medians
 is recomputed ``resamples`` times, and the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles
-bound the interval (:attr:`Comparison.interval` says so in words). Drift *between* two jobs run one
+bound the interval (:attr:`Comparison.interval` says so in words). A run pooled from several jobs
+is resampled in two stages, its jobs with replacement and then blocks within each job drawn: two
+jobs of one command differ by more than their steps say (the host, the processes' placement), and
+an interval over steps alone did not cover the next run's gain. Drift *between* two jobs run one
 after the other is in no interval computed from them: ``distopt demo`` alternates shorter jobs of
 each variant for that (docs/cost_model.md).
 
@@ -186,7 +189,7 @@ class Comparison:
         if all(run.jobs == 1 for run in self.runs):
             return "drift of the host between the jobs is not in it"
         jobs = ", ".join(f"{run.jobs} {run.variant}" for run in self.runs)
-        return f"steps pooled from alternated jobs ({jobs})"
+        return f"steps pooled from alternated jobs ({jobs}), jobs resampled, then blocks in each"
 
     def to_json(self) -> dict[str, Any]:
         gains = {g.label: g for g in self.gains}
@@ -361,7 +364,8 @@ def bootstrap_ratio_of_medians(
 ) -> tuple[float, float, float]:
     """``(median(candidate) / median(baseline), ci_low, ci_high)`` by a percentile bootstrap
     that resamples blocks of ``block`` consecutive samples (1: single samples). Either side may
-    be a list of segments (the jobs of a pooled run): no block spans two of them."""
+    be a list of segments (the jobs of a pooled run): no block spans two of them, and the
+    segments are resampled first (:func:`_resampled_medians`)."""
     if not 0 < level < 1:
         raise CompareError(f"--ci-level: expected a number in (0, 1), got {level}")
     if resamples < 1:
@@ -393,12 +397,22 @@ def _segments(samples: Samples) -> list[np.ndarray]:
 def _resampled_medians(
     samples: Samples, rng: np.random.Generator, resamples: int, block: int
 ) -> np.ndarray:
-    """Medians of ``resamples`` resamples of ``samples``, each as many whole blocks (of ``block``
-    consecutive samples of one segment; a segment's last may be short) drawn with replacement
-    as ``samples`` has."""
-    blocks = [seg[i : i + block] for seg in _segments(samples) for i in range(0, len(seg), block)]
-    picks = rng.integers(0, len(blocks), size=(resamples, len(blocks)))
-    return np.asarray([np.median(np.concatenate([blocks[i] for i in row])) for row in picks])
+    """Medians of ``resamples`` resamples of ``samples``: with one segment, as many whole blocks
+    (of ``block`` consecutive samples; the last may be short) drawn with replacement as it has;
+    with several, a two-stage bootstrap: as many segments drawn with replacement as there are,
+    then each drawn segment's blocks drawn within it (the spread between segments is in it)."""
+    segments = [
+        [seg[i : i + block] for i in range(0, len(seg), block)] for seg in _segments(samples)
+    ]
+    medians = np.empty(resamples)
+    for r in range(resamples):
+        drawn = rng.integers(0, len(segments), size=len(segments)) if len(segments) > 1 else [0]
+        parts = []
+        for s in drawn:
+            blocks = segments[s]
+            parts += [blocks[i] for i in rng.integers(0, len(blocks), size=len(blocks))]
+        medians[r] = np.median(np.concatenate(parts))
+    return medians
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

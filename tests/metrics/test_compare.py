@@ -327,6 +327,21 @@ def test_jobs_of_one_variant_are_pooled(write_run: WriteRun) -> None:
         compare_runs([mixed, fast], labels=["b", "f"])
 
 
+def test_an_interval_over_jobs_holds_their_spread() -> None:
+    """Two jobs per variant whose gains differ (1.08× and 1.12×, each tight within its steps):
+    the two-stage interval holds both jobs' gains; resampling the pooled steps alone gives a
+    confident interval around 1.10× that holds neither."""
+    rng = np.random.default_rng(3)
+    base = [rng.normal(1000, 10, 150), rng.normal(1000, 10, 150)]
+    cand = [rng.normal(1080, 11, 150), rng.normal(1120, 11, 150)]
+    point, low, high = bootstrap_ratio_of_medians(base, cand, block=10)
+    assert low < 1.085 and high > 1.115 and low < point < high
+    _, steps_low, steps_high = bootstrap_ratio_of_medians(
+        np.concatenate(base), np.concatenate(cand), block=10
+    )
+    assert 1.08 < steps_low < steps_high < 1.12
+
+
 def _fetching_run(out: Path, run_id: str, rows: int, **cache: float) -> Path:
     """A run whose steps record fetch counts (and, given ``cache``, row-cache fields)."""
     with QpsLogWriter.create(
