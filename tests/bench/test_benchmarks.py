@@ -213,6 +213,11 @@ def test_data_loading_runs_both_arms(tmp_path) -> None:
         result["arms"]["loader"]["median_qps"] / result["arms"]["prebuilt"]["median_qps"]
     )
     assert len(result["load_average_after"]) == 3
+    # The cost model predicts the arms alike (its data phase is 0); the loader's measured
+    # data phase is what the prediction leaves out.
+    assert result["predicted_ratio"] == 1.0
+    assert result["prediction_error"] == pytest.approx(1.0 / result["ratio"] - 1)
+    assert all(arm["median_data_s"] >= 0 for arm in result["arms"].values())
 
 
 @pytest.mark.slow
