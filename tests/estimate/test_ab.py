@@ -87,6 +87,15 @@ def test_a_variant_timed_already_is_not_called_again() -> None:
     assert result.rounds == 1 and calls == ["candidate"]
 
 
+def test_times_given_do_not_spend_the_budget() -> None:
+    """Close 1.2 s calls, both timed before: that first round cost this comparison nothing, so
+    the budget buys a round of its own before the verdict (not one unclear round alone)."""
+    calls: list[str] = []
+    m = Measurer(budget_s=2.0, clock=clock_of({"baseline": 1.2, "candidate": 1.19}, calls))
+    result = m.compare(lambda: None, lambda: None, warm=True, baseline_s=1.2, candidate_s=1.19)
+    assert result.rounds == 2 and calls == ["candidate", "baseline"]
+
+
 def test_the_clock_leaves_out_one_time_work() -> None:
     def call() -> None:
         with one_time_work():
