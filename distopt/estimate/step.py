@@ -241,10 +241,10 @@ class StepCosts:
 
     rehearsed: Mapping[str, Mapping[str, float]]
     """Per schedule (:data:`SCHEDULES`, those rehearsed): the median ``forward``, ``waits``,
-    ``backward`` and ``pushes``, and :data:`OTHER`, of steps run at start-up on the first batch — remote reads sent
-    for real, distopt pushes as dry runs (the servers compute on copies and change nothing), a
-    remote write of the user's own not sent but waited out at :attr:`read_latency_s`, no
-    optimizer step (:func:`distopt.optimize.gain.rehearse`)."""
+    ``backward`` and ``pushes``, and :data:`OTHER`, of steps run at start-up on the first batch —
+    remote reads sent for real, distopt pushes as dry runs (the servers compute on copies and
+    change nothing), a remote write of the user's own not sent but waited out at
+    :attr:`read_latency_s`, no optimizer step (:func:`distopt.optimize.gain.rehearse`)."""
     pushes: PushMode = "none"
     """How the rehearsal pushed (``in_turn`` rehearses one trainer's blocking push)."""
     optimizer_s: float = 0.0
