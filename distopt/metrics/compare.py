@@ -233,12 +233,15 @@ class Comparison:
         }
 
 
-def _optional_float(header: Mapping[str, Any], key: str) -> float | None:
+def _optional_float(header: Mapping[str, Any], key: str, *, positive: bool = True) -> float | None:
+    """``header[key]`` as a float (``None`` when absent); a one-line error unless it is a
+    number, and with ``positive`` one above 0."""
     value = header.get(key)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise CompareError(f"header {key}: expected a positive number, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
+        kind = "a positive number" if positive else "a number"
+        raise CompareError(f"header {key}: expected {kind}, got {value!r}")
     return float(value)
 
 
@@ -315,7 +318,8 @@ def summarize(run: Jobs, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSumm
         median_step_time_s=float(np.median(step_times)),
         predicted_step_time_s=_optional_float(run.header, "predicted_step_time_s"),
         predicted_gain=_optional_float(run.header, "predicted_gain"),
-        predicted_saving_s=_optional_float(run.header, "predicted_saving_s"),
+        # A saving below 0 is a prediction too: the rewrite predicted to cost time.
+        predicted_saving_s=_optional_float(run.header, "predicted_saving_s", positive=False),
         phases=phases,
         predicted_phases=_predicted_phases(run.header),
         fetches=_fetches(fetching),

@@ -117,11 +117,20 @@ def test_predicted_saving_is_taken_off_the_measured_baseline_step(write_run: Wri
         write_run("saving", 1500.0, extra={"predicted_saving_s": 0.02, "predicted_gain": 9.0})
     )
     absurd = load_run(write_run("absurd", 1500.0, extra={"predicted_saving_s": 100.0}))
-    result = compare_runs([base, saving, absurd], labels=["b", "s", "a"])
+    # A rewrite predicted to cost time (examples/own_model's forward: -0.4 ms) is a prediction,
+    # not a broken header: distopt demo's compare refused it.
+    loss = load_run(write_run("loss", 1000.0, extra={"predicted_saving_s": -0.0004}))
+    result = compare_runs([base, saving, absurd, loss], labels=["b", "s", "a", "l"])
     t_base = result.runs[0].median_step_time_s
     predicted = {g.label: g.predicted for g in result.gains}
     assert predicted["s"] == pytest.approx(t_base / (t_base - 0.02))  # not the header's 9.0
     assert predicted["a"] is None
+    assert predicted["l"] == pytest.approx(t_base / (t_base + 0.0004)) and predicted["l"] < 1
+    broken = load_run(write_run("broken", 1000.0, extra={"predicted_saving_s": "fast"}))
+    with pytest.raises(
+        CompareError, match="header predicted_saving_s: expected a number, got 'fast'"
+    ):
+        compare_runs([base, broken])
 
 
 def test_failed_gains_uses_lower_bound_or_median(write_run: WriteRun) -> None:
