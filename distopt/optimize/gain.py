@@ -237,12 +237,8 @@ def rehearse(
                     )
                 for phase, values in chunk_times.items():
                     times[name][phase].extend(values[1:])
-    # A schedule's steps, less the sum of its phases' medians (before the pooling below).
-    other = {
-        name: statistics.median(phases["step"])
-        - sum(statistics.median(phases[p]) for p in ("forward", "backward", "pushes"))
-        for name, phases in times.items()
-    }
+    # Before the pooling below: each schedule's own phases.
+    other = {name: left_over(phases) for name, phases in times.items()}
     # The passes change the forward alone: each schedule's backward, and its pushes where it
     # pushes as another does, are one cost measured several times, taken together.
     for phase, same in (
@@ -271,6 +267,14 @@ def rehearse(
         read_latency_s=read_latency_s,
         pipeline_depth=depth if split is not None else None,
     )
+
+
+def left_over(times: dict[str, list[float]]) -> float:
+    """:data:`~distopt.estimate.step.OTHER` of rehearsed steps: the median ``step`` less the sum
+    of the medians of ``forward``, ``backward`` and ``pushes`` (phases that vary together do not
+    add up by their medians)."""
+    phases = sum(statistics.median(times[phase]) for phase in ("forward", "backward", "pushes"))
+    return statistics.median(times["step"]) - phases
 
 
 def _rehearsal_recording(

@@ -16,6 +16,7 @@ from distopt.estimate.predict import (
     measure_latency,
     predict,
 )
+from distopt.estimate.step import OTHER, StepCosts, predict_step
 from distopt.estimate.timeline import Timeline
 from distopt.optimize import gain
 from distopt.optimize.gain import REHEARSAL_ROUNDS, predict_gain, step_of
@@ -137,6 +138,22 @@ def test_each_request_costs_what_the_models_own_request_took() -> None:
     assert prediction.rpc_latency_s == pytest.approx(0.02, abs=0.02)
     assert prediction.before_s >= prediction.before.compute_s + 0.04  # two blocking round trips
     assert prediction.after_s < prediction.before_s - 0.015  # they overlap each other
+
+
+def test_other_is_what_the_phase_medians_leave_of_the_median_step() -> None:
+    """Steps long in their forward or in their push, and short ones: each phase's median is
+    1 ms, the median step 11 ms; the 9 ms between is ``other``, part of the predicted step."""
+    times = {
+        "forward": [0.010, 0.001, 0.001],
+        "waits": [0.0, 0.0, 0.0],
+        "backward": [0.0, 0.0, 0.0],
+        "pushes": [0.001, 0.010, 0.001],
+        "step": [0.011, 0.011, 0.002],
+    }
+    assert gain.left_over(times) == pytest.approx(0.009)
+    rehearsed = {"forward": 0.001, "waits": 0.0, "backward": 0.0, "pushes": 0.001, OTHER: 0.009}
+    costs = StepCosts(rehearsed={s: rehearsed for s in ("baseline", "optimized")})
+    assert predict_step(costs).optimized_s == pytest.approx(0.011)
 
 
 def test_a_write_in_backward_is_waited_out_not_sent() -> None:
