@@ -224,6 +224,7 @@ def measure(bench: DataLoadingConfig) -> dict[str, Any]:
     finally:
         torch.set_num_threads(threads)
     qps = {arm: job.batch_size / statistics.median(t) for arm, t in times.items()}
+    ratio = qps["loader"] / qps["prebuilt"]
     return {
         "job": bench.job,
         "batch_size": job.batch_size,
@@ -241,12 +242,12 @@ def measure(bench: DataLoadingConfig) -> dict[str, Any]:
             }
             for arm in ARMS
         },
-        "ratio": qps["loader"] / qps["prebuilt"],
+        "ratio": ratio,
         "target_ratio": bench.target_ratio,
         # The cost model's data phase is 0 (the loader keeps up: docs/cost_model.md), so it
         # predicts the arms alike; this benchmark is where that assumption is checked.
         "predicted_ratio": PREDICTED_RATIO,
-        "prediction_error": PREDICTED_RATIO / (qps["loader"] / qps["prebuilt"]) - 1,
+        "prediction_error": PREDICTED_RATIO / ratio - 1,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "cpu_count": os.cpu_count(),

@@ -46,6 +46,13 @@ OTHER = "other"
 """The median step less the sum of its phases' medians (see the module): not a phase of one step,
 a property of many, so the training loop does not log it; the rehearsal and ``distopt compare``
 derive it from the steps."""
+
+
+def other_s(median_step_s: float, phase_medians: Mapping[str, float]) -> float:
+    """:data:`OTHER`: the median step less the sum of the phases' medians."""
+    return median_step_s - sum(phase_medians.get(name, 0.0) for name in PHASES)
+
+
 LOGGED: tuple[str, ...] = (
     "data",
     "forward",

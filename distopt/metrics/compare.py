@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from distopt.errors import DistoptError
-from distopt.estimate.step import OTHER, PHASES, StepPrediction
+from distopt.estimate.step import OTHER, StepPrediction, other_s
 from distopt.metrics.records import MergedStep, RunLog, StepRecord
 
 DEFAULT_WARMUP = 5
@@ -294,13 +294,14 @@ def summarize(run: Jobs, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSumm
     qps = np.asarray([m.qps for m in merged], dtype=float)
     measured = np.concatenate([np.asarray(seg) for seg in segments])
     step_times = np.asarray([m.step_time_s for m in counted_steps], dtype=float)
+    median_step_s = float(np.median(step_times))
     phases = None
     if recorded:
         phases = {
             name: float(np.median([p.get(name, 0.0) for p in recorded])) for name in recorded[0]
         }
         # What the phases' medians leave of the median step, as the prediction's OTHER is made.
-        phases[OTHER] = float(np.median(step_times)) - sum(phases.get(n, 0.0) for n in PHASES)
+        phases[OTHER] = other_s(median_step_s, phases)
     return RunSummary(
         label=label,
         run_id=run.run_id,
@@ -315,7 +316,7 @@ def summarize(run: Jobs, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSumm
         qps=tuple(float(q) for q in qps),
         segments=tuple(segments),
         jobs=len(jobs),
-        median_step_time_s=float(np.median(step_times)),
+        median_step_time_s=median_step_s,
         predicted_step_time_s=_optional_float(run.header, "predicted_step_time_s"),
         predicted_gain=_optional_float(run.header, "predicted_gain"),
         # A saving below 0 is a prediction too: the rewrite predicted to cost time.

@@ -33,7 +33,14 @@ from distopt.estimate.predict import (
     predict,
     staleness_to_hide,
 )
-from distopt.estimate.step import OTHER, PushMode, StepCosts, StepPrediction, predict_step
+from distopt.estimate.step import (
+    OTHER,
+    PushMode,
+    StepCosts,
+    StepPrediction,
+    other_s,
+    predict_step,
+)
 from distopt.estimate.timeline import Timeline, simulate
 from distopt.optimize.api import optimize
 from distopt.pipeline.prefetch import Prefetcher
@@ -273,8 +280,8 @@ def left_over(times: dict[str, list[float]]) -> float:
     """:data:`~distopt.estimate.step.OTHER` of rehearsed steps: the median ``step`` less the sum
     of the medians of ``forward``, ``backward`` and ``pushes`` (phases that vary together do not
     add up by their medians)."""
-    phases = sum(statistics.median(times[phase]) for phase in ("forward", "backward", "pushes"))
-    return statistics.median(times["step"]) - phases
+    phases = {phase: statistics.median(times[phase]) for phase in ("forward", "backward", "pushes")}
+    return other_s(statistics.median(times["step"]), phases)
 
 
 def _rehearsal_recording(
