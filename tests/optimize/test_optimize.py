@@ -343,3 +343,47 @@ def test_a_graph_ending_at_a_graph_break_is_not_timed_as_the_whole_model(monkeyp
     assert len(report.graphs) == 2 and report.verification.passed
     # Each graph's A/B called its "without": the original's run is not a sample of a part of it.
     assert timed[:3] == ["baseline", "baseline", "candidate"]
+
+
+class _ConvBn(nn.Module):
+    """Its graph depends on the mode (BatchNorm): eval mode compiles a graph of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def test_an_eval_graph_compiled_by_a_call_with_grad_is_computed_not_answered(monkeypatch) -> None:
+    # Optimized in train mode, then called in eval mode with grad on (as the coverage check calls
+    # it): that call compiles the eval graph, whose measured pass timed it without grad. Those
+    # outputs have no autograd history and came from the fused modules' inference kernels (other
+    # round-off): the call must compute its own.
+    _fixed_clocks(monkeypatch)
+    fused_calls = []
+    fused_forward = FusedConv2d.forward
+
+    def counted(self, *args, **kwargs):
+        fused_calls.append(torch.is_grad_enabled())
+        return fused_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedConv2d, "forward", counted)
+    model = _ConvBn().train()
+    x = torch.randn(2, 3, 16, 16)
+    optimized = distopt.optimize(model, x, config={"capture": {"symbolic": False}})
+    assert report_of(optimized).tier == "dynamo"
+    model.eval()
+    optimized.eval()
+    out = optimized(x)
+    report = report_of(optimized)
+    fusion = next(p for p in report.graphs[-1].passes if p.name == "mkldnn_fusion")
+    assert len(report.graphs) == 2 and fusion.modified  # the eval graph, fused and timed
+    # The measured pass's timed calls (without grad), then this call's own (with grad).
+    assert fused_calls[:-1] and not any(fused_calls[:-1]) and fused_calls[-1]
+    assert out.requires_grad and out.grad_fn is not None
+    out.sum().backward()
+    assert model.conv.weight.grad is not None
+    torch.testing.assert_close(out.detach(), model(x).detach(), rtol=1e-5, atol=1e-6)

@@ -17,7 +17,8 @@ graph again, and :func:`distopt.optimize`'s final check takes the optimized grap
 it. The graph as captured starts from the original model's verification run when the graph is all
 of that model (:func:`~distopt.passes.core.pass_base.captured_seconds`): it computes the same ops
 on the same inputs. And the call that compiles a Dynamo graph, which then runs it on the tensors a
-measured pass just timed it on, gets that timed call's outputs (:func:`answering_first_call`).
+measured pass just timed it on, gets that timed call's outputs (:func:`answering_first_call`) when
+it runs without grad, as the timed call did, and that call wrote and drew nothing.
 
 The pass option ``measure: false`` applies the rewrite unmeasured (unit tests of a rewrite,
 ``parallelize(channels_last=True)``, where every rank must make the same choice). Without a
@@ -161,9 +162,27 @@ class _LastRun:
     inputs: tuple[tuple[Any, int | None], ...]
     """Each input, with its version counter when it is a tensor."""
     outputs: Any
+    mode: tuple[bool, bool]
+    """Grad mode and inference mode it ran in (:func:`_mode`): always without grad, so its outputs
+    carry no autograd history, and fused modules took their inference-only kernels
+    (:mod:`distopt.passes.local.fused`), whose round-off differs from the differentiable path's."""
     wrote: bool
-    """The call wrote a buffer or an input (put back afterwards): its outputs stand for a call
-    only together with those writes."""
+    """The call wrote a buffer or an input (put back afterwards), or drew random numbers (the
+    generator put back): its outputs stand for a call only together with those writes."""
+
+
+def _mode() -> tuple[bool, bool]:
+    """What decides how a graph computes besides its inputs: whether autograd records its ops,
+    and inference mode (whose tensors are another kind)."""
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+
+def _rng_states() -> list[torch.Tensor]:
+    """The default generators' states: the CPU one, and each GPU's once CUDA is in use."""
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_initialized():
+        states.extend(torch.cuda.get_rng_state_all())
+    return states
 
 
 def _workload(
@@ -178,8 +197,11 @@ def _workload(
         torch.random.fork_rng(devices=[]),
         torch.no_grad(),
     ):
+        rng = _rng_states()
         outputs = module(*inputs)
-    return _LastRun(key, _versions(inputs), outputs, bool(buffers or written))
+        drew = not all(map(torch.equal, rng, _rng_states()))
+        mode = _mode()
+    return _LastRun(key, _versions(inputs), outputs, mode, bool(buffers or written or drew))
 
 
 def _versions(inputs: Sequence[Any]) -> tuple[tuple[Any, int | None], ...]:
@@ -198,12 +220,16 @@ def answering_first_call(
 ) -> Callable[..., Any]:
     """``forward`` (``gm``'s), whose first call returns the outputs of the graph's last timed call
     instead of computing them again, when it is called on the very inputs of that call, none
-    changed since, and the graph is still the one that ran.
+    changed since, in the mode that call ran in (no grad), and the graph is still the one that ran.
 
     A Dynamo backend compiles a graph during the call that then runs it: the call that captured a
     graph, on the example inputs, would otherwise run it right after the measured pass ran it on
-    those tensors (distopt.optimize's verification run). That call wrote nothing (else it is not
-    remembered) and ran under the same RNG state, so its outputs are the outputs of this call.
+    those tensors (distopt.optimize's verification run of an eval model, which runs without
+    grad). That call wrote nothing and drew no random numbers (else it is not remembered) and ran
+    under the same RNG state, so its outputs are the outputs of this call. A call with grad
+    enabled is computed: a timed call's outputs have no autograd history, and fused modules took
+    their inference kernels (a model optimized in train mode, then called in eval mode with grad
+    on, compiles its eval graph in such a call).
     """
     run: _LastRun | None = gm.meta.pop(LAST_RUN, None)
     if run is None or run.key != timing_key(gm, tuple(inputs)):
@@ -212,7 +238,7 @@ def answering_first_call(
 
     def call(*args: Any) -> Any:
         last = pending.pop() if pending else None
-        if last is not None and _same(args, last.inputs):
+        if last is not None and _mode() == last.mode and _same(args, last.inputs):
             return last.outputs
         return forward(*args)
 

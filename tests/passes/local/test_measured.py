@@ -240,3 +240,44 @@ def test_a_call_that_writes_an_input_is_not_answered_from_a_timed_call() -> None
     with torch.no_grad():
         answering_first_call(gm, (x, calls), forward)(x, calls)
     assert count[0] == 1 and float(calls) == before + 1
+
+
+def test_a_call_with_grad_is_not_answered_from_a_timed_call() -> None:
+    # The timed call ran without grad: no autograd history, and the fused module took its
+    # inference kernel. A call with grad on computes its own outputs.
+    gm = torch.fx.symbolic_trace(ConvRelu().eval())
+    ctx = _eval_ctx(_calling(1.0, 0.5))
+    x = (ctx.example_inputs or ())[0]
+    assert mkldnn_fusion(gm, ctx).modified
+    gm.recompile()
+    forward, count = _counted_forward(gm)
+    out = answering_first_call(gm, (x,), forward)(x)
+    assert count[0] == 1 and out.grad_fn is not None
+
+
+class _Noisy(nn.Module):
+    """Draws random numbers (and adds nothing of them): a call moves the user's generator on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        return y + torch.rand_like(y) * 0
+
+
+def test_a_call_that_draws_random_numbers_is_not_answered_from_a_timed_call() -> None:
+    gm = torch.fx.symbolic_trace(_Noisy().eval())
+    ctx = _eval_ctx(_calling(1.0, 0.5))
+    x = (ctx.example_inputs or ())[0]
+    assert mkldnn_fusion(gm, ctx).modified
+    gm.recompile()
+    forward, count = _counted_forward(gm)
+    with torch.no_grad():
+        start = torch.random.get_rng_state()
+        gm(x)
+        after_a_call = torch.random.get_rng_state()
+        torch.random.set_rng_state(start)
+        answering_first_call(gm, (x,), forward)(x)
+    assert count[0] == 1 and torch.equal(torch.random.get_rng_state(), after_a_call)
