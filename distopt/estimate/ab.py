@@ -109,6 +109,8 @@ class ABResult:
     candidate_s: float
     rounds: int
     """Counted rounds (each one call of both)."""
+    baseline_timed: bool = True
+    """The baseline's median is of calls timed here (not only the first sample it was given)."""
 
     @property
     def speedup(self) -> float:
@@ -195,10 +197,12 @@ class Measurer:
                 samples[label].append(seconds)
                 spent += seconds
             round_index += 1
+        given_only = baseline_s is not None and samples["baseline"] == [baseline_s]
         return ABResult(
             statistics.median(samples["baseline"]),
             statistics.median(samples["candidate"]),
             len(samples["baseline"]),
+            baseline_timed=not given_only,
         )
 
     def _clear(self, samples: dict[str, list[float]], rounds: int) -> bool:

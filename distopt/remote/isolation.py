@@ -40,12 +40,14 @@ def isolated() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def preserved_state(*modules: nn.Module) -> Iterator[None]:
+def preserved_state(*modules: nn.Module) -> Iterator[list[torch.Tensor]]:
     """Restore buffers (e.g. BatchNorm running stats) and ``.grad`` of ``modules`` on exit.
 
     Verification runs real forward/backward passes; the user's model must come out unchanged.
-    Only local state counts (a ``RemoteModule`` lives on its owner).
+    Only local state counts (a ``RemoteModule`` lives on its owner). Yields a list that holds,
+    after exit, the buffers whose values had changed (a run that wrote none left no trace).
     """
+    restored: list[torch.Tensor] = []
     tensors: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     grads: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
     for module in modules:
@@ -54,7 +56,7 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
         for _, param in named_local_tensors(module, "_parameters"):
             grads.setdefault(id(param), (param, param.grad))
     try:
-        yield
+        yield restored
     finally:
         with torch.no_grad():
             # Only buffers whose values changed (BatchNorm's kernel writes its running statistics
@@ -63,5 +65,6 @@ def preserved_state(*modules: nn.Module) -> Iterator[None]:
             for buf, saved in tensors.values():
                 if not torch.equal(buf, saved):
                     buf.copy_(saved)
+                    restored.append(buf)
         for param, grad in grads.values():
             param.grad = grad

@@ -1,3 +1,4 @@
+import importlib
 import warnings
 
 import pytest
@@ -9,8 +10,10 @@ import distopt
 from distopt import models
 from distopt.config import OptimizeConfig
 from distopt.errors import ConfigError, VerificationError
+from distopt.estimate.ab import Measurer
 from distopt.optimize.api import _keep_if_not_slower
 from distopt.passes import PassResult, register_pass, unregister_pass
+from distopt.passes.local.fused import FusedConv2d
 from distopt.report import GraphRecord, OptimizeReport, report_of
 
 EXAMPLES = ["mlp", "cnn", "gpt", "control_flow"]
@@ -264,3 +267,123 @@ def test_the_final_check_reuses_a_long_graph_timing_from_the_passes(
             "optimized 500 ms vs original 1.00 s (median of 1 interleaved round): "
             "optimized model kept"
         )
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x))
+
+
+def _fixed_clocks(monkeypatch) -> list[str]:
+    """Every timed call runs and takes 1 s as a baseline, 0.5 s as a candidate; returns the list
+    of the labels timed, in order."""
+    timed: list[str] = []
+
+    def clock(label: str, fn) -> float:
+        timed.append(label)
+        fn()
+        return {"baseline": 1.0, "candidate": 0.5}[label]
+
+    # distopt.optimize is also the function: the modules by import_module.
+    monkeypatch.setattr(importlib.import_module("distopt.optimize.verify"), "default_clock", clock)
+    api = importlib.import_module("distopt.optimize.api")
+    monkeypatch.setattr(api, "_measurer", lambda cfg: Measurer(clock=clock))
+    return timed
+
+
+def test_a_dynamo_captured_eval_model_runs_once_and_its_graph_once(monkeypatch) -> None:
+    # The original's verification run (1 s by these clocks) is the captured graph's first sample,
+    # and the fused graph's timed call (0.5 s) gives the outputs verification compares: one run of
+    # each, where the A/B used to run the captured graph and verification the fused one again.
+    timed = _fixed_clocks(monkeypatch)
+    fused_calls = []
+    fused_forward = FusedConv2d.forward
+
+    def counted(self, *args, **kwargs):
+        fused_calls.append(1)
+        return fused_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedConv2d, "forward", counted)
+    model = _ConvNet().eval()
+    x = torch.randn(2, 3, 16, 16)
+    optimized = distopt.optimize(model, x, config={"capture": {"symbolic": False}})
+    report = report_of(optimized)
+    assert report.tier == "dynamo" and report.verification.passed
+    # The original's verification run, then the fused graph's one call: nothing else ran.
+    assert timed == ["baseline", "candidate"] and len(fused_calls) == 1
+    fusion = next(p for p in report.graphs[0].passes if p.name == "mkldnn_fusion")
+    assert "kept: measured with 500 ms vs without 1.00 s (median of 1 " in fusion.detail
+    assert report.speed.startswith("optimized 500 ms vs original 1.00 s (median of 1 ")
+    with torch.no_grad():
+        torch.testing.assert_close(optimized(x), model(x), rtol=1e-4, atol=1e-4)
+
+
+class _Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.conv(x))
+        torch._dynamo.graph_break()
+        return torch.relu(self.conv2(y))
+
+
+def test_a_graph_ending_at_a_graph_break_is_not_timed_as_the_whole_model(monkeypatch) -> None:
+    timed = _fixed_clocks(monkeypatch)
+    optimized = distopt.optimize(
+        _Broken().eval(), torch.randn(2, 3, 16, 16), config={"capture": {"symbolic": False}}
+    )
+    report = report_of(optimized)
+    assert len(report.graphs) == 2 and report.verification.passed
+    # Each graph's A/B called its "without": the original's run is not a sample of a part of it.
+    assert timed[:3] == ["baseline", "baseline", "candidate"]
+
+
+class _ConvBn(nn.Module):
+    """Its graph depends on the mode (BatchNorm): eval mode compiles a graph of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x)))
+
+
+def test_an_eval_graph_compiled_by_a_call_with_grad_is_computed_not_answered(monkeypatch) -> None:
+    # Optimized in train mode, then called in eval mode with grad on (as the coverage check calls
+    # it): that call compiles the eval graph, whose measured pass timed it without grad. Those
+    # outputs have no autograd history and came from the fused modules' inference kernels (other
+    # round-off): the call must compute its own.
+    _fixed_clocks(monkeypatch)
+    fused_calls = []
+    fused_forward = FusedConv2d.forward
+
+    def counted(self, *args, **kwargs):
+        fused_calls.append(torch.is_grad_enabled())
+        return fused_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedConv2d, "forward", counted)
+    model = _ConvBn().train()
+    x = torch.randn(2, 3, 16, 16)
+    optimized = distopt.optimize(model, x, config={"capture": {"symbolic": False}})
+    assert report_of(optimized).tier == "dynamo"
+    model.eval()
+    optimized.eval()
+    out = optimized(x)
+    report = report_of(optimized)
+    fusion = next(p for p in report.graphs[-1].passes if p.name == "mkldnn_fusion")
+    assert len(report.graphs) == 2 and fusion.modified  # the eval graph, fused and timed
+    # The measured pass's timed calls (without grad), then this call's own (with grad).
+    assert fused_calls[:-1] and not any(fused_calls[:-1]) and fused_calls[-1]
+    assert out.requires_grad and out.grad_fn is not None
+    out.sum().backward()
+    assert model.conv.weight.grad is not None
+    torch.testing.assert_close(out.detach(), model(x).detach(), rtol=1e-5, atol=1e-6)

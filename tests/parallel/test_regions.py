@@ -77,6 +77,48 @@ def test_compiles_grow_with_distinct_blocks_not_depth() -> None:
     assert counts == [2, 2]
 
 
+class ConvBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.pw = nn.Conv2d(channels, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pw(torch.relu(self.dw(x)))
+
+
+class Pyramid(nn.Module):
+    """A conv net's stages: the second is twice as wide on a quarter of the pixels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stages = nn.ModuleList(
+            [nn.Sequential(ConvBlock(4), ConvBlock(4)), nn.Sequential(ConvBlock(8), ConvBlock(8))]
+        )
+        self.down = nn.Conv2d(4, 8, 2, stride=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.stages[1](self.down(self.stages[0](x)))
+
+
+def test_blocks_of_one_class_on_other_shapes_compile_static() -> None:
+    # One block class on other widths and sizes: the second shape must not turn the later
+    # blocks' graph dynamic (symbolic sizes: slower kernels to build and to run).
+    sizes: list[list[Any]] = []
+
+    def recording(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        values = [n.meta.get("example_value") for n in gm.graph.find_nodes(op="placeholder")]
+        sizes.append([s for v in values if isinstance(v, torch.Tensor) for s in v.shape])
+        return gm.forward
+
+    torch._dynamo.reset()
+    model = Pyramid()
+    compile_regions([block for _, block in repeated_blocks(model)], backend=recording)
+    model(torch.randn(2, 4, 8, 8, requires_grad=True)).sum().backward()
+    assert len(sizes) == 2
+    assert all(isinstance(s, int) for graph in sizes for s in graph)
+
+
 def _worker(rank: int, plan: StorePlan, results: Any) -> None:
     torch.set_num_threads(1)
     graphs: list[str] = []

@@ -67,6 +67,19 @@ def timing_key(gm: torch.fx.GraphModule, inputs: tuple[Any, ...]) -> tuple[str, 
     )
 
 
+CAPTURED = "distopt_captured"
+"""``GraphModule.meta`` key: ``(timing_key, seconds)`` of the graph as captured, where it is all of
+a model whose verification run took those seconds on those inputs (:func:`captured_seconds`)."""
+
+
+def captured_seconds(gm: torch.fx.GraphModule, key: tuple[str, tuple[Any, ...]]) -> float | None:
+    """The original model's verification run, when ``key`` is the graph as captured: that graph
+    computes the model's ops on the same inputs, so the run is a sample of it that need not be
+    taken again (a first sample only: it was the model's first call)."""
+    captured: tuple[tuple[str, tuple[Any, ...]], float] | None = gm.meta.get(CAPTURED)
+    return captured[1] if captured is not None and captured[0] == key else None
+
+
 def measured_seconds(gm: torch.fx.GraphModule, inputs: tuple[Any, ...]) -> float | None:
     """Median seconds of one call of ``gm`` as it is now on such ``inputs``, if a measured pass
     timed it."""

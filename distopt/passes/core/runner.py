@@ -10,7 +10,13 @@ from typing import TYPE_CHECKING, Any
 import torch.fx
 
 from distopt.errors import PassError
-from distopt.passes.core.pass_base import PassContext, PassSpec, measured_seconds
+from distopt.passes.core.pass_base import (
+    CAPTURED,
+    PassContext,
+    PassSpec,
+    measured_seconds,
+    timing_key,
+)
 from distopt.remote.side_effects import eliminate_dead_code
 from distopt.report import GraphRecord, PassRecord
 
@@ -49,6 +55,7 @@ def run_passes(
     training: bool = True,
     record: GraphRecord | None = None,
     measure: Measurer | None = None,
+    captured_s: float | None = None,
 ) -> GraphRecord:
     """Apply ``pipeline`` to ``gm`` in place and return what each pass changed.
 
@@ -57,8 +64,14 @@ def run_passes(
     a whole round modifies nothing (as torch.fx's ``PassManager`` with ``run_checks_after_each_pass``
     and ``steps``); later rounds that change something are recorded as ``name (round k)``. A pass
     that raises becomes a :class:`PassError` naming it and the passes that ran before it.
+
+    ``captured_s``: seconds of one call of the model ``gm`` is all of, on ``example_inputs`` (its
+    verification run): a measured pass whose "without" is the graph as captured takes it as that
+    graph's first sample instead of calling it (:func:`~distopt.passes.core.pass_base.captured_seconds`).
     """
     record = record or GraphRecord(code_before=gm.code)
+    if captured_s is not None and example_inputs is not None:
+        gm.meta[CAPTURED] = (timing_key(gm, example_inputs), captured_s)
     done: list[str] = []
 
     def run_one(spec: PassSpec, round_index: int) -> bool:
