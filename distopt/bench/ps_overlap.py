@@ -3,7 +3,8 @@ and the optimized model in a cross-step pipeline vs the same model with no netwo
 
 For every sweep point (K tables × injected latency × dense compute) real parameter-server
 processes serve the tables, and this process trains the variants of the same DLRM-style model,
-interleaved in rounds (the variant order rotates each round): the model as written (blocking
+interleaved in rounds (each round's order chosen so that each variant follows each other about
+equally often, :mod:`distopt.bench.order`): the model as written (blocking
 fetches, blocking gradient push), the distopt-optimized GraphModule of that model, a
 hand-written all-async version (the practical ideal within one step), the optimized model in a
 :class:`~distopt.pipeline.TrainPipeline` (``pipeline_staleness``), and ``no_network``: the
@@ -59,6 +60,7 @@ from rich.table import Table
 import distopt
 import distopt.ps as ps
 from distopt.bench import median, quantile
+from distopt.bench.order import balanced_orders
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist import netns
@@ -702,6 +704,8 @@ def _point(
             for name in unwarmed[shift:] + unwarmed[:shift]:
                 train(name, batches)
             console.print(f"  warm-up round {warmup_round + 1}/{bench.warmup_rounds} (untimed)")
+        # Each variant follows each other about equally often (distopt.bench.order).
+        orders = balanced_orders(variants, max(bench.rounds, bench.max_rounds), turns="chunks")
         round_index = 0
         started = time.perf_counter()
         while round_index < bench.rounds or (
@@ -712,8 +716,7 @@ def _point(
                 start = first + round_index * bench.steps
                 batches = [make_batch(cfg, start + step) for step in range(bench.steps)]
                 drawn.extend(batches)
-            shift = round_index % len(variants)
-            for name in variants[shift:] + variants[:shift]:
+            for name in orders[round_index]:
                 before = netns.link_bytes(link, LINK_HOST) if link is not None else (0, 0)
                 chunk, took = train(name, batches)
                 if link is not None:

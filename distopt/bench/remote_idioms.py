@@ -3,8 +3,9 @@
 For each idiom (a module with ``build(seed, hand=False)`` and ``remote_parameters(model)``, e.g.
 the corpus in ``tests/remote/corpus``) the RPC group's servers answer every request after the
 injected latency, and this process trains three variants of the same model with
-``dist_autograd`` and a ``DistributedOptimizer``, interleaved step by step in rounds (the order
-rotates each round): the
+``dist_autograd`` and a ``DistributedOptimizer``, interleaved step by step in rounds (each
+round's order chosen so that each variant follows each other equally often,
+:mod:`distopt.bench.order`): the
 model as written (blocking calls), its distopt-optimized GraphModule, and the hand-written async
 model. H = (T_base − T_opt) / (T_base − T_hand) of median step times: the share of the hand-written
 version's hidden latency that distopt hides too.
@@ -32,6 +33,7 @@ from torch.distributed.optim import DistributedOptimizer
 
 import distopt
 from distopt.bench import median
+from distopt.bench.order import balanced_orders
 from distopt.capture.tracer import resolve_qualname
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
@@ -130,8 +132,9 @@ def _idiom(bench: RemoteIdiomsConfig, name: str, common: Any) -> dict[str, Any]:
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     # Interleaved per step, not per chunk: with ~1 ms to hide in a ~20 ms step (the chained
     # idiom), load drifting between chunks moved H by more than the effect itself.
-    for round_index in range(bench.rounds):
-        order = VARIANTS[round_index % 3 :] + VARIANTS[: round_index % 3]
+    # A rotated order keeps one cycle (the optimized step always right after the baseline's):
+    # each round's order is chosen so that each variant follows each other equally often.
+    for order in balanced_orders(VARIANTS, bench.rounds, turns="steps"):
         for step, batch in enumerate(batches):
             for variant in order:
                 took = _train_step(models[variant], optimizers[variant], batch, common.loss)
