@@ -217,5 +217,7 @@ class Measurer:
         return result.candidate_s <= result.baseline_s * (1 - self.margin)
 
     def not_slower(self, result: ABResult) -> bool:
-        """The candidate is no slower than the baseline, within the margin."""
-        return result.candidate_s <= result.baseline_s * (1 + self.margin)
+        """The candidate's median is no slower than the baseline's (no margin: a model that
+        measured slower, however little, is not returned; with a 2% margin the final check kept
+        xdeepfm at 2.11 ms against 2.07, and coverage_speed then measured it at 0.94× eager)."""
+        return result.candidate_s <= result.baseline_s

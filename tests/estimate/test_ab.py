@@ -31,6 +31,13 @@ def test_faster_candidate_is_kept_only_beyond_the_margin() -> None:
     assert not m.keeps(result) and m.not_slower(result)
 
 
+def test_a_candidate_slower_within_the_margin_is_slower() -> None:
+    # The final check returns the original for it: "never slower than eager" has no allowance.
+    m = Measurer(margin=0.05, clock=clock_of({"baseline": 0.0100, "candidate": 0.0102}, []))
+    result = m.compare(lambda: None, lambda: None)
+    assert not m.keeps(result) and not m.not_slower(result)
+
+
 def test_rounds_are_interleaved_in_alternating_order_after_one_warm_up_each() -> None:
     calls: list[str] = []
     m = Measurer(
