@@ -20,6 +20,7 @@ from distopt.passes.local.channels_last import channels_last, to_channels_last
 from distopt.passes.local.fused import FusedConv2d
 from distopt.passes.local.measured import CONTAINER, answering_first_call
 from distopt.passes.local.mkldnn_fusion import mkldnn_fusion
+from tests.estimate.test_ab import clock_of
 
 
 class ConvRelu(nn.Module):
@@ -99,13 +100,8 @@ def test_training_graphs_get_layouts_only_on_request() -> None:
 
 def test_a_graph_timed_by_one_pass_is_not_timed_again_by_the_next() -> None:
     calls: list[str] = []
-
-    def clock(label: str, fn: Callable[[], object]) -> float:
-        calls.append(label)
-        return {"baseline": 1.0, "candidate": 1.5}[label]
-
     gm = torch.fx.symbolic_trace(ConvRelu().eval())
-    ctx = _eval_ctx(Measurer(clock=clock))
+    ctx = _eval_ctx(Measurer(clock=clock_of({"baseline": 1.0, "candidate": 1.5}, calls)))
     assert not mkldnn_fusion(gm, ctx).modified  # declined: the graph is as it was
     assert measured_seconds(gm, ctx.example_inputs or ()) == 1.0
     assert measured_seconds(gm, (torch.randn(4, 3, 8, 8),)) is None  # timed on other shapes
@@ -141,13 +137,8 @@ def test_the_graph_as_captured_takes_the_original_models_run_as_its_first_sample
     # distopt.optimize's verification run timed the original (1 s here); the first measured pass
     # on the graph as captured starts from it: a clear first round costs one call, not two.
     calls: list[str] = []
-
-    def clock(label: str, fn: Callable[[], object]) -> float:
-        calls.append(label)
-        return {"baseline": 1.0, "candidate": 0.5}[label]
-
     gm = torch.fx.symbolic_trace(ConvRelu().eval())
-    ctx = _eval_ctx(Measurer(clock=clock))
+    ctx = _eval_ctx(Measurer(clock=clock_of({"baseline": 1.0, "candidate": 0.5}, calls)))
     gm.meta[CAPTURED] = (timing_key(gm, ctx.example_inputs or ()), 1.0)
     result = mkldnn_fusion(gm, ctx)
     assert result.modified and "with 500 ms vs without 1.00 s (median of 1" in result.detail
@@ -157,11 +148,8 @@ def test_the_graph_as_captured_takes_the_original_models_run_as_its_first_sample
 def test_the_original_models_run_is_not_the_graphs_own_median() -> None:
     # Declined on the original's run alone, the graph (as captured again) has no timing of its
     # own: the final check must time it rather than compare the original with itself.
-    def clock(label: str, fn: Callable[[], object]) -> float:
-        return {"baseline": 1.0, "candidate": 1.5}[label]
-
     gm = torch.fx.symbolic_trace(ConvRelu().eval())
-    ctx = _eval_ctx(Measurer(clock=clock))
+    ctx = _eval_ctx(fixed(1.0, 1.5))
     gm.meta[CAPTURED] = (timing_key(gm, ctx.example_inputs or ()), 1.0)
     assert not mkldnn_fusion(gm, ctx).modified
     assert measured_seconds(gm, ctx.example_inputs or ()) is None
