@@ -49,11 +49,8 @@ def main() -> None:
             if args.grads == "optimizer":
                 optimizer.step()
                 optimizer.zero_grad()
-            for param in model.parameters():
-                if args.grads == "none":
-                    param.grad = None
-                elif args.grads == "zero" and param.grad is not None:
-                    param.grad.zero_()
+            else:
+                model.zero_grad(set_to_none=args.grads == "none")
             if step >= args.skip:
                 times.append(took)
                 faults.append(faulted)
