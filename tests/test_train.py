@@ -102,6 +102,11 @@ def test_baseline_and_optimized_runs_compare(tmp_path: Path) -> None:
         (["--set", "stepz=3"], "stepz: unknown key"),
         (["--set", "steps=-1"], "steps: expected an integer >= 1, got -1"),
         (["--set", "model=nope"], "model: unknown model 'nope'"),
+        (["--set", "model=mypkg.recmodel.make_ranker"],
+         "; your own factory is named 'module:function', e.g. 'mypkg.recmodel:make_ranker')"),
+        (["--set", "model=tests.training.remote_model:remote_mlp", "--set", "model_kwargs={}"],
+         "model: 'tests.training.remote_model:remote_mlp' has parameter-server tables "
+         "(ps_tables()), and this process has no servers: launch the job with `distopt launch`"),
         (
             ["--set", "model_kwargs={width: 3}"],
             "model_kwargs: got an unexpected keyword argument 'width'",
@@ -242,6 +247,44 @@ def test_ps_dlrm_job_one_server_two_ddp_trainers(tmp_path: Path) -> None:
     assert found is not None and found.step == 20 and found.job["num_ps"] == 1
     tables = {k for k in read_tensors(found) if k.startswith("ps0/")}  # the server wrote its shards
     assert tables == {"ps0/emb0/weight", "ps0/emb1/weight"}
+
+
+@pytest.mark.slow
+def test_two_trainers_rehearse_the_optimized_step_together(tmp_path: Path) -> None:
+    """Issue 24: the trainers of a deterministic DDP job rehearse as they train: the predicted
+    all-reduce is measured (not modelled) and the pushes are their turns, barriers included."""
+    sets = ("run_id=opt", "variant=optimized", "deterministic=true")
+    _assert_ok(_run_with_servers(tmp_path, config=DLRM_TINY, sets=sets))
+    run = load_run(tmp_path / "opt")
+    for rank in (0, 1):
+        phases = run.ranks[rank].header["predicted_phases"]
+        how = phases["how"]
+        assert "the 2 trainers in step" in how["forward"]
+        assert how["pushes"].startswith("the trainers push one after the other")
+        assert "dense gradient bytes in one call" in how["all_reduce"]
+        for schedule in ("baseline", "optimized"):
+            assert 0 < phases[schedule]["all_reduce"] <= phases[schedule]["backward"]
+            # Each turn waits out a push of at least the injected millisecond, then a barrier.
+            assert phases[schedule]["pushes"] >= 2 * 0.001
+
+
+@pytest.mark.slow
+def test_a_failure_in_the_rehearsal_says_so(tmp_path: Path) -> None:
+    """A user's trial: a model that raised on its 25th call failed an optimized job before its
+    first step, with nothing saying that distopt was rehearsing steps then."""
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        "model: 'tests.training.remote_model:remote_mlp'\nmodel_kwargs: {fail_after: 30}\n"
+        "steps: 12\nvariant: optimized\n"
+        "ps: {rpc_timeout_s: 20, start_timeout_s: 30, join_timeout_s: 60}\n"
+    )
+    rc, out = _run_with_servers(tmp_path, config=config, num_trainers=1)["trainer0"]
+    assert rc == 1
+    assert (
+        "RuntimeError: the optimized variant's start-up rehearsal (training steps "
+        "on the first batch, timed to predict the gain: docs/cost_model.md) failed: RuntimeError: "
+        "injected failure in forward call 31"
+    ) in out, out[-3000:]
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from distopt.console import console as make_console
@@ -162,6 +163,8 @@ def render(comparison: Comparison, console: Console) -> None:
         render_phases(comparison, console)
     if any(run.fetches for run in comparison.runs):
         render_fetches(comparison, console)
+    for line in comparison.unfinished:
+        console.print(f"[yellow]--force: did not finish:[/yellow] {escape(line)}")
     if comparison.config_diff:
         console.print("[yellow]--force: configs differ in[/yellow]")
         for key, values in comparison.config_diff.items():

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from torchx.specs import AppState
 
 from distopt.cli import main as distopt_main
 from distopt.config import find_config_file, load_config
@@ -31,6 +31,7 @@ from distopt.dist.rendezvous import free_port
 from distopt.errors import ConfigError, DistoptError
 from distopt.metrics import load_run
 from distopt.metrics.compare import DEFAULT_WARMUP
+from distopt.torchx.submit import launch
 from distopt.training.config import JobConfig
 
 
@@ -55,34 +56,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def _launch(config: Path, overrides: str, variant: str, run_id: str, out: Path) -> None:
-    overrides = f"variant={variant},{overrides}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torchx.cli.main",
-        "run",
-        "-s",
-        "local_cwd",
-        "-cfg",
-        f"log_dir={out / 'torchx'}",
-        "distopt.ps_job",
-        "--config",
-        str(config),
-        "--set",
-        overrides,
-        "--run_id",
-        run_id,
-        "--master_port",
-        str(free_port(consecutive=2)),
-    ]
-    print(f"$ {' '.join(cmd[2:])}", flush=True)
+def _launch(config: Path, overrides: list[str], variant: str, run_id: str) -> None:
+    """One job of the demo, submitted as ``distopt launch`` submits it (quiet while it runs; a
+    failure named as ``distopt launch`` names it)."""
     start = time.perf_counter()
-    proc = subprocess.run(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    if proc.returncode != 0:
-        raise DistoptError(
-            f"demo: the {variant} job failed (exit {proc.returncode}); logs in {out / 'torchx'}"
-        )
+    with launch(
+        config,
+        "local_cwd",
+        overrides=[f"variant={variant}", *overrides],
+        run_id=run_id,
+        component_args={"master_port": free_port(consecutive=2)},
+    ) as job:
+        print(f"{variant} job {job.handle}: logs in {job.run_dir}", flush=True)
+        status = job.wait()
+        if getattr(status, "state", None) != AppState.SUCCEEDED:
+            failed = job.failure(status)
+            if failed is not None:
+                print(failed.format(), file=sys.stderr, flush=True)
+            raise DistoptError(f"demo: the {variant} job {job.handle} failed")
     print(f"{variant} job finished in {time.perf_counter() - start:.0f} s", flush=True)
 
 
@@ -129,18 +120,18 @@ def run(args: argparse.Namespace) -> int:
     if not config.is_file():
         raise ConfigError(f"--config: config file not found: {args.config}")
     out = Path(args.out).resolve()
-    overrides = f"steps={args.steps},output_dir={out}"
+    overrides = [f"steps={args.steps}", f"output_dir={out}"]
     if load_config(JobConfig, config).data.source == "criteo":
         clicks = out / "clicks.tsv"
         if not clicks.is_file():
             print(f"writing a click log to learn from: {clicks}", flush=True)
             write_criteo(clicks, num_samples=CLICKS, seed=0)
-        overrides += f",data.path={clicks}"
+        overrides.append(f"data.path={clicks}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
     runs: dict[str, list[str]] = {"baseline": [], "optimized": []}
     for variant in alternated(args.rounds):
         run_id = f"demo-{stamp}-{variant}" + (f"-{len(runs[variant])}" if args.rounds > 1 else "")
-        _launch(config.resolve(), overrides, variant, run_id, out)
+        _launch(config.resolve(), overrides, variant, run_id)
         runs[variant].append(str(out / run_id))
         print(f"{variant}: {_learned(out / run_id)}", flush=True)
     # Short runs (--steps 3 in tests) still leave steps to compare after the warm-up.

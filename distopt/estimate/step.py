@@ -19,10 +19,10 @@ together (a late read makes its forward long and its push wait), and the remaind
 sides (:data:`OTHER`), so that the rows of a report add up to its step.
 
 :class:`StepPhases` measures them in the training loop. :func:`predict_step` predicts each for
-the model as written and as optimized, from start-up measurements of that phase (forward,
-backward and each remote request profiled on the model; an optimizer step timed on copies of
-the parameters) or from a model of it (the all-reduce from the α–β fit of
-:mod:`distopt.estimate.collectives`; pushes as one request per trainer; data as a loader that keeps up).
+the model as written and as optimized, from start-up measurements of that phase (steps rehearsed
+by the job's trainers together — forward, backward with the gradient all-reduce, pushes in
+turn; an optimizer step timed on copies of the parameters) or from a model of it (data as a
+loader that keeps up).
 """
 
 from __future__ import annotations
@@ -258,13 +258,15 @@ class StepCosts:
     change nothing), a remote write of the user's own not sent but waited out at
     :attr:`read_latency_s`, no optimizer step (:func:`distopt.optimize.gain.rehearse`)."""
     pushes: PushMode = "none"
-    """How the rehearsal pushed (``in_turn`` rehearses one trainer's blocking push)."""
+    """How the rehearsal pushed (``in_turn``: each trainer's blocking push in its turn)."""
+    trainers: int = 1
+    """Trainers that rehearsed together, in step as they train: with more than one, every
+    rehearsed step's backward holds the gradient all-reduce (:attr:`all_reduce_bytes`) and its
+    pushes every trainer's turn and barrier (``in_turn``)."""
+    all_reduce_bytes: int = 0
+    """Dense gradient bytes the rehearsal all-reduced after each backward (0: none)."""
     optimizer_s: float = 0.0
-    all_reduce_s: float = 0.0
     data_s: float = 0.0
-    barrier_s: float = 0.0
-    """The trainers' barrier (in-turn pushes wait for one each)."""
-    num_trainers: int = 1
     write_stand_ins: int = 0
     """Remote writes per rehearsed step that were waited out instead of sent."""
     read_latency_s: float = 0.0
@@ -274,20 +276,17 @@ class StepCosts:
 
 
 def predict_phases(costs: StepCosts, schedule: str) -> dict[str, float]:
-    """The reported phases (:data:`REPORTED`) of a step of ``schedule``: its rehearsed phases,
-    the optimizer step timed on copies, the all-reduce from the α–β model, and with ``in_turn``
-    pushes every trainer's push (as rehearsed) and barrier."""
+    """The reported phases (:data:`REPORTED`) of a step of ``schedule``: its rehearsed phases
+    (the all-reduce and every trainer's turn to push among them when the trainers rehearsed
+    together) and the optimizer step timed on copies."""
     rehearsed = costs.rehearsed[schedule]
-    pushes = rehearsed["pushes"]
-    if costs.pushes == "in_turn":
-        pushes = costs.num_trainers * (pushes + costs.barrier_s)
     return {
         "data": costs.data_s,
         "forward": rehearsed["forward"],
         "waits": rehearsed["waits"],
-        "backward": rehearsed["backward"] + costs.all_reduce_s,
-        "all_reduce": costs.all_reduce_s,
-        "pushes": pushes,
+        "backward": rehearsed["backward"],
+        "all_reduce": rehearsed.get("all_reduce", 0.0),
+        "pushes": rehearsed["pushes"],
         "optimizer": costs.optimizer_s,
         OTHER: rehearsed.get(OTHER, 0.0),
     }
@@ -302,22 +301,29 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
             f"the model's median read ({costs.read_latency_s * 1e3:.2f} ms)"
         )
     rehearsed = "median of steps rehearsed at start-up on the first batch (reads sent)"
+    if costs.trainers > 1:
+        rehearsed = f"{rehearsed}, the {costs.trainers} trainers in step"
     push_how = {
         "none": "0: the step pushes nothing to distopt's parameter servers",
         "async": f"sending the push, {rehearsed} with dry-run pushes (computed by the servers "
         "on copies of the rows); the rest of its round trip is waited for by the next step's "
         "reads, in forward and waits",
         "blocking": f"a dry-run push's round trip, {rehearsed}",
-        "in_turn": f"{costs.num_trainers} trainers push one after the other: each a dry-run "
-        f"push's round trip ({rehearsed}) and a barrier timed at start-up",
+        "in_turn": f"the trainers push one after the other, each turn a dry-run push's round trip "
+        f"and a barrier, {rehearsed}",
     }
+    all_reduce = "0: no gradient all-reduce"
+    if costs.all_reduce_bytes:
+        all_reduce = (
+            f"the trainers all-reduce {costs.all_reduce_bytes:,} dense gradient bytes in one call "
+            f"after each rehearsed backward (the wait for the slower trainer in it), {rehearsed}"
+        )
     return {
         "data": "0: the loader keeps up (batches are ready when asked for)",
         "forward": rehearsed,
         "waits": f"the part of the forward blocked on remote reads, {rehearsed}",
-        "backward": f"{rehearsed}{writes}, plus all_reduce",
-        "all_reduce": "alpha-beta fit of the trainers' group (distopt.estimate.collectives) for all "
-        "dense gradient bytes in one bucket, not overlapped with backward",
+        "backward": f"{rehearsed}{writes}, all_reduce in it",
+        "all_reduce": all_reduce,
         "pushes": push_how[costs.pushes],
         "optimizer": "median of timed optimizer steps on copies of the parameters",
         OTHER: f"the rehearsed steps' median less the sum of their phases' medians ({rehearsed})",

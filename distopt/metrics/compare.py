@@ -175,6 +175,8 @@ class Comparison:
     block: int = DEFAULT_BLOCK
     phases: tuple[PhaseRow, ...] = ()
     """Predicted beside measured phases of every run whose header predicts them."""
+    unfinished: tuple[str, ...] = ()
+    """Jobs whose logs say they did not finish (compared with ``force``): one line each."""
 
     @property
     def interval(self) -> str:
@@ -228,6 +230,7 @@ class Comparison:
             "interval": self.interval,
             "forced": self.forced,
             "config_diff": self.config_diff,
+            "unfinished": list(self.unfinished),
             "runs": runs,
             "phases": [dataclasses.asdict(row) for row in self.phases],
         }
@@ -467,8 +470,9 @@ def compare_runs(
     variant (alternated with the other variant's, so that host drift cannot favour either): their
     steps are pooled, and the interval resamples blocks of each job.
 
-    Raises :class:`CompareError` when fewer than two runs are given, or when their configs differ
-    in more than the variant and ``force`` is false (the message lists the differing keys).
+    Raises :class:`CompareError` when fewer than two runs are given, or, unless ``force``, when
+    their configs differ in more than the variant (the message lists the differing keys) or a job
+    did not finish (its QPS is of part of a run: its log's footer says how it ended).
     """
     if len(runs) < 2:
         raise CompareError(f"need at least two runs to compare, got {len(runs)}")
@@ -484,6 +488,11 @@ def compare_runs(
         keys = ", ".join(diff)
         raise CompareError(
             f"run configs differ in more than the variant: {keys} (use --force to compare anyway)"
+        )
+    unfinished = tuple(line for jobs in pooled for job in jobs if (line := _unfinished(job)))
+    if unfinished and not force:
+        raise CompareError(
+            f"{unfinished[0]}: its QPS is of part of a run (use --force to compare anyway)"
         )
     summaries = [
         summarize(run, label=label, warmup=warmup) for run, label in zip(runs, labels, strict=True)
@@ -520,7 +529,25 @@ def compare_runs(
         seed=seed,
         block=block,
         phases=tuple(row for run in summaries[1:] for row in phase_rows(base, run)),
+        unfinished=unfinished,
     )
+
+
+def _unfinished(job: RunLog) -> str | None:
+    """How ``job`` ended when a rank's footer says it did not finish (``None``: every rank that
+    wrote a footer finished; a log without one may still be running)."""
+    for rank, log in sorted(job.ranks.items()):
+        footer = log.footer or {}
+        status = footer.get("status", "ok")
+        if status != "ok":
+            planned = job.config.get("steps")
+            of = f" of {planned}" if planned is not None else ""
+            error = str(footer.get("error") or "").strip().splitlines()
+            why = f" ({error[0]})" if error else ""
+            return (
+                f"{job.path}: rank {rank} {status} after {footer.get('steps', '?')}{of} steps{why}"
+            )
+    return None
 
 
 def _unchanged(base: RunSummary, run: RunSummary) -> tuple[float, float] | None:

@@ -106,7 +106,9 @@ def entry(name: str) -> ModelEntry:
     _discover()
     if name not in _REGISTRY:
         known = ", ".join(sorted(_REGISTRY)) or "none"
-        raise ConfigError(f"model: unknown model {name!r} (known: {known})")
+        module, dot, attribute = name.rpartition(".")
+        hint = f"; your own factory is named 'module:function', e.g. '{module}:{attribute}'"
+        raise ConfigError(f"model: unknown model {name!r} (known: {known}{hint if dot else ''})")
     return _REGISTRY[name]
 
 

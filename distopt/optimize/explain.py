@@ -163,7 +163,11 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
         head, _, rest = _verification(v).partition(": ")
         console.print(f"  [{color}]{escape(head)}[/{color}]: {escape(rest)}")
     elif report.fallback is None:
-        console.print("  verification: not run (no example_inputs)")
+        console.print(
+            "  verification: not run (no example_inputs: pass them to distopt.optimize; a factory "
+            "for `distopt explain` returns (model, inputs), or the model has "
+            "example_inputs(batch_size, seed))"
+        )
 
 
 def _render_parallel(record: ParallelRecord, console: Console) -> None:

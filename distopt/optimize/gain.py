@@ -20,6 +20,7 @@ from contextlib import AbstractContextManager
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 import torch.fx
 from torch import nn
 
@@ -92,15 +93,63 @@ def local_backward() -> Iterator[Backward]:
     yield lambda loss: loss.backward()
 
 
+class Lockstep:
+    """A job's trainers rehearsing together, in step as they train: each rehearsed step's
+    backward ends in the job's gradient all-reduce, in-turn pushes go one trainer after the
+    other with a barrier after each turn, and every chunk runs as many steps on every trainer
+    (they agree after each step). Rehearsing alone, a trainer timed its compute while the
+    others' steps were out of phase with its own, and its push while every trainer pushed at
+    once; on dlrm_criteo the optimized step's forward came out 30% short and the pushes 24%
+    long (docs/cost_model.md). Every trainer of ``group`` must rehearse with one."""
+
+    def __init__(self, group: Any = None, *, gradient_bytes: int = 0) -> None:
+        self.group = group
+        """The trainers' process group (``None``: the default group)."""
+        self.gradient_bytes = gradient_bytes
+        """Dense gradient bytes the job all-reduces per step (DDP; 0: none)."""
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._gradients = torch.zeros(-(-gradient_bytes // 4), dtype=torch.float32)
+
+    def all_reduce(self) -> None:
+        """The step's gradient all-reduce (a buffer of the gradients' bytes, in one call)."""
+        if self.gradient_bytes:
+            dist.all_reduce(self._gradients, group=self.group)
+
+    def in_turn(self, push: Callable[[], None]) -> Callable[[], None]:
+        """``push`` sent as the job's deterministic pushes are: rank by rank, a barrier after
+        each turn."""
+
+        def in_turn() -> None:
+            for turn in range(self.size):
+                if turn == self.rank:
+                    push()
+                dist.barrier(group=self.group)
+
+        return in_turn
+
+    def agree(self, done: bool) -> bool:
+        """Whether every trainer is ``done`` (each runs steps until all are)."""
+        flag = torch.tensor([int(done)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(flag.item())
+
+
+REHEARSED: tuple[str, ...] = ("forward", "waits", "backward", "all_reduce", "pushes", "step")
+"""What a rehearsed step times (``waits`` inside ``forward``, ``all_reduce`` inside ``backward``)."""
+
+
 def _timed_step(
     run_forward: Callable[[], torch.Tensor],
     push: Callable[[], None],
     times: dict[str, list[float]],
     scope: StepScope = local_backward,
+    all_reduce: Callable[[], None] | None = None,
 ) -> None:
-    """One rehearsed step: forward (the waits in it counted), backward, push, and the whole
-    ``step``; appended to ``times``."""
+    """One rehearsed step: forward (the waits in it counted), backward (ending in
+    ``all_reduce``, timed as its part), push, and the whole ``step``; appended to ``times``."""
     step_start = time.perf_counter()
+    reduced = 0.0
     with scope() as backward_of:
         ps_calls.take_wait_time()
         start = time.perf_counter()
@@ -109,17 +158,17 @@ def _timed_step(
         waits = ps_calls.take_wait_time()
         start = time.perf_counter()
         backward_of(loss)
+        if all_reduce is not None:
+            local_end = time.perf_counter()
+            all_reduce()
+            reduced = time.perf_counter() - local_end
         backward = time.perf_counter() - start
         start = time.perf_counter()
         push()
         pushes = time.perf_counter() - start
     step = time.perf_counter() - step_start
-    for name, value in (
-        ("forward", forward),
-        ("waits", waits),
-        ("backward", backward),
-        ("pushes", pushes),
-        ("step", step),
+    for name, value in zip(
+        REHEARSED, (forward, waits, backward, reduced, pushes, step), strict=True
     ):
         times[name].append(value)
 
@@ -164,6 +213,7 @@ def rehearse(
     steps: int,
     read_latency_s: float,
     scope: StepScope = local_backward,
+    lockstep: Lockstep | None = None,
 ) -> StepCosts:
     """Rehearse steps of ``model`` and ``optimized`` (and of ``optimized`` in a pipeline with
     ``pipeline_staleness``) on ``example_inputs``, and return their phases' medians
@@ -187,7 +237,8 @@ def rehearse(
     its reads arrive late, up to ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where
     it ended). Grads, buffers, the RNG stream and remote state such as fetched-row records are
     as they were afterwards. ``scope`` says how the model's backward runs (:data:`StepScope`;
-    the pipeline's rehearsal always runs ``loss.backward()``).
+    the pipeline's rehearsal always runs ``loss.backward()``). With ``lockstep`` every trainer of
+    a job rehearses at once, each step ending as the job's does (:class:`Lockstep`).
     """
     chunk = max(2, -(-steps // REHEARSAL_ROUNDS) + 1)
     known: dict[str, tuple[nn.Module, PushMode]] = {
@@ -204,9 +255,9 @@ def rehearse(
             )
         split = check_pipelined(optimized, pipeline_staleness, push=True)
     times: dict[str, dict[str, list[float]]] = {
-        name: {phase: [] for phase in ("forward", "waits", "backward", "pushes", "step")}
-        for name in runs
+        name: {phase: [] for phase in REHEARSED} for name in runs
     }
+    all_reduce = lockstep.all_reduce if lockstep is not None else None
     stand_ins = 0
     baseline_wrote: bool | None = None  # unknown until the model as written was rehearsed
     depth = pipeline_staleness or 0
@@ -223,15 +274,30 @@ def rehearse(
                 chunk_times: dict[str, list[float]] = {phase: [] for phase in times[name]}
                 with _rehearsal_recording(module, view, read_latency_s, baseline_wrote) as record:
                     push = _dry_run_push(push_mode)
+                    if lockstep is not None and push_mode == "in_turn":
+                        push = lockstep.in_turn(push)
                     if split is not None and name == "pipelined":
                         # The first batches' reads were sent before the chunk's first step: a
                         # chunk counts from the step whose reads an earlier step sent.
                         depth = _pipelined_chunk(
-                            split, example_inputs, depth, max_staleness, push, chunk, chunk_times
+                            split,
+                            example_inputs,
+                            depth,
+                            max_staleness,
+                            push,
+                            chunk,
+                            chunk_times,
+                            lockstep,
                         )
                     else:
-                        while not _chunk_done(chunk_times, chunk):
-                            _timed_step(_loss_of(view, example_inputs), push, chunk_times, scope)
+                        while not _chunk_done(chunk_times, chunk, lockstep):
+                            _timed_step(
+                                _loss_of(view, example_inputs),
+                                push,
+                                chunk_times,
+                                scope,
+                                all_reduce,
+                            )
                             _clear_grads(module)
                     if ps_calls.is_connected():
                         ps_calls.flush()  # the last dry-run push belongs to this chunk
@@ -246,10 +312,11 @@ def rehearse(
                     times[name][phase].extend(values[1:])
     # Before the pooling below: each schedule's own phases.
     other = {name: left_over(phases) for name, phases in times.items()}
-    # The passes change the forward alone: each schedule's backward, and its pushes where it
-    # pushes as another does, are one cost measured several times, taken together.
+    # The passes change the forward alone: each schedule's backward (and all-reduce), and its
+    # pushes where it pushes as another does, are one cost measured several times, taken together.
     for phase, same in (
         ("backward", lambda name: True),
+        ("all_reduce", lambda name: True),
         ("pushes", lambda name: runs[name][1]),
     ):
         pooled: dict[Any, list[float]] = {}
@@ -270,6 +337,8 @@ def rehearse(
             for name, phases in times.items()
         },
         pushes=pushes,
+        trainers=lockstep.size if lockstep is not None else 1,
+        all_reduce_bytes=lockstep.gradient_bytes if lockstep is not None else 0,
         write_stand_ins=stand_ins,
         read_latency_s=read_latency_s,
         pipeline_depth=depth if split is not None else None,
@@ -297,14 +366,15 @@ def _rehearsal_recording(
     return recording(view, allow_writes=False, write_cost_s=read_latency_s)
 
 
-def _chunk_done(times: dict[str, list[float]], steps: int) -> bool:
+def _chunk_done(
+    times: dict[str, list[float]], steps: int, lockstep: Lockstep | None = None
+) -> bool:
     """Whether a chunk has its ``steps`` steps and :data:`REHEARSAL_CHUNK_S` counted (its first
-    step is not counted) or :data:`REHEARSAL_MAX_STEPS`."""
+    step is not counted) or :data:`REHEARSAL_MAX_STEPS` (with ``lockstep``: on every trainer)."""
     done = len(times["forward"])
-    if done >= REHEARSAL_MAX_STEPS + 1:
-        return True
     counted = sum(sum(times[phase][1:]) for phase in ("forward", "backward", "pushes"))
-    return done >= steps and counted >= REHEARSAL_CHUNK_S
+    finished = done >= REHEARSAL_MAX_STEPS + 1 or (done >= steps and counted >= REHEARSAL_CHUNK_S)
+    return finished if lockstep is None else lockstep.agree(finished)
 
 
 def _pipelined_chunk(
@@ -315,9 +385,11 @@ def _pipelined_chunk(
     push: Callable[[], None],
     steps: int,
     times: dict[str, list[float]],
+    lockstep: Lockstep | None = None,
 ) -> int:
     """Rehearsed steps of the pipeline's main stage, the next batches' reads in flight (the
-    prefetch counted in the forward), until :func:`_chunk_done` with ``steps``; returns the
+    prefetch counted in the forward), until :func:`_chunk_done` with ``steps`` (and
+    ``lockstep``: :func:`rehearse`); returns the
     staleness it ended at. The first ``staleness`` steps are not in ``times``: their reads were
     sent before the chunk's first step (a chunk counts from the step whose reads an earlier step
     sent)."""
@@ -334,7 +406,7 @@ def _pipelined_chunk(
     try:
         with calling_through():
             prefetcher.fill()
-        while not _chunk_done(times, steps):
+        while not _chunk_done(times, steps, lockstep):
 
             def forward() -> torch.Tensor:
                 with calling_through():
@@ -345,7 +417,12 @@ def _pipelined_chunk(
                     prefetcher.before_backward()
                 return loss
 
-            _timed_step(forward, push, warm if len(warm["forward"]) < staleness else times)
+            _timed_step(
+                forward,
+                push,
+                warm if len(warm["forward"]) < staleness else times,
+                all_reduce=lockstep.all_reduce if lockstep is not None else None,
+            )
             with calling_through():
                 prefetcher.after_push()
             _clear_grads(split.main)
@@ -383,6 +460,7 @@ def predict_gain(
     max_staleness: int = 8,
     pushes: PushMode = "async",
     baseline_pushes: PushMode | None = None,
+    lockstep: Lockstep | None = None,
 ) -> GainPrediction:
     """Predict the gain of ``optimized`` (a torch.fx graph distopt made) over ``model``.
 
@@ -402,6 +480,8 @@ def predict_gain(
             (:func:`staleness_to_hide`, at most ``max_staleness``), reported in the result.
         pushes: how the rehearsed steps push (``baseline_pushes`` for the model as written
             when it pushes otherwise: the ps_overlap benchmark's baseline waits for its push).
+        lockstep: a job's trainers rehearse together (:class:`Lockstep`; every trainer calls
+            this with one).
 
     A model or optimized model without a graph is a one-line :class:`CaptureError`, raised
     before any request is sent.
@@ -431,6 +511,7 @@ def predict_gain(
         baseline_pushes=baseline_pushes,
         steps=repeats,
         read_latency_s=forward.rpc_latency_s,
+        lockstep=lockstep,
     )
     if measure_step:
         try:
@@ -481,25 +562,12 @@ def predict_gain(
     )
 
 
-def step_of(
-    gain: GainPrediction,
-    *,
-    optimizer_s: float,
-    all_reduce_s: float,
-    num_trainers: int,
-    barrier_s: float = 0.0,
-) -> StepPrediction | None:
+def step_of(gain: GainPrediction, *, optimizer_s: float) -> StepPrediction | None:
     """:func:`predict_step` from a :func:`predict_gain` made with ``measure_step=True`` and the
-    job's own parts (``None`` when its step was not rehearsed); pipelined when the prediction
-    was made for a pipeline."""
+    job's optimizer step (``None`` when its step was not rehearsed); pipelined when the
+    prediction was made for a pipeline."""
     if gain.costs is None:
         return None
-    costs = dataclasses.replace(
-        gain.costs,
-        optimizer_s=optimizer_s,
-        all_reduce_s=all_reduce_s,
-        num_trainers=num_trainers,
-        barrier_s=barrier_s,
-    )
+    costs = dataclasses.replace(gain.costs, optimizer_s=optimizer_s)
     piped = "pipelined" in costs.rehearsed
     return predict_step(costs, optimized="pipelined" if piped else "optimized")

@@ -153,8 +153,9 @@ def failure(runner: Any, handle: str, status: Any) -> Failure:
     lines = (
         _read_lines(first.stderr) if first.stderr is not None else _log_lines(runner, handle, first)
     )
-    error = _recorded_error(first.error_file) or _last_error_line(lines) or first.exit_text()
-    end = _line_of(lines, error)
+    recorded = _recorded_error(first.error_file)
+    error, cause = recorded or (_last_error_line(lines) or first.exit_text(),) * 2
+    end = _line_of(lines, cause)
     tail = (
         tuple(lines[max(0, end - TAIL_LINES) : end + 1])
         if end is not None
@@ -225,8 +226,9 @@ def _failed_at(replica: Replica) -> tuple[float, bool]:
     return float("inf"), True
 
 
-def _recorded_error(path: Path | None) -> str | None:
-    """The first line of the message in a torchelastic error file (torchrun nests its root cause)."""
+def _recorded_error(path: Path | None) -> tuple[str, str] | None:
+    """The error in a torchelastic error file (torchrun nests its root cause), as
+    :func:`one_line` gives it."""
     if path is None or not path.is_file():
         return None
     try:
@@ -235,8 +237,34 @@ def _recorded_error(path: Path | None) -> str | None:
         return None
     if isinstance(message, dict):
         message = message.get("message")
-    text = str(message or "").strip()
-    return text.splitlines()[0] if text else None
+    return one_line(str(message or ""))
+
+
+_TRACEBACK_STARTS = ("Traceback (most recent call last)", "Original Traceback")
+
+
+def one_line(message: str) -> tuple[str, str] | None:
+    """An error message in one line that holds its cause, and that cause's own line (``None``:
+    an empty message). An error re-raised for another process carries that process's traceback
+    in its message — a DataLoader worker's (``Caught ValueError in DataLoader worker process 1.``,
+    ``Original Traceback``), a remote RPC call's (``On WorkerInfo(id=2, name=ps0):``, the remote
+    error, its traceback, the C++ frames that passed it on) — whose error line, the first line
+    after its frames that is not indented, is the cause; a first line ending in ``:`` goes on in
+    the next."""
+    lines = [line.rstrip() for line in message.strip().splitlines() if line.strip()]
+    if not lines:
+        return None
+    first = lines[0].strip()
+    starts = [i for i, line in enumerate(lines) if i and line.startswith(_TRACEBACK_STARTS)]
+    after = lines[starts[-1] + 1 :] if starts else []
+    cause = next((line for line in after if not line[0].isspace()), None)
+    if cause is not None:
+        if first.endswith(":"):
+            return f"{first} {cause}", cause
+        return f"{cause} ({first.rstrip('.')})", cause
+    if first.endswith(":") and len(lines) > 1:
+        return f"{first} {lines[1].strip()}", lines[1].strip()
+    return first, first
 
 
 def _read_lines(path: Path | None) -> list[str]:
@@ -271,4 +299,4 @@ def _line_of(lines: Sequence[str], error: str) -> int | None:
     return next((index for index, line in enumerate(lines) if needle and needle in line), None)
 
 
-__all__ = ["Failure", "Replica", "failure", "stream"]
+__all__ = ["Failure", "Replica", "failure", "one_line", "stream"]

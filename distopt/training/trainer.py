@@ -31,18 +31,16 @@ from distopt.data import Batch, DataSource, build_data, to_batch
 from distopt.dist.env import JobEnv
 from distopt.dist.rendezvous import collective, collective_error
 from distopt.errors import CaptureError, ConfigError, RemoteCallError
-from distopt.estimate.collectives import alpha_beta
 from distopt.estimate.step import (
     StepPhases,
     gradient_bytes,
-    median_time,
     time_optimizer_step,
 )
 from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
 from distopt.optimize import optimize
 from distopt.optimize.explain import summary
-from distopt.optimize.gain import predict_gain, step_of
+from distopt.optimize.gain import Lockstep, predict_gain, step_of
 from distopt.parallel import apply_fsdp, parallelize
 from distopt.pipeline import Prefetcher, check_pipelined, provided
 from distopt.ps.client import calls as ps_calls
@@ -124,19 +122,23 @@ def _prediction(
     staleness: int | None,
     *,
     config: JobConfig,
-    num_trainers: int,
 ) -> dict[str, Any]:
     """The cost model's predicted gain of ``optimized`` over ``model``, as QPS-log header keys.
 
     Only for models captured as a graph that makes remote calls, whatever serves them (distopt's
     tables, the user's own functions, RRefs, Ray actors); see
-    :func:`distopt.optimize.gain.predict_gain`: steps of both models rehearsed on the first batch,
-    pushing as the job will (deterministic jobs: in turn), and the whole step phase by phase
-    (:mod:`distopt.estimate.step`).
+    :func:`distopt.optimize.gain.predict_gain`: steps of both models rehearsed on the first batch
+    by every trainer together, each step ending as the job's do (the DDP all-reduce; pushes in
+    turn in deterministic jobs), and the whole step phase by phase (:mod:`distopt.estimate.step`).
+    Every trainer calls this.
     """
     if not isinstance(optimized, torch.fx.GraphModule) or not remote_ops(optimized.graph):
         return {}
     in_turn = config.deterministic and ps_calls.is_connected()
+    lockstep = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        ddp = config.parallel == "ddp"
+        lockstep = Lockstep(gradient_bytes=gradient_bytes(model) if ddp else 0)
     try:
         prediction = predict_gain(
             model,
@@ -146,9 +148,16 @@ def _prediction(
             pipeline_staleness=staleness,
             repeats=PREDICTION_REPEATS,
             pushes="in_turn" if in_turn else "async",
+            lockstep=lockstep,
         )
     except CaptureError:
         return {}  # the prediction is optional: no graph, no prediction (never a failed job)
+    except Exception as err:  # the user's model or servers failed before any training step
+        raise RuntimeError(
+            "the optimized variant's start-up rehearsal (training steps on the first batch, "
+            "timed to predict the gain: docs/cost_model.md) failed: "
+            f"{type(err).__name__}: {err}"
+        ) from err
     if prediction.unmeasured_step is not None:
         logger.info("prediction: no step time predicted: %s", prediction.unmeasured_step)
     header = prediction.to_header()
@@ -157,9 +166,6 @@ def _prediction(
         optimizer_s=time_optimizer_step(
             list(model.parameters()), lambda params: build_optimizer(params, config.optim)
         ),
-        all_reduce_s=_all_reduce_s(model, config, num_trainers),
-        num_trainers=num_trainers,
-        barrier_s=_barrier_s() if in_turn and num_trainers > 1 else 0.0,
     )
     if step is not None:
         header.update(step.to_header())
@@ -169,23 +175,6 @@ def _prediction(
 PREDICTION_REPEATS = 15
 """Timed runs of each graph, and rehearsed steps of each schedule, the prediction takes the
 median of: enough that two runs of one job predict alike on a busy host (docs/cost_model.md)."""
-
-
-def _barrier_s() -> float:
-    """Median seconds of the trainers' barrier (each deterministic push waits for one; every
-    trainer calls this)."""
-    if not dist.is_initialized():
-        return 0.0
-    return median_time(dist.barrier, repeats=PREDICTION_REPEATS)
-
-
-def _all_reduce_s(model: nn.Module, config: JobConfig, num_trainers: int) -> float:
-    """Predicted seconds of the step's DDP gradient all-reduce (α–β model of the trainers' group;
-    every trainer calls this: the model is agreed on collectively)."""
-    if config.parallel != "ddp" or num_trainers < 2 or not dist.is_initialized():
-        return 0.0
-
-    return alpha_beta().time(gradient_bytes(model))
 
 
 def _parallelize(
@@ -288,6 +277,13 @@ def train(
     name = config.model_name
     torch.manual_seed(config.seed)  # identical initial parameters on every trainer
     model = models.build(name, **config.model_kwargs)
+    tables = getattr(model, "ps_tables", None)
+    if not ps_calls.is_connected() and callable(tables) and tables():
+        raise ConfigError(
+            f"model: {name!r} has parameter-server tables (ps_tables()), and this process has no "
+            "servers: launch the job with `distopt launch` (it starts them), or run it as the "
+            "distopt.ps_job component does (DISTOPT_NUM_PS and a ps role)"
+        )
     model_loss = models.loss_function(name, model)
     source = source or build_data(
         config.data, model_name=name, model=model, batch_size=config.batch_size, seed=config.seed
@@ -329,11 +325,7 @@ def train(
     if config.runs_optimize and config.parallel != "fsdp":
         trained = optimized = _optimize(model, example, config)
         staleness = config.pipeline.staleness if config.pipeline.enabled else None
-        header.update(
-            _prediction(
-                model, trained, example, staleness, config=config, num_trainers=env.num_trainers
-            )
-        )
+        header.update(_prediction(model, trained, example, staleness, config=config))
     prefetcher = None
     if config.pipeline.enabled:
         # Split before DDP wraps it: DDP runs the main stage, which shares the parameters. The

@@ -172,7 +172,7 @@ def test_a_write_in_backward_is_waited_out_not_sent() -> None:
     # The waited-out write is in the backward of both schedules.
     for schedule in ("baseline", "optimized"):
         assert prediction.costs.rehearsed[schedule]["backward"] >= 0.01
-    step = step_of(prediction, optimizer_s=0.0, all_reduce_s=0.0, num_trainers=1)
+    step = step_of(prediction, optimizer_s=0.0)
     assert step is not None and "waited out" in step.assumptions["backward"]
     assert torch.equal(STORE.snapshot()["t1"], before["t1"])  # verified, predicted: never pushed
 

@@ -83,26 +83,32 @@ def test_backward_and_its_all_reduce_part() -> None:
 
 
 def _rehearsed(forward: float, waits: float, pushes: float) -> dict[str, float]:
-    return {"forward": forward, "waits": waits, "backward": 0.004, "pushes": pushes}
+    return {
+        "forward": forward,
+        "waits": waits,
+        "backward": 0.006,
+        "all_reduce": 0.002,
+        "pushes": pushes,
+    }
 
 
 def test_predict_step_adds_the_jobs_own_parts_to_the_rehearsed_phases() -> None:
     costs = StepCosts(
         rehearsed={
-            "baseline": _rehearsed(0.030, 0.028, 0.006),
-            "optimized": _rehearsed(0.010, 0.008, 0.006),
+            "baseline": _rehearsed(0.030, 0.028, 0.013),
+            "optimized": _rehearsed(0.010, 0.008, 0.013),
         },
         pushes="in_turn",
+        trainers=2,
+        all_reduce_bytes=4096,
         optimizer_s=0.001,
-        all_reduce_s=0.002,
-        barrier_s=0.0005,
-        num_trainers=2,
     )
     step = predict_step(costs)
     assert list(step.baseline) == list(REPORTED) == list(step.optimized)
-    # Two trainers, one after the other, each its rehearsed push and a barrier.
+    # The trainers rehearsed together: their turns to push and the all-reduce are as rehearsed.
     assert step.baseline["pushes"] == pytest.approx(0.013)
     assert step.baseline["backward"] == pytest.approx(0.006)  # the all-reduce is inside it
+    assert step.baseline["all_reduce"] == pytest.approx(0.002)
     assert step.baseline_s == pytest.approx(0.030 + 0.006 + 0.013 + 0.001)
     assert step.optimized_s == pytest.approx(0.010 + 0.006 + 0.013 + 0.001)
     assert step.gain == pytest.approx(step.baseline_s / step.optimized_s)
@@ -110,11 +116,15 @@ def test_predict_step_adds_the_jobs_own_parts_to_the_rehearsed_phases() -> None:
     assert header["predicted_saving_s"] == pytest.approx(0.020)
     assert header["predicted_gain"] == step.gain
     assert set(header["predicted_phases"]) == {"baseline", "optimized", "how"}
-    assert set(header["predicted_phases"]["how"]) == set(REPORTED)
-    assert "one after the other" in header["predicted_phases"]["how"]["pushes"]
+    how = header["predicted_phases"]["how"]
+    assert set(how) == set(REPORTED)
+    assert "one after the other" in how["pushes"] and "2 trainers in step" in how["pushes"]
+    assert "4,096 dense gradient bytes" in how["all_reduce"]
     # Asynchronous pushes cost what the rehearsal measured: sending them.
     sent = predict_step(dataclasses.replace(costs, pushes="async"))
-    assert sent.optimized["pushes"] == 0.006 and "dry-run" in sent.assumptions["pushes"]
+    assert sent.optimized["pushes"] == 0.013 and "dry-run" in sent.assumptions["pushes"]
+    alone = predict_step(dataclasses.replace(costs, trainers=1, all_reduce_bytes=0))
+    assert alone.assumptions["all_reduce"].startswith("0: no gradient all-reduce")
 
 
 def test_predict_phases_of_a_schedule_not_rehearsed_is_an_error() -> None:
@@ -175,10 +185,7 @@ def test_step_of_a_gain_prediction_uses_the_pipelined_rehearsal() -> None:
     before = Timeline(total_s=0.030, compute_s=0.002, blocked_s=0.028, requests=4)
     after = Timeline(total_s=0.010, compute_s=0.002, blocked_s=0.008, requests=1)
     forward = Prediction(before=before, after=after, rpc_latency_s=0.007)
-    assert (
-        step_of(GainPrediction(forward=forward), optimizer_s=0, all_reduce_s=0, num_trainers=1)
-        is None
-    )
+    assert step_of(GainPrediction(forward=forward), optimizer_s=0) is None
     costs = StepCosts(
         rehearsed={
             "baseline": _rehearsed(0.030, 0.028, 0.007),
@@ -188,8 +195,8 @@ def test_step_of_a_gain_prediction_uses_the_pipelined_rehearsal() -> None:
         pushes="blocking",
     )
     gain = GainPrediction(forward=forward, costs=costs, pipeline_staleness=2)
-    step = step_of(gain, optimizer_s=0.001, all_reduce_s=0.0, num_trainers=1)
+    step = step_of(gain, optimizer_s=0.001)
     assert step is not None
     assert step.baseline["forward"] == 0.030 and step.optimized["forward"] == 0.003
     assert step.optimized["waits"] == 0.001 and step.baseline["pushes"] == 0.007
-    assert step.baseline["backward"] == 0.004 and step.optimized["optimizer"] == 0.001
+    assert step.baseline["backward"] == 0.006 and step.optimized["optimizer"] == 0.001

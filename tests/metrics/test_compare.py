@@ -19,7 +19,7 @@ from distopt.metrics.compare import (
     summarize,
 )
 from distopt.metrics.qps_log import QpsLogWriter, load_run
-from tests.metrics.synthetic import WriteRun
+from tests.metrics.synthetic import CONFIG, WriteRun
 
 
 def test_ten_percent_faster_run_has_gain_ci_around_1_10(write_run: WriteRun) -> None:
@@ -399,3 +399,45 @@ def test_fetches_and_row_caches_are_summarized_per_run(tmp_path: Path) -> None:
     text = console.export_text()
     assert "parameter-server fetches per trainer step" in text
     assert "70.0%" in text and "2.00" in text
+
+
+def _failed_run(out: Path, run_id: str, *, steps: int, planned: int) -> Path:
+    """A run whose trainer raised after ``steps`` steps: the real writer's footer says so."""
+    with (
+        pytest.raises(RuntimeError),
+        QpsLogWriter.create(
+            out,
+            run_id=run_id,
+            variant="optimized",
+            rank=0,
+            world_size=1,
+            global_batch_size=64,
+            config={**CONFIG, "steps": planned, "variant": "optimized", "run_id": run_id},
+        ) as writer,
+    ):
+        for step in range(steps):
+            writer.log_step(step, 0.05)
+        raise RuntimeError("LookupError: catalog shard unavailable\n(the traceback's rest)")
+    return out / run_id
+
+
+def test_a_run_that_did_not_finish_is_refused_unless_forced(
+    tmp_path: Path, write_run: WriteRun, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A user's trial: a job that failed at step 39 of 60 was compared as a normal run."""
+    base = write_run("base", 1000.0, steps=60, config={"steps": 60})
+    died = _failed_run(tmp_path, "died", steps=39, planned=60)
+    with pytest.raises(CompareError) as info:
+        compare_runs([load_run(base), load_run(died)])
+    assert str(info.value) == (
+        f"{died}: rank 0 failed after 39 of 60 steps (RuntimeError: LookupError: catalog shard "
+        "unavailable): its QPS is of part of a run (use --force to compare anyway)"
+    )
+    assert main(["compare", str(base), str(died)]) == 2
+    assert "its QPS is of part of a run" in capsys.readouterr().err
+    forced = compare_runs([load_run(base), load_run(died)], force=True)
+    assert forced.unfinished == (str(info.value).split(": its QPS")[0],)
+    assert main(["compare", str(base), str(died), "--force"]) == 0
+    assert (
+        f"--force: did not finish: {died}: rank 0 failed after 39 of 60" in capsys.readouterr().out
+    )

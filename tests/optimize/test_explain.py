@@ -16,6 +16,14 @@ def test_report_lists_tier_passes_diff_and_verification() -> None:
     assert "verification passed" in text
 
 
+def test_a_model_optimized_without_inputs_says_how_to_verify_it() -> None:
+    """A user's trial: `verification: not run (no example_inputs)` said nothing of what to do."""
+    optimized = distopt.optimize(nn.Sequential(nn.Linear(4, 4), nn.Identity()))
+    text = " ".join(distopt.explain(optimized, show_code=False).split())
+    assert "verification: not run (no example_inputs: pass them to distopt.optimize;" in text
+    assert "returns (model, inputs)" in text
+
+
 def test_fallback_report_names_reason() -> None:
     model = models.build("control_flow")
     result = distopt.optimize(model, config={"capture": {"dynamo": False}})
