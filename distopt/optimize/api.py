@@ -289,6 +289,16 @@ def _verify_or_fall_back(
         reference = run_reference(model, inputs, verify_cfg, allow_writes=False)
     if not reference.check_grads:  # an inference run: the final timing check's first sample
         report.original_seconds = reference.seconds
+    dropped = _assignments_dropped(optimized, reference.rebound)
+    if dropped:
+        message = (
+            f"{report.model}.forward assigns {', '.join(dropped)} (Python attributes): a traced "
+            "graph repeats only its tensor operations, so the optimized model would not; "
+            "config capture.symbolic=false captures it with Dynamo, which repeats them"
+        )
+        if strict:
+            raise VerificationError(message)
+        return _fall_back(model, report, message)
     try:
         record = compare_modules(
             model,
@@ -323,6 +333,15 @@ def _verify_or_fall_back(
     if strict:
         raise VerificationError(message, culprit=culprit)
     return _fall_back(model, report, message)
+
+
+def _assignments_dropped(optimized: nn.Module, rebound: Sequence[str]) -> list[str]:
+    """The attributes the original's forward assigned that ``optimized`` would not: all of them
+    for a traced graph, but those of the modules it calls (leaves, whose own forward runs)."""
+    if not isinstance(optimized, torch.fx.GraphModule):
+        return []  # Dynamo's graphs repeat a forward's attribute assignments
+    leaves = [str(n.target) for n in optimized.graph.nodes if n.op == "call_module"]
+    return [name for name in rebound if not any(name.startswith(f"{leaf}.") for leaf in leaves)]
 
 
 def _keep_if_not_slower(

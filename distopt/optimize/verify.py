@@ -22,7 +22,7 @@ from torch.utils._pytree import tree_flatten
 from distopt.capture.dynamo_remote import checking
 from distopt.config import VerifyConfig
 from distopt.estimate.ab import default_clock
-from distopt.remote.isolation import isolated, preserved_state
+from distopt.remote.isolation import isolated, kept_attributes, preserved_state
 from distopt.remote.local import named_local_tensors, with_remote_calls
 from distopt.remote.record import Recording, RemoteWriteRefused, recording
 from distopt.remote.replay import Replay
@@ -49,6 +49,9 @@ class Reference:
     check_grads: bool
     seconds: float = 0.0
     """How long the original's run took (by ``distopt.estimate.ab.default_clock``)."""
+    rebound: tuple[str, ...] = ()
+    """Attributes of the original's modules its run bound or rebound (put back since:
+    :func:`~distopt.remote.isolation.kept_attributes`)."""
 
 
 def _run(
@@ -105,12 +108,17 @@ def run_reference(
     check_grads = config.check_grads and original.training
     view = with_remote_calls(original)
     results: list[RunResult] = []
-    with preserved_state(view), isolated(), recording(view, allow_writes=allow_writes) as record:
+    with (
+        preserved_state(view),
+        kept_attributes(view) as rebound,
+        isolated(),
+        recording(view, allow_writes=allow_writes) as record,
+    ):
         seconds = default_clock(
             "baseline",
             lambda: results.append(_run(view, view, example_inputs, seed_state, check_grads)),
         )
-    return Reference(results[0], record, seed_state, check_grads, seconds)
+    return Reference(results[0], record, seed_state, check_grads, seconds, tuple(rebound))
 
 
 def compare_modules(

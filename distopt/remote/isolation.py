@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from distopt.remote.local import named_local_tensors
+from distopt.remote.local import is_remote_module, named_local_modules, named_local_tensors
 
 _ISOLATION_HOOKS: list[Callable[[], AbstractContextManager[Any]]] = []
 
@@ -68,3 +68,38 @@ def preserved_state(*modules: nn.Module) -> Iterator[list[torch.Tensor]]:
                     restored.append(buf)
         for param, grad in grads.values():
             param.grad = grad
+
+
+_MODULE_INTERNALS = frozenset(vars(nn.Module()))
+"""What ``nn.Module`` itself keeps in a module's ``__dict__`` (``training``, ``_parameters``,
+hooks...): not the user's attributes."""
+
+
+@contextlib.contextmanager
+def kept_attributes(root: nn.Module) -> Iterator[list[str]]:
+    """Put back, on exit, the plain attributes of ``root`` and its submodules that the block
+    bound or rebound (a forward's ``self.calls += 1``, ``self.last = out``), and yield a list that
+    then holds their dotted paths (``calls``, ``tower.0.last``). A traced graph does not repeat
+    such assignments, so verification must know of them; the user's model comes out as it was."""
+    changed: list[str] = []
+    saved = [
+        (path, module, {k: v for k, v in vars(module).items() if k not in _MODULE_INTERNALS})
+        for path, module in named_local_modules(root)
+        if not is_remote_module(module)
+    ]
+    try:
+        yield changed
+    finally:
+        for path, module, before in saved:
+            now = vars(module)
+            for name in [k for k in now if k not in _MODULE_INTERNALS]:
+                if name in before and now[name] is before[name]:
+                    continue
+                changed.append(f"{path}.{name}" if path else name)
+                if name in before:
+                    now[name] = before[name]
+                else:
+                    del now[name]
+            for name in before.keys() - now.keys():  # deleted by the block
+                changed.append(f"{path}.{name}" if path else name)
+                now[name] = before[name]

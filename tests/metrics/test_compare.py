@@ -351,17 +351,22 @@ def test_an_interval_over_jobs_holds_their_spread() -> None:
     assert 1.08 < steps_low < steps_high < 1.12
 
 
-def _fetching_run(out: Path, run_id: str, rows: int, **cache: float) -> Path:
-    """A run whose steps record fetch counts (and, given ``cache``, row-cache fields)."""
-    with QpsLogWriter.create(
+def _optimized_log(out: Path, run_id: str, config: dict[str, Any]) -> QpsLogWriter:
+    """The QPS log of rank 0 of a one-trainer optimized run."""
+    return QpsLogWriter.create(
         out,
         run_id=run_id,
         variant="optimized",
         rank=0,
         world_size=1,
         global_batch_size=64,
-        config={"model": "dlrm", "run_id": run_id},
-    ) as writer:
+        config={**config, "run_id": run_id},
+    )
+
+
+def _fetching_run(out: Path, run_id: str, rows: int, **cache: float) -> Path:
+    """A run whose steps record fetch counts (and, given ``cache``, row-cache fields)."""
+    with _optimized_log(out, run_id, {"model": "dlrm"}) as writer:
         for step in range(20):
             writer.log_step(
                 step,
@@ -403,18 +408,8 @@ def test_fetches_and_row_caches_are_summarized_per_run(tmp_path: Path) -> None:
 
 def _failed_run(out: Path, run_id: str, *, steps: int, planned: int) -> Path:
     """A run whose trainer raised after ``steps`` steps: the real writer's footer says so."""
-    with (
-        pytest.raises(RuntimeError),
-        QpsLogWriter.create(
-            out,
-            run_id=run_id,
-            variant="optimized",
-            rank=0,
-            world_size=1,
-            global_batch_size=64,
-            config={**CONFIG, "steps": planned, "variant": "optimized", "run_id": run_id},
-        ) as writer,
-    ):
+    config = {**CONFIG, "steps": planned, "variant": "optimized"}
+    with pytest.raises(RuntimeError), _optimized_log(out, run_id, config) as writer:
         for step in range(steps):
             writer.log_step(step, 0.05)
         raise RuntimeError("LookupError: catalog shard unavailable\n(the traceback's rest)")

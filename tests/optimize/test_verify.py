@@ -1,9 +1,13 @@
+import pytest
 import torch
+import torch.fx
 from torch import nn
 
+import distopt
 from distopt.config import VerifyConfig
+from distopt.errors import DistoptFallbackWarning, VerificationError
 from distopt.optimize.verify import compare_modules
-from distopt.remote.isolation import preserved_state
+from distopt.remote.isolation import kept_attributes, preserved_state
 
 
 def test_identical_modules_pass_and_count_outputs_and_grads() -> None:
@@ -91,3 +95,46 @@ def test_with_remote_writes_a_push_in_backward_is_applied_once_and_gradients_com
     assert record.passed and record.gradients and record.compared == 3 and record.partial is None
     # The original's run sends the push once; the optimized run's backward is answered from it.
     assert log == [("read", "t1", 0), ("write", "t1", 1)]
+
+
+class _Counting(nn.Module):
+    """A user's trial: forward counts its calls and fails on the Nth; a traced graph would not
+    count (the counter stopped at 2 and the failure never came)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.inner = nn.Linear(4, 4)
+        self.norm = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.norm(self.inner(x))
+
+
+def test_a_forward_that_assigns_attributes_is_not_returned_as_a_traced_graph() -> None:
+    model = _Counting()
+    x = torch.randn(8, 4)
+    with pytest.warns(DistoptFallbackWarning) as caught:
+        result = distopt.optimize(model, (x,))
+    assert result is model and model.calls == 1  # only tracing ran the model's own forward
+    message = str(caught[0].message)
+    assert "_Counting.forward assigns calls (Python attributes)" in message
+    assert "capture.symbolic=false" in message
+    with pytest.raises(VerificationError, match="assigns calls"):
+        distopt.optimize(model, (x,), strict=True)
+    # Without the counter (the same leaf modules, whose own forward a traced graph calls): optimized.
+    plain = distopt.optimize(nn.Sequential(model.inner, model.norm), (x,))
+    assert isinstance(plain, torch.fx.GraphModule)
+
+
+def test_kept_attributes_puts_back_what_a_block_assigned() -> None:
+    model = _Counting()
+    model.inner.tag = "a"
+    with kept_attributes(model) as changed:
+        model.calls = 5
+        model.inner.tag = "b"
+        model.fresh = 1
+        del model.inner.tag
+    assert sorted(changed) == ["calls", "fresh", "inner.tag"]
+    assert model.calls == 0 and model.inner.tag == "a" and not hasattr(model, "fresh")
