@@ -85,7 +85,7 @@ class Prediction:
 
     def summary(self) -> str:
         return (
-            f"predicted step {self.before_s * 1e3:.2f} ms -> {self.after_s * 1e3:.2f} ms "
+            f"predicted forward {self.before_s * 1e3:.2f} ms -> {self.after_s * 1e3:.2f} ms "
             f"({self.speedup:.2f}x; compute {self.after.compute_s * 1e3:.2f} ms, "
             f"{self.before.requests} -> {plural(self.after.requests, 'request')} of "
             f"{self.rpc_latency_s * 1e3:.2f} ms{' (median)' if len(self.request_latency_s) > 1 else ''}, "

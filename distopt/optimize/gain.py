@@ -128,9 +128,9 @@ class Lockstep:
 
         return in_turn
 
-    def agree(self, done: bool) -> bool:
-        """Whether every trainer is ``done`` (each runs steps until all are)."""
-        flag = torch.tensor([int(done)])
+    def agree(self, holds: bool) -> bool:
+        """Whether ``holds`` on every trainer (a chunk ends when every trainer is done with it)."""
+        flag = torch.tensor([int(holds)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
         return bool(flag.item())
 

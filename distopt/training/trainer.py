@@ -132,13 +132,17 @@ def _prediction(
     turn in deterministic jobs), and the whole step phase by phase (:mod:`distopt.estimate.step`).
     Every trainer calls this.
     """
-    if not isinstance(optimized, torch.fx.GraphModule) or not remote_ops(optimized.graph):
-        return {}
-    in_turn = config.deterministic and ps_calls.is_connected()
+    remote = isinstance(optimized, torch.fx.GraphModule) and bool(remote_ops(optimized.graph))
     lockstep = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         ddp = config.parallel == "ddp"
         lockstep = Lockstep(gradient_bytes=gradient_bytes(model) if ddp else 0)
+        # Every trainer rehearses or none: one that did not would leave the others waiting in
+        # the rehearsal's collectives until the group's timeout.
+        remote = lockstep.agree(remote)
+    if not remote:
+        return {}
+    in_turn = config.deterministic and ps_calls.is_connected()
     try:
         prediction = predict_gain(
             model,

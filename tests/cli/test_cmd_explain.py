@@ -48,7 +48,7 @@ def test_ps_model_prediction_next_to_measurement(capsys) -> None:
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "merged 4 remote reads into 1 batched request" in out
-    assert "cost model: predicted step" in out
+    assert "cost model: predicted forward" in out
     assert "measured forward (median of 25, interleaved)" in out
 
 
@@ -119,4 +119,4 @@ def test_ps_latency_with_a_factory_of_model_and_inputs(tmp_path: Path) -> None:
     assert "no convolution followed by BatchNorm to fold" in fold, fold
     assert "verification passed (outputs and gradients)" in proc.stdout
     assert "merged 2 remote reads into 1 batched request" in proc.stdout
-    assert "cost model: predicted step" in proc.stdout
+    assert "cost model: predicted forward" in proc.stdout

@@ -43,7 +43,7 @@ def test_prediction_before_and_after_the_passes() -> None:
     assert prediction.after_s <= prediction.after.compute_s + latency + 1e-9
     assert prediction.speedup > 1.5
     assert 0.5 <= prediction.hidden_fraction <= 1.0
-    assert "predicted step" in prediction.summary()
+    assert "predicted forward" in prediction.summary()
 
 
 def test_prediction_matches_a_measured_run_with_real_latency() -> None:
