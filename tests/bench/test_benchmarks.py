@@ -90,6 +90,30 @@ def test_ps_overlap_adds_rounds_until_each_variant_has_its_seconds(tmp_path, cap
         assert point["hand_faster_rounds"] == 3
 
 
+@pytest.mark.slow
+def test_ps_overlap_runs_more_rounds_only_while_a_target_is_undecided(tmp_path, capsys) -> None:
+    """At K = 1 the three models run one schedule: optimized/hand sits at 1.0, the target set
+    here, so its interval holds it and the point runs more rounds, up to 3 × the planned 2."""
+    config = tmp_path / "ps.yaml"
+    config.write_text(
+        "kind: ps_overlap\ntables: [1]\nlatency_ms: [1.0]\ncompute: [light]\nrounds: 2\nsteps: 4\n"
+        "warmup: 1\nvariants: [baseline, optimized, hand]\ntarget_ratio_vs_hand: 1.0\n"
+        f"undecided_factor: 3\nbatching_fetches: 0\noutput_dir: {tmp_path / 'runs'}\n"
+    )
+    out = tmp_path / "out.json"
+    main(["bench", str(config), "--json", str(out)])
+    point = json.loads(out.read_text())["points"][0]
+    printed = capsys.readouterr().out
+    assert point["planned_rounds"] == 2
+    assert 2 <= point["rounds"] <= 6
+    assert all(v["steps"] == point["rounds"] * 3 for v in point["variants"].values())
+    low, high = point["intervals"]["optimized/hand"]
+    assert low <= point["opt_vs_hand_qps"] <= high
+    # It stopped at the cap, or where the interval no longer held the target.
+    assert point["rounds"] == 6 or not low < 1.0 <= high
+    assert printed.count("undecided: optimized/hand") == point["rounds"] - 2
+
+
 def test_ps_overlap_config_errors_name_the_key() -> None:
     from distopt.bench.ps_overlap import PSOverlapConfig
     from distopt.config import from_dict
@@ -101,6 +125,8 @@ def test_ps_overlap_config_errors_name_the_key() -> None:
         from_dict(PSOverlapConfig, {"h_consistency": 1.5})
     with pytest.raises(ConfigError, match=r"warmup_rounds: expected an integer >= 0, got -1"):
         from_dict(PSOverlapConfig, {"warmup_rounds": -1})
+    with pytest.raises(ConfigError, match=r"undecided_factor: expected a number >= 1, got 0.5"):
+        from_dict(PSOverlapConfig, {"undecided_factor": 0.5})
 
 
 @pytest.mark.slow
