@@ -22,8 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-from torchx.specs import AppState
-
 from distopt.cli import main as distopt_main
 from distopt.config import find_config_file, load_config
 from distopt.data.generate import write_criteo
@@ -68,11 +66,9 @@ def _launch(config: Path, overrides: list[str], variant: str, run_id: str) -> No
         component_args={"master_port": free_port(consecutive=2)},
     ) as job:
         print(f"{variant} job {job.handle}: logs in {job.run_dir}", flush=True)
-        status = job.wait()
-        if getattr(status, "state", None) != AppState.SUCCEEDED:
-            failed = job.failure(status)
-            if failed is not None:
-                print(failed.format(), file=sys.stderr, flush=True)
+        report = job.failure_report(job.wait())
+        if report is not None:
+            print(report, file=sys.stderr, flush=True)
             raise DistoptError(f"demo: the {variant} job {job.handle} failed")
     print(f"{variant} job finished in {time.perf_counter() - start:.0f} s", flush=True)
 

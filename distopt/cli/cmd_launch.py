@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from torchx.specs import AppState
 from torchx.specs.api import to_dict
 
 from distopt.errors import ConfigError
@@ -95,16 +94,12 @@ def run(args: argparse.Namespace) -> int:
         status = job.wait()
         if progress is not None:
             progress.join()
-        if getattr(status, "state", None) == AppState.SUCCEEDED:
-            elsewhere = job.logs_elsewhere() if args.scheduler not in LOCAL_SCHEDULERS else None
-            if elsewhere:
-                print(elsewhere, file=sys.stderr, flush=True)
-            print(f"{job.handle}: SUCCEEDED", file=sys.stderr, flush=True)
-            return 0
-        failed = job.failure(status)
-        print(
-            failed.format() if failed else f"{job.handle}: {getattr(status, 'state', None)}",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
+        report = job.failure_report(status)
+        if report is not None:
+            print(report, file=sys.stderr, flush=True)
+            return 1
+        elsewhere = job.logs_elsewhere() if args.scheduler not in LOCAL_SCHEDULERS else None
+        if elsewhere:
+            print(elsewhere, file=sys.stderr, flush=True)
+        print(f"{job.handle}: SUCCEEDED", file=sys.stderr, flush=True)
+        return 0

@@ -129,6 +129,15 @@ class Launched:
             return None
         return watch.failure(self.runner, self.handle, status)
 
+    def failure_report(self, status: Any) -> str | None:
+        """What to tell the user of a job that ended with ``status``: ``None`` when it
+        succeeded; else its :meth:`failure` formatted, or its final state when no process failed
+        (cancelled, unknown)."""
+        if getattr(status, "state", None) == AppState.SUCCEEDED:
+            return None
+        failed = self.failure(status)
+        return failed.format() if failed else f"{self.handle}: {getattr(status, 'state', None)}"
+
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
