@@ -672,7 +672,6 @@ def _point(
         optimizers = {
             name: torch.optim.SGD(models[name].parameters(), lr=bench.lr) for name in variants
         }
-        times: dict[str, list[float]] = {name: [] for name in variants}
         round_medians: dict[str, list[float]] = {name: [] for name in variants}
         memory: dict[str, dict[str, int]] = {
             name: {"window": max(1, staleness)} for name in PIPELINED
@@ -729,13 +728,14 @@ def _point(
                 round_index < bench.rounds
                 or (
                     round_index < bench.max_rounds
-                    and min(sum(t) for t in times.values()) < bench.min_variant_s
+                    and min(sum(map(sum, r)) for r in round_samples.values()) < bench.min_variant_s
                 )
             ):
                 planned_rounds = round_index
             if planned_rounds is not None:
                 cap = math.floor(planned_rounds * bench.undecided_factor)
-                targets = _targets(bench, round_samples)
+                pooled = {name: median(_pooled(round_samples[name])) for name in variants}
+                targets = _targets(bench, round_medians, pooled)
                 still = undecided(round_samples, targets) if round_index < cap else {}
                 if not still:
                     break
@@ -758,7 +758,6 @@ def _point(
                     wire[name][1] += after[1] - before[1]
                     wire[name][2] += len(chunk)
                 timed[name].merge(took)
-                times[name].extend(chunk[bench.warmup :])
                 round_samples[name].append(chunk[bench.warmup :])
                 round_medians[name].append(median(chunk[bench.warmup :]))
             round_index += 1
@@ -773,37 +772,35 @@ def _point(
                 f"  round {round_index}{of} ({time.perf_counter() - started:.0f} s): "
                 f"median ms per step: {steps}"
             )
-        intervals = {
-            t.name: round_interval(round_samples, t.statistic)
-            for t in _targets(bench, round_samples)
-        }
         exact = {
             name: _exact_check(models[name], batches[-4:], held)
             for name, held in caches.items()
             if bench.cache_staleness == 0
         }
     static_optimal = _static_optimal(bench, cfg, drawn)
-    results = {name: VariantResult(times[name], bench.batch_size) for name in variants}
+    results = {
+        name: VariantResult(_pooled(round_samples[name]), bench.batch_size) for name in variants
+    }
     median_s = {name: r.median_s for name, r in results.items()}
-    h = ratio_vs_hand = hand_faster = None
-    if {"baseline", "optimized", "hand"} <= set(variants):
-        t_base, t_opt, t_hand = median_s["baseline"], median_s["optimized"], median_s["hand"]
-        hand_faster = _hand_faster_rounds(round_medians)
-        scored = _h_scored(bench, round_medians, median_s)
-        h = (t_base - t_opt) / (t_base - t_hand) if scored else None
-        ratio_vs_hand = t_hand / t_opt
+    # Each ratio scored on the pooled medians, with its interval over the rounds.
+    targets = _targets(bench, round_medians, median_s)
+    scores = {t.name: float(t.statistic(median_s)) for t in targets}
+    intervals = {t.name: round_interval(round_samples, t.statistic) for t in targets}
+    h = scores.get("H")
+    ratio_vs_hand = scores.get("optimized/hand")
+    hand_faster = (
+        _hand_faster_rounds(round_medians)
+        if {"baseline", "optimized", "hand"} <= set(variants)
+        else None
+    )
     cached_vs_pipe = cached_vs_net = None
     if "pipelined+cached" in variants:
         if "pipelined" in variants:
             cached_vs_pipe = median_s["pipelined"] / median_s["pipelined+cached"]
         if "no_network" in variants:
             cached_vs_net = median_s["no_network"] / median_s["pipelined+cached"]
-    pipe_vs_net = pipe_vs_opt = None
-    if "pipelined" in variants:
-        if "no_network" in variants:
-            pipe_vs_net = median_s["no_network"] / median_s["pipelined"]
-        if "optimized" in variants:
-            pipe_vs_opt = median_s["optimized"] / median_s["pipelined"]
+    pipe_vs_net = scores.get("pipelined/no_network")
+    pipe_vs_opt = scores.get("pipelined/optimized")
     forward = prediction.forward
     predicted = _predicted_phases(prediction, optimizer_s)
     predicted_s = {name: StepPrediction.total(phases) for name, phases in predicted.items()}
@@ -887,14 +884,15 @@ def _h_scored(
     return consistent and median_s["baseline"] - median_s["hand"] > 0.05 * median_s["baseline"]
 
 
-def _targets(bench: PSOverlapConfig, round_samples: dict[str, list[list[float]]]) -> list[Target]:
-    """The ratio targets this point scores, as statistics of the variants' median steps."""
-    names = set(round_samples)
+def _targets(
+    bench: PSOverlapConfig, round_medians: dict[str, list[float]], median_s: dict[str, float]
+) -> list[Target]:
+    """The ratio targets this point scores, as statistics of the variants' median steps
+    (``median_s``: the pooled ones so far, which decide whether H is scored)."""
+    names = set(median_s)
     targets = []
     if {"baseline", "optimized", "hand"} <= names:
-        round_medians = {n: [median(r) for r in round_samples[n]] for n in ("baseline", "hand")}
-        pooled = {n: median([t for r in round_samples[n] for t in r]) for n in ("baseline", "hand")}
-        if _h_scored(bench, round_medians, pooled):
+        if _h_scored(bench, round_medians, median_s):
             targets.append(
                 Target(
                     "H",
@@ -902,28 +900,33 @@ def _targets(bench: PSOverlapConfig, round_samples: dict[str, list[list[float]]]
                     bench.target_h,
                 )
             )
-        targets.append(
-            Target(
-                "optimized/hand", lambda m: m["hand"] / m["optimized"], bench.target_ratio_vs_hand
-            )
-        )
+        targets.append(_ratio("optimized/hand", "hand", "optimized", bench.target_ratio_vs_hand))
     if {"pipelined", "no_network"} <= names:
         targets.append(
-            Target(
+            _ratio(
                 "pipelined/no_network",
-                lambda m: m["no_network"] / m["pipelined"],
+                "no_network",
+                "pipelined",
                 bench.target_pipelined_vs_no_network,
             )
         )
     if {"pipelined", "optimized"} <= names:
         targets.append(
-            Target(
-                "pipelined/optimized",
-                lambda m: m["optimized"] / m["pipelined"],
-                bench.target_pipelined_vs_optimized,
+            _ratio(
+                "pipelined/optimized", "optimized", "pipelined", bench.target_pipelined_vs_optimized
             )
         )
     return targets
+
+
+def _ratio(name: str, reference: str, variant: str, at_least: float) -> Target:
+    """``variant``'s QPS over ``reference``'s: ``reference``'s median step over ``variant``'s."""
+    return Target(name, lambda m: m[reference] / m[variant], at_least)
+
+
+def _pooled(per_round: list[list[float]]) -> list[float]:
+    """A variant's step times of every round, in order."""
+    return [t for samples in per_round for t in samples]
 
 
 def _predicted_phases(

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-Statistic = Callable[[Mapping[str, np.ndarray]], np.ndarray]
-"""Maps each variant's medians (one per resample, as arrays) to the statistic's values."""
+Statistic = Callable[[Mapping[str, Any]], Any]
+"""Maps each variant's median to the statistic's value, element-wise: given arrays (one median
+per resample) it returns an array, given floats (a run's medians) a float."""
 
 LEVEL = 0.9
 RESAMPLES = 1000
