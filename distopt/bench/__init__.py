@@ -4,7 +4,8 @@ A benchmark config names its ``kind``; ``distopt/bench/<kind>.py`` provides
 ``run(config: dict, args: argparse.Namespace) -> int`` which validates the rest of the config
 (a dataclass through :func:`distopt.config.from_dict`), prints a rich table and, with
 ``--json PATH``, writes machine-readable results. Variants are measured interleaved in one run;
-reports quote medians and ratios.
+reports quote medians and ratios. Benchmarks with a ``device`` key run on ``cpu`` (default) or
+``cuda``; their clocks (:mod:`distopt.estimate.ab`) wait for the GPU.
 """
 
 from __future__ import annotations

@@ -25,7 +25,11 @@ import distopt
 from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
+from distopt.estimate.ab import wall_clock
 from distopt.models.resnet import ResNet
+from distopt.optimize.verify import exact_math
+from distopt.training.config import Device
+from distopt.training.device import resolve_device
 
 DEFAULT = "default passes"
 
@@ -48,6 +52,7 @@ class CnnFusionConfig:
     """Include ``torch.compile`` (inductor; compiling takes about a minute on 2 cores)."""
     threads: int | None = None
     """``torch.set_num_threads`` (default: torch's choice)."""
+    device: Device = "cpu"
     target_speedup: float = 1.3
 
     def __post_init__(self) -> None:
@@ -56,12 +61,6 @@ class CnnFusionConfig:
         check(self.batch_size >= 1, "batch_size", "an integer >= 1", self.batch_size)
         check(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
         check(len(self.blocks) == 4, "blocks", "four stage depths", self.blocks)
-
-
-def _timed(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def _interleaved(
@@ -73,23 +72,23 @@ def _interleaved(
     samples: dict[str, list[float]] = {name: [] for name in variants}
     for _ in range(rounds):
         for name, fn in variants.items():
-            samples[name].append(_timed(fn))
+            samples[name].append(wall_clock(name, fn))
     return {name: median(times) for name, times in samples.items()}
 
 
-def _model(cfg: CnnFusionConfig) -> ResNet:
+def _model(cfg: CnnFusionConfig, device: torch.device) -> ResNet:
     torch.manual_seed(0)
-    return ResNet(cfg.blocks, cfg.width, cfg.num_classes, cfg.image_size)
+    return ResNet(cfg.blocks, cfg.width, cfg.num_classes, cfg.image_size).to(device)
 
 
 def _eval_variants(
-    cfg: CnnFusionConfig, console: Console
+    cfg: CnnFusionConfig, device: torch.device, console: Console
 ) -> tuple[dict[str, float], dict[str, float]]:
     # Imported here: importing it warns that torch.jit.script_method is deprecated.
     from torch.fx.experimental.optimization import fuse
 
-    model = _model(cfg).eval()
-    x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
+    model = _model(cfg, device).eval()
+    x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=device)
     setup: dict[str, float] = {}
     start = time.perf_counter()
     fx_fused = fuse(copy.deepcopy(model))
@@ -115,12 +114,11 @@ def _eval_variants(
     if cfg.compile:
         console.print("compiling with inductor (first call)…")
         compiled = torch.compile(copy.deepcopy(model))
-        start = time.perf_counter()
         with torch.no_grad():
-            compiled(x)
-        setup["torch.compile (first call)"] = time.perf_counter() - start
+            setup["torch.compile (first call)"] = wall_clock("compile", lambda: compiled(x))
         variants["torch.compile (inductor)"] = lambda: compiled(x)
-    with torch.no_grad():
+    # Compared in full float32: CUDA's default TF32 convolutions alone differ by ~1e-2 here.
+    with torch.no_grad(), exact_math():
         ref = model(x)
         for name, fn in variants.items():
 
@@ -128,21 +126,22 @@ def _eval_variants(
                 return f"{n}: {m}"
 
             torch.testing.assert_close(fn(), ref, rtol=1e-3, atol=1e-3, msg=msg)
-        console.print(f"eval: timing {len(variants)} variants × {cfg.rounds} rounds…")
+    console.print(f"eval: timing {len(variants)} variants × {cfg.rounds} rounds…")
+    with torch.no_grad():
         return _interleaved(variants, cfg.rounds, cfg.warmup), setup
 
 
 def _train_variants(
-    cfg: CnnFusionConfig, console: Console
+    cfg: CnnFusionConfig, device: torch.device, console: Console
 ) -> tuple[dict[str, float], dict[str, float]]:
-    x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size)
-    y = torch.randint(0, cfg.num_classes, (cfg.batch_size,))
-    eager = _model(cfg)
+    x = torch.randn(cfg.batch_size, 3, cfg.image_size, cfg.image_size, device=device)
+    y = torch.randint(0, cfg.num_classes, (cfg.batch_size,), device=device)
+    eager = _model(cfg, device)
     start = time.perf_counter()
     # Not verified here: training BatchNorm amplifies NHWC round-off past any fixed tolerance
     # (eager PyTorch shows the same); tests/passes/local/test_channels_last.py checks it against NHWC eager.
     ours = distopt.optimize(
-        _model(cfg),
+        _model(cfg, device),
         x,
         passes=["channels_last"],
         verify=False,
@@ -179,15 +178,17 @@ def _table(title: str, times: dict[str, float], base: str, unit: str = "ms") -> 
 
 def run(config: dict, args: argparse.Namespace) -> int:
     cfg = from_dict(CnnFusionConfig, config)
+    device = resolve_device(cfg.device)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     console = make_console()
-    params = sum(p.numel() for p in _model(cfg).parameters())
+    params = sum(p.numel() for p in _model(cfg, torch.device("cpu")).parameters())
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     console.print(
         f"ResNet-50-shaped CNN: blocks {list(cfg.blocks)}, width {cfg.width}, {params / 1e6:.1f}M params, "
-        f"batch {cfg.batch_size}×3×{cfg.image_size}², {torch.get_num_threads()} threads"
+        f"batch {cfg.batch_size}×3×{cfg.image_size}², {where}, {torch.get_num_threads()} threads"
     )
-    eval_times, setup = _eval_variants(cfg, console)
+    eval_times, setup = _eval_variants(cfg, device, console)
     console.print(
         _table(f"eval latency (median of {cfg.rounds}, interleaved)", eval_times, "eager")
     )
@@ -203,7 +204,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
     )
     train_times: dict[str, float] = {}
     if cfg.train_steps:
-        train_times, train_setup = _train_variants(cfg, console)
+        train_times, train_setup = _train_variants(cfg, device, console)
         setup.update(train_setup)
         console.print(
             _table(
@@ -220,6 +221,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
         result = {
             "config": to_dict(cfg),
             "params": params,
+            "device": where,
             "eval_s": eval_times,
             "train_s": train_times,
             "setup_s": setup,

@@ -1,10 +1,11 @@
-"""FSDP2 unit choices on a ≥100M-parameter GPT, 2 gloo ranks on CPU.
+"""FSDP2 unit choices on a ≥100M-parameter GPT, 2 gloo ranks on CPU (or NCCL ranks on GPUs).
 
 Variants: no inner units (root only), a size-based policy, the hand-written per-block policy (the
 expert's choice) and distopt's auto-partition (``distopt.parallelize``). Each run starts fresh
 processes (so peak RSS belongs to that variant alone); the model is built on the meta device and
 materialized after sharding, so RSS measures training, not initialization. Rounds go round-robin
-over the variants (interleaved); tables quote medians.
+over the variants (interleaved); tables quote medians. With ``device: cuda`` each rank trains on its
+own GPU over an NCCL group (one rank per GPU), and peak memory is the GPU's peak allocation.
 
 Targets (issue 4): distopt ≤ 1.0× the per-block policy's step time and ≤ 1.05× its peak memory;
 ≤ 0.6× the no-inner-unit peak memory.
@@ -35,8 +36,11 @@ from distopt.bench import median
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist.rendezvous import run_spawned
+from distopt.errors import ConfigError
 from distopt.models.gpt import GPT
 from distopt.parallel.fsdp_schedule import peak_param_bytes
+from distopt.training import device as job_device
+from distopt.training.config import Device
 
 VARIANTS = ("no_inner_units", "size_based", "per_block", "distopt")
 
@@ -63,13 +67,15 @@ class FsdpPartitionConfig:
     variants: tuple[str, ...] = VARIANTS
     cache_dir: str | None = None
     """α–β cache for distopt's unit fusion (default ``~/.cache/distopt``)."""
+    device: Device = "cpu"
+    """``cuda``: one rank per GPU (``world_size`` at most the GPUs; 1 allowed on a one-GPU host)."""
 
     def __post_init__(self) -> None:
         check(self.layers >= 1, "layers", "an integer >= 1", self.layers)
         check(self.dim % self.heads == 0, "dim", f"a multiple of heads ({self.heads})", self.dim)
         check(self.steps >= 1, "steps", "an integer >= 1", self.steps)
         check(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
-        check(self.world_size >= 2, "world_size", "an integer >= 2", self.world_size)
+        check(self.world_size >= 1, "world_size", "an integer >= 1", self.world_size)
         for v in self.variants:
             check(v in VARIANTS, "variants", f"names from {list(VARIANTS)}", v)
 
@@ -79,7 +85,7 @@ def _build(cfg: FsdpPartitionConfig) -> nn.Module:
         return GPT(cfg.vocab_size, cfg.dim, cfg.heads, cfg.layers, cfg.seq_len, dropout=0.0)
 
 
-def _size_based(model: nn.Module, min_params: int) -> None:
+def _size_based(model: nn.Module, min_params: int, mesh: Any) -> None:
     """FSDP1's size-based policy, for FSDP2: post-order, shard when unwrapped params ≥ min."""
     wrapped: set[int] = set()
 
@@ -88,30 +94,33 @@ def _size_based(model: nn.Module, min_params: int) -> None:
         unwrapped += sum(p.numel() for p in module.parameters(recurse=False))
         containers = (nn.ModuleList, nn.ModuleDict)  # never called: hooks would not fire
         if module is not model and not isinstance(module, containers) and unwrapped >= min_params:
-            fully_shard(module)
+            fully_shard(module, mesh=mesh)
             wrapped.add(id(module))
             return 0
         return unwrapped
 
     visit(model)
-    fully_shard(model)
+    fully_shard(model, mesh=mesh)
 
 
-def _wrap(variant: str, model: nn.Module, cfg: FsdpPartitionConfig) -> tuple[nn.Module, float]:
+def _wrap(
+    variant: str, model: nn.Module, cfg: FsdpPartitionConfig, mesh: Any
+) -> tuple[nn.Module, float]:
+    """``model`` sharded as ``variant`` chooses, over ``mesh`` (``None``: the default group)."""
     start = time.perf_counter()
     if variant == "no_inner_units":
-        fully_shard(model)
+        fully_shard(model, mesh=mesh)
     elif variant == "size_based":
-        _size_based(model, cfg.size_min_params)
+        _size_based(model, cfg.size_min_params, mesh)
     elif variant == "per_block":
         # torchtitan's apply_fsdp: the last block is not resharded after forward (backward
         # needs it at once).
         blocks = cast(nn.ModuleList, model.blocks)  # _build makes a GPT
         for index, block in enumerate(blocks):
-            fully_shard(block, reshard_after_forward=index < len(blocks) - 1)
-        fully_shard(model)
+            fully_shard(block, mesh=mesh, reshard_after_forward=index < len(blocks) - 1)
+        fully_shard(model, mesh=mesh)
     else:
-        model = distopt.parallelize(model, "fsdp", verify=False, cache_dir=cfg.cache_dir)
+        model = distopt.parallelize(model, "fsdp", mesh=mesh, verify=False, cache_dir=cfg.cache_dir)
     return model, time.perf_counter() - start
 
 
@@ -170,21 +179,26 @@ def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, out: str) -> None
         # happen here, and the policy is the baseline measured as FSDP1 defines it: not changed.
         warnings.filterwarnings("ignore", message=_VIEW_OUTPUT_WARNING, category=UserWarning)
     torch.set_num_threads(cfg.threads)
+    device = job_device.resolve_device(cfg.device, local_rank=rank)
+    mesh = job_device.device_mesh(device, job_device.data_parallel_group(device))
     model = _build(cfg)
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    model, wrap_s = _wrap(variant, model, cfg)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(rank)
+    model, wrap_s = _wrap(variant, model, cfg, mesh)
+    model.to_empty(device=device)
+    init = torch.Generator(device).manual_seed(rank)
     with torch.no_grad():
         for p in model.parameters():
             local = p.to_local() if hasattr(p, "to_local") else p
-            local.normal_(0.0, 0.02, generator=gen)
+            local.normal_(0.0, 0.02, generator=init)
+    gen = torch.Generator().manual_seed(rank)
     root, inner, kept = _groups(model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     times = []
     for step in range(cfg.warmup + cfg.steps):
         gen.manual_seed(1000 + step)
         idx = torch.randint(0, cfg.vocab_size, (cfg.batch_size, cfg.seq_len), generator=gen)
+        idx = idx.to(device)
+        job_device.synchronize(device)
         dist.barrier()
         start = time.perf_counter()
         logits = model(idx)
@@ -192,19 +206,22 @@ def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, out: str) -> None
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        job_device.synchronize(device)
         elapsed = torch.tensor([time.perf_counter() - start])
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= cfg.warmup:
             times.append(float(elapsed))
-    rss = torch.tensor([peak_rss_bytes()], dtype=torch.float64)
-    rss_all = [torch.zeros_like(rss) for _ in range(cfg.world_size)]
-    dist.all_gather(rss_all, rss)
+    # The GPU's peak allocation on CUDA: the host's RSS there is the CUDA context, not the model.
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else peak_rss_bytes()
+    mine = torch.tensor([peak], dtype=torch.float64)
+    peaks = [torch.zeros_like(mine) for _ in range(cfg.world_size)]
+    dist.all_gather(peaks, mine)
     if rank == 0:
         Path(out).write_text(
             json.dumps(
                 {
                     "step_s": statistics.median(times),
-                    "rss_bytes": [int(r) for r in rss_all],
+                    "peak_bytes": [int(r) for r in peaks],
                     "units": len(inner),
                     "root_bytes": root,
                     "inner_bytes": inner,
@@ -246,11 +263,25 @@ def _run_variant(cfg: FsdpPartitionConfig, variant: str) -> dict[str, Any]:
 
 def run(config: dict, args: argparse.Namespace) -> int:
     cfg = from_dict(FsdpPartitionConfig, config)
+    # Checked before any rank starts. One CPU rank shards nothing; a one-GPU host still
+    # compares the unit choices.
+    if job_device.resolve_device(cfg.device).type == "cuda":
+        gpus = torch.cuda.device_count()
+        if cfg.world_size > gpus:
+            raise ConfigError(
+                f"world_size: {cfg.world_size} ranks on cuda need as many GPUs; this host has {gpus}"
+            )
+        ranks = f"{cfg.world_size} NCCL rank(s) on {torch.cuda.get_device_name()}"
+        memory = "peak GPU MiB"
+    else:
+        check(cfg.world_size >= 2, "world_size", "an integer >= 2 on the CPU", cfg.world_size)
+        ranks = f"{cfg.world_size} gloo ranks"
+        memory = "peak RSS MiB"
     console = make_console()
     params = sum(p.numel() for p in _build(cfg).parameters())
     console.print(
         f"GPT: {cfg.layers} blocks, dim {cfg.dim}, vocab {cfg.vocab_size}: {params / 1e6:.1f}M parameters; "
-        f"{cfg.world_size} gloo ranks, batch {cfg.batch_size}×{cfg.seq_len}, {cfg.rounds} rounds × {cfg.steps} steps"
+        f"{ranks}, batch {cfg.batch_size}×{cfg.seq_len}, {cfg.rounds} rounds × {cfg.steps} steps"
     )
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in cfg.variants}
     for r in range(cfg.rounds):
@@ -261,7 +292,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
     for variant, results in runs.items():
         rows[variant] = {
             "step_s": median([x["step_s"] for x in results]),
-            "peak_rss_bytes": median([max(x["rss_bytes"]) for x in results]),
+            "peak_bytes": median([max(x["peak_bytes"]) for x in results]),
             "analytic_peak_bytes": results[0]["analytic_peak_bytes"],
             "units": results[0]["units"],
             "kept_after_forward": results[0].get("kept_after_forward", 0),
@@ -274,8 +305,8 @@ def run(config: dict, args: argparse.Namespace) -> int:
         "variant",
         "inner units",
         "kept after fwd",
-        "step s",
-        "peak RSS MiB",
+        "step ms",
+        memory,
         "param peak MiB",
         "wrap s",
     ):
@@ -285,8 +316,8 @@ def run(config: dict, args: argparse.Namespace) -> int:
             variant,
             str(row["units"]),
             str(row["kept_after_forward"]),
-            f"{row['step_s']:.2f}",
-            f"{row['peak_rss_bytes'] / 2**20:.0f}",
+            f"{row['step_s'] * 1e3:.1f}",
+            f"{row['peak_bytes'] / 2**20:.0f}",
             f"{row['analytic_peak_bytes'] / 2**20:.0f}",
             f"{row['wrap_s']:.2f}",
         )
@@ -296,7 +327,11 @@ def run(config: dict, args: argparse.Namespace) -> int:
         ours, hand = rows["distopt"], rows["per_block"]
         checks.append(("step time vs per-block", ours["step_s"] / hand["step_s"], 1.0))
         checks.append(
-            ("peak RSS vs per-block", ours["peak_rss_bytes"] / hand["peak_rss_bytes"], 1.05)
+            (
+                f"{memory.removesuffix(' MiB')} vs per-block",
+                ours["peak_bytes"] / hand["peak_bytes"],
+                1.05,
+            )
         )
         checks.append(
             (
@@ -308,7 +343,11 @@ def run(config: dict, args: argparse.Namespace) -> int:
     if "distopt" in rows and "no_inner_units" in rows:
         ours, flat = rows["distopt"], rows["no_inner_units"]
         checks.append(
-            ("peak RSS vs no inner units", ours["peak_rss_bytes"] / flat["peak_rss_bytes"], 0.6)
+            (
+                f"{memory.removesuffix(' MiB')} vs no inner units",
+                ours["peak_bytes"] / flat["peak_bytes"],
+                0.6,
+            )
         )
         checks.append(
             (

@@ -70,12 +70,22 @@ from distopt.errors import ConfigError
 from distopt.estimate import GainPrediction
 from distopt.estimate.step import StepPrediction, predict_phases, predict_step, time_optimizer_step
 from distopt.metrics import QpsLogWriter
-from distopt.models.dlrm import DLRM, DLRMConfig, DLRMHandAsync, dlrm_loss, dlrm_tables, make_batch
+from distopt.models.dlrm import (
+    DLRM,
+    DLRMBatch,
+    DLRMConfig,
+    DLRMHandAsync,
+    dlrm_loss,
+    dlrm_tables,
+    make_batch,
+)
 from distopt.models.ids import static_optimal_hit_rate
 from distopt.optimize.gain import predict_gain
 from distopt.pipeline import TrainPipeline
 from distopt.ps.client import calls as ps_calls
 from distopt.ps.client.cache import TableCache, build_caches, check_caches, memory_available
+from distopt.training import device as job_device
+from distopt.training.config import Device
 
 DEFAULT_VARIANTS = ("baseline", "optimized", "hand", "pipelined", "no_network")
 CACHED_VARIANTS = ("cached", "pipelined+cached")
@@ -188,6 +198,9 @@ class PSOverlapConfig:
     """With ``link``: run every point twice, first with the servers on this host's loopback, then
     on the far side of the link, and report what the link costs each variant and how much of the
     baseline's extra step time the passes and the pipeline hide."""
+    device: Device = "cpu"
+    """Where the trainer's dense layers compute (``cuda``: GPU 0; ids stay on the host and fetched
+    rows are copied to the GPU, as in a job with ``device: cuda``)."""
 
     def __post_init__(self) -> None:
         check(all(k >= 1 for k in self.tables), "tables", "counts >= 1", self.tables)
@@ -294,24 +307,45 @@ class VariantResult:
         return self.batch_size / quantile(self.step_times, 1 - q)
 
 
+def _stamp(device: torch.device) -> float:
+    """Now, once the GPU's queued work is done (a step's time is the work done, not queued)."""
+    job_device.synchronize(device)
+    return time.perf_counter()
+
+
 def _train_chunk(
-    model, cfg: DLRMConfig, batches, opt, *, blocking_push: bool, lr: float
+    model,
+    cfg: DLRMConfig,
+    batches,
+    opt,
+    *,
+    blocking_push: bool,
+    lr: float,
+    device: torch.device,
 ) -> list[float]:
     stamps = []
     for batch in batches:
-        stamps.append(time.perf_counter())
+        stamps.append(_stamp(device))
         loss = dlrm_loss(model(batch.dense, batch.sparse), batch.labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         ps.push_gradients(lr=lr, blocking=blocking_push)
     ps.flush()  # the last async push belongs to this chunk
-    stamps.append(time.perf_counter())
+    stamps.append(_stamp(device))
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
 def _pipelined_chunk(
-    model, batches, opt, *, staleness: int, max_staleness: int | None, lr: float, memory: dict
+    model,
+    batches,
+    opt,
+    *,
+    staleness: int,
+    max_staleness: int | None,
+    lr: float,
+    memory: dict,
+    device: torch.device,
 ) -> list[float]:
     """Step times of the optimized model in a pipeline (its first prefetch is in the first step);
     ``memory`` keeps the peak bytes measured in flight and of one batch's rows, and ``depth``
@@ -326,12 +360,12 @@ def _pipelined_chunk(
         push=lambda: ps.push_gradients(lr=lr),
         max_staleness=max_staleness,
     )
-    stamps = [time.perf_counter()]
+    stamps = [_stamp(device)]
     for _ in pipe.run():
-        stamps.append(time.perf_counter())
+        stamps.append(_stamp(device))
     pipe.close()
     ps.flush()
-    stamps[-1] = time.perf_counter()  # the last async push belongs to this chunk
+    stamps[-1] = _stamp(device)  # the last async push belongs to this chunk
     memory["inflight_bytes_max"] = max(
         memory.get("inflight_bytes_max", 0), pipe.stats.inflight_bytes_max
     )
@@ -353,6 +387,7 @@ def _chunk(
     staleness: int,
     max_staleness: int | None,
     memory: dict,
+    device: torch.device,
 ) -> list[float]:
     """Step times of variant ``name`` training ``model`` on ``batches`` once."""
     if name in PIPELINED:
@@ -364,11 +399,20 @@ def _chunk(
             max_staleness=max_staleness,
             lr=bench.lr,
             memory=memory,
+            device=device,
         )
     if name == "no_network":
         ps.set_latency_ms(0.0)
     try:
-        return _train_chunk(model, cfg, batches, opt, blocking_push=name == "baseline", lr=bench.lr)
+        return _train_chunk(
+            model,
+            cfg,
+            batches,
+            opt,
+            blocking_push=name == "baseline",
+            lr=bench.lr,
+            device=device,
+        )
     finally:
         if name == "no_network":
             ps.set_latency_ms(latency)
@@ -587,6 +631,7 @@ def _point(
     compute: Literal["light", "heavy"],
     console: Console,
     net: Network | None,
+    device: torch.device,
     *,
     over_link: bool = True,
 ) -> tuple[dict, GainPrediction]:
@@ -604,9 +649,15 @@ def _point(
     link = net if over_link else None  # whose counters each variant's bytes are read from
     cached = [name for name in bench.variants if name in CACHED_VARIANTS]
     # Batch i of the run: the cached variants' warm-up takes the first ones, the rounds the rest.
-    warm_batches = [make_batch(cfg, step) for step in range(bench.cache_warmup_steps)]
+
+    def draw(step: int) -> DLRMBatch:
+        """Batch ``step`` on the trainer's device; its ids stay on the host (``DLRM.host_inputs``)."""
+        batch = make_batch(cfg, step)
+        return DLRMBatch(batch.dense.to(device), batch.sparse, batch.labels.to(device))
+
+    warm_batches = [draw(step) for step in range(bench.cache_warmup_steps)]
     first = len(warm_batches)
-    batches = [make_batch(cfg, first + step) for step in range(bench.steps)]
+    batches = [draw(first + step) for step in range(bench.steps)]
     # Each cached variant trains tables of its own (same sizes and ids): sharing the others'
     # tables, an exact cache would fetch again every hot row their chunks pushed, as if two
     # more trainers wrote the job's hot rows at full speed, which a one-trainer job never sees.
@@ -633,7 +684,8 @@ def _point(
     # Bytes the servers' host received and sent during each variant's chunks, and their steps.
     wire: dict[str, list[int]] = {name: [0, 0, 0] for name in bench.variants}
     with ps.local_job(job_tables, options):
-        baseline = DLRM(cfg)
+        ps.set_device(device)
+        baseline = DLRM(cfg).to(device)
         example = (batches[0].dense, batches[0].sparse)
         with warnings.catch_warnings():
             warnings.simplefilter("error", distopt.DistoptFallbackWarning)
@@ -656,12 +708,16 @@ def _point(
         optimizer_s = time_optimizer_step(
             list(baseline.parameters()), lambda params: torch.optim.SGD(params, lr=bench.lr)
         )
-        models = {"baseline": baseline, "optimized": optimized, "hand": DLRMHandAsync(cfg)}
+        models = {
+            "baseline": baseline,
+            "optimized": optimized,
+            "hand": DLRMHandAsync(cfg).to(device),
+        }
         # Each trains its own copy of the optimized model (a cached one: of its own tables,
         # with the same dense parameters).
         for name in ("pipelined", "no_network", *CACHED_VARIANTS):
             if name in bench.variants:
-                source = DLRM(own[name]) if name in own else copy.deepcopy(baseline)
+                source = DLRM(own[name]).to(device) if name in own else copy.deepcopy(baseline)
                 models[name] = distopt.optimize(source, example, strict=True)
                 ps.discard_step()
         tables = {t: (r.spec, len(r.servers)) for t, r in ps.routes().items()}
@@ -696,6 +752,7 @@ def _point(
                     staleness=depth.get(name, staleness),
                     max_staleness=adapt_to,
                     memory=memory.get(name, {}),
+                    device=device,
                 )
             if name in depth:  # the next chunk starts where this one ended
                 depth[name] = memory[name]["depth"]
@@ -747,7 +804,7 @@ def _point(
                 console.print(f"  undecided: {held}; one more round (≤{cap})")
             if cached and round_index:  # fresh batches: the run's ids outgrow the cache
                 start = first + round_index * bench.steps
-                batches = [make_batch(cfg, start + step) for step in range(bench.steps)]
+                batches = [draw(start + step) for step in range(bench.steps)]
                 drawn.extend(batches)
             for name in orders[round_index]:
                 before = netns.link_bytes(link, LINK_HOST) if link is not None else (0, 0)
@@ -1376,7 +1433,10 @@ def _cache_scores(points: list[dict], bench: PSOverlapConfig) -> list[tuple[list
 
 def run(config: dict, args: argparse.Namespace) -> int:
     bench = from_dict(PSOverlapConfig, config)
+    device = job_device.resolve_device(bench.device)
     console = make_console()
+    if device.type == "cuda":
+        console.print(f"trainer on {torch.cuda.get_device_name(device)}; servers on the host")
     run_stamp = time.strftime("%Y%m%d-%H%M%S")
     points = []
     sweep = list(itertools.product(bench.tables, bench.latency_ms, bench.compute))
@@ -1410,7 +1470,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
                 + "…"
             )
             point, prediction = _point(
-                bench, k, latency, compute, console, net, over_link=over_link
+                bench, k, latency, compute, console, net, device, over_link=over_link
             )
             _write_logs(bench, point, prediction, run_stamp)
             points.append(point)

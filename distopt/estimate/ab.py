@@ -7,9 +7,9 @@ time, so a comparison spends as little as the evidence allows:
 * rounds are interleaved (one call of each, the order alternating), so drift in the host's load
   hits both variants alike; the verdict compares medians;
 * one call of each warms it up (allocator, oneDNN primitives) and is not counted — except calls
-  longer than :data:`LONG_CALL_S` whose times differ by more than the one-round band: one-time
-  costs are a few percent of such a call, so that first round decides alone and two long calls
-  are saved. Work a call does once and caches — weights derived and packed on first use, an
+  longer than :data:`LONG_CALL_S` on the CPU whose times differ by more than the one-round band:
+  one-time costs are a few percent of such a call, so that first round decides alone and two long
+  calls are saved (not on a GPU, whose first calls load kernels). Work a call does once and caches — weights derived and packed on first use, an
   eighth of ResNet-50's first fused call at one thread — is timed where it happens
   (:func:`one_time_work`) and left out of the call's time, so it does not blur that first round;
 * it stops as soon as the medians differ by more than the noise allows (a wide band after one
@@ -18,6 +18,8 @@ time, so a comparison spends as little as the evidence allows:
   ``min_rounds`` and ``min_time_s`` of timing (short calls are cheap to repeat and noisy).
 
 The clock is injectable (``Measurer(clock=...)``), so the decision logic is tested without timing.
+Once this process has used CUDA, every clock here waits for the GPU before it starts and stops
+(kernels run asynchronously: without it a call's time is its launch time).
 """
 
 from __future__ import annotations
@@ -75,12 +77,22 @@ def one_time_work() -> Iterator[None]:
         timing.one_time_s += timing.now() - start
 
 
+def _using_cuda() -> bool:
+    # is_initialized: a process that never touched the GPU pays nothing and starts no context.
+    return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+
 def _timed(fn: Callable[[], object], now: Callable[[], float]) -> float:
     timing = _Timing(now)
     token = _TIMING.set(timing)
+    cuda = _using_cuda()
     try:
+        if cuda:
+            torch.cuda.synchronize()
         start = now()
         fn()
+        if cuda:
+            torch.cuda.synchronize()
         return now() - start - timing.one_time_s
     finally:
         _TIMING.reset(token)
@@ -92,14 +104,16 @@ def wall_clock(label: str, fn: Callable[[], object]) -> float:
 
 
 def default_clock(label: str, fn: Callable[[], object]) -> float:
-    """Wall time; with one intra-op thread, the calling thread's CPU time (less the call's
-    :func:`one_time_work` either way).
+    """Wall time; with one intra-op thread and no GPU in use, the calling thread's CPU time (less
+    the call's :func:`one_time_work` either way).
 
     A single-threaded call runs on the calling thread, so its CPU time is its cost without the
     time the OS gave the core to other processes: on a shared host that noise dwarfs the
-    differences being measured. With more threads only wall time sees parallel efficiency.
+    differences being measured. With more threads only wall time sees parallel efficiency, and
+    the CPU time of a thread waiting for the GPU is not the call's cost.
     """
-    return _timed(fn, time.thread_time if torch.get_num_threads() == 1 else time.perf_counter)
+    cpu_time = torch.get_num_threads() == 1 and not _using_cuda()
+    return _timed(fn, time.thread_time if cpu_time else time.perf_counter)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +177,9 @@ class Measurer:
             seconds if (seconds := known[label]) is not None else self.clock(label, fn)
             for label, fn in variants.items()
         ]
-        long_calls = max(first) >= LONG_CALL_S
+        # On a GPU a first call also loads kernels and plans cuDNN convolutions (lazily, ~1 s
+        # for a conv net): far more than a few percent of it, so it never decides alone there.
+        long_calls = max(first) >= LONG_CALL_S and not _using_cuda()
         if warm or long_calls:
             for label, seconds in zip(variants, first, strict=True):
                 samples[label].append(seconds)

@@ -4,6 +4,10 @@ The original model runs once (:func:`run_reference`), its remote calls performed
 recorded; each candidate (the optimized graph, or a prefix of the pipeline while bisecting)
 replays those results (:class:`distopt.remote.replay.Replay`), so no remote call runs twice and
 randomness on a server cannot make a correct rewrite look wrong.
+
+Both runs start from the same CPU and CUDA random states, and compute float32 in full float32
+with deterministic cuDNN kernels (:func:`exact_math`): on CUDA, TF32 convolutions (PyTorch's
+default) differ from a correct rewrite of them by ~1e-3, a tolerance that would pass real bugs.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -38,6 +42,56 @@ class RunResult:
     grads: dict[str, torch.Tensor | None]
 
 
+@dataclasses.dataclass(frozen=True)
+class SeedState:
+    """The random states a verification run starts from: the CPU's and each CUDA device's."""
+
+    cpu: torch.Tensor
+    cuda: tuple[torch.Tensor, ...] = ()
+
+    @staticmethod
+    def now() -> SeedState:
+        # is_initialized: a model that never touched the GPU starts no CUDA context here.
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        return SeedState(
+            torch.random.get_rng_state(), tuple(torch.cuda.get_rng_state_all()) if cuda else ()
+        )
+
+    @contextlib.contextmanager
+    def forked(self) -> Iterator[None]:
+        """Run from these states; the caller's states are put back after."""
+        with torch.random.fork_rng(devices=range(len(self.cuda))):
+            torch.random.set_rng_state(self.cpu)
+            if self.cuda:
+                torch.cuda.set_rng_state_all(self.cuda)
+            yield
+
+
+@contextlib.contextmanager
+def exact_math() -> Iterator[None]:
+    """float32 math in float32 (no TF32) and deterministic cuDNN kernels, the user's settings put
+    back after: the comparison then sees the rewrite, not the precision or the kernel choice."""
+    saved = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+    )
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        (
+            torch.backends.cuda.matmul.allow_tf32,
+            torch.backends.cudnn.allow_tf32,
+            torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark,
+        ) = saved
+
+
 @dataclasses.dataclass
 class Reference:
     """The original model's run, done once: compared with every candidate (bisection included)."""
@@ -45,7 +99,7 @@ class Reference:
     result: RunResult
     recording: Recording
     """The remote calls the original made, with their results (replayed into candidates)."""
-    seed_state: torch.Tensor
+    seed_state: SeedState
     check_grads: bool
     seconds: float = 0.0
     """How long the original's run took (by ``distopt.estimate.ab.default_clock``)."""
@@ -58,16 +112,14 @@ def _run(
     module: nn.Module,
     forward: Callable[..., Any],
     inputs: tuple[Any, ...],
-    seed_state: torch.Tensor,
+    seed_state: SeedState,
     check_grads: bool,
 ) -> RunResult:
     params = [(n, p) for n, p in named_local_tensors(module, "_parameters") if p.requires_grad]
     for _, p in params:
         p.grad = None
-    with torch.random.fork_rng(devices=[]):
-        torch.random.set_rng_state(seed_state)
-        with torch.set_grad_enabled(check_grads):
-            outputs = forward(*inputs)
+    with seed_state.forked(), exact_math(), torch.set_grad_enabled(check_grads):
+        outputs = forward(*inputs)
     flat_out, _ = tree_flatten(outputs)
     tensors = [t for t in flat_out if isinstance(t, torch.Tensor)]
     grads: dict[str, torch.Tensor | None] = {}
@@ -82,7 +134,8 @@ def _run(
             )
             # differentiable is not empty, so the sum is a tensor (never the start value 0).
             try:
-                cast(torch.Tensor, loss).backward()
+                with exact_math():
+                    cast(torch.Tensor, loss).backward()
             except RemoteWriteRefused as err:
                 err.in_backward = True
                 raise
@@ -102,7 +155,7 @@ def run_reference(
     With ``allow_writes=False`` a remote write raises
     :class:`~distopt.remote.record.RemoteWriteRefused` before it is sent.
     """
-    seed_state = torch.random.get_rng_state()
+    seed_state = SeedState.now()
     # An eval-mode model is optimized for inference (e.g. conv-bn folding): outputs must match,
     # gradients of parameters folded away are meaningless.
     check_grads = config.check_grads and original.training

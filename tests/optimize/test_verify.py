@@ -6,8 +6,9 @@ from torch import nn
 import distopt
 from distopt.config import VerifyConfig
 from distopt.errors import DistoptFallbackWarning, VerificationError
-from distopt.optimize.verify import compare_modules
+from distopt.optimize.verify import compare_modules, exact_math
 from distopt.remote.isolation import kept_attributes, preserved_state
+from distopt.report import report_of
 
 
 def test_identical_modules_pass_and_count_outputs_and_grads() -> None:
@@ -138,3 +139,58 @@ def test_kept_attributes_puts_back_what_a_block_assigned() -> None:
         del model.inner.tag
     assert sorted(changed) == ["calls", "fresh", "inner.tag"]
     assert model.calls == 0 and model.inner.tag == "a" and not hasattr(model, "fresh")
+
+
+def test_exact_math_puts_the_users_settings_back() -> None:
+    backends = torch.backends
+    saved = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, backends.cudnn.benchmark)
+    backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, backends.cudnn.benchmark = (
+        True,
+        True,
+        True,
+    )
+    try:
+        with exact_math():
+            assert not backends.cuda.matmul.allow_tf32 and not backends.cudnn.allow_tf32
+            assert backends.cudnn.deterministic and not backends.cudnn.benchmark
+        assert backends.cuda.matmul.allow_tf32 and backends.cudnn.allow_tf32
+        assert backends.cudnn.benchmark and not backends.cudnn.deterministic
+    finally:
+        backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, backends.cudnn.benchmark = saved
+
+
+class _ConvBN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(16, 32, 3, padding=1)
+        self.bn = nn.BatchNorm2d(32)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(torch.relu(self.bn(self.conv(x))))
+
+
+@pytest.mark.cuda
+def test_conv_bn_folded_on_cuda_passes_verification() -> None:
+    """CUDA convolutions run in TF32 by default: folded weights then differ by ~1e-3, which
+    failed verification and returned every conv net unoptimized on a GPU."""
+    model = _ConvBN().cuda().eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+        model.bn.running_var.uniform_(0.5, 2)
+    x = torch.randn(8, 16, 56, 56, device="cuda")
+    optimized = distopt.optimize(model, x, strict=True)
+    report = report_of(optimized)
+    assert report is not None
+    folds = [p.detail for g in report.graphs for p in g.passes if p.name == "fold_conv_bn"]
+    assert folds and folds[0].startswith("folded 1 ")
+
+
+@pytest.mark.cuda
+def test_dropout_on_cuda_trains_the_same_under_verification() -> None:
+    """Both verification runs start from the same CUDA random state (dropout on the GPU)."""
+    model = _ConvBN().cuda().train()
+    record = compare_modules(
+        model, model, (torch.randn(4, 16, 16, 16, device="cuda"),), VerifyConfig()
+    )
+    assert record.passed and record.max_abs_diff == 0.0
