@@ -346,6 +346,16 @@ def test_wait_is_a_profiler_range(job: ps.PSJob) -> None:
     assert "distopt.wait:ps.fetch:read" in {e.name for e in prof.events()}
 
 
+def test_a_graphs_wait_op_opens_one_range_as_the_hand_written_wait_does(job: ps.PSJob) -> None:
+    """``ps.wait`` opens its own range; the graph's wait op around it opened a second one."""
+    op = lookup(ps.fetch).wait_op
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        with torch.no_grad():
+            op(ps.fetch_async("read", torch.tensor([1])), "model.py:1")
+    waits = [e.name for e in prof.events() if e.name.startswith("distopt.wait:")]
+    assert waits == ["distopt.wait:ps.fetch:read"]
+
+
 def test_registration_for_the_passes(job: ps.PSJob) -> None:
     spec = lookup(ps.fetch)
     assert spec is not None and spec.issue is ps.fetch_async and spec.wait is ps.wait
