@@ -4,8 +4,9 @@ A benchmark config names its ``kind``; ``distopt/bench/<kind>.py`` provides
 ``run(config: dict, args: argparse.Namespace) -> int`` which validates the rest of the config
 (a dataclass through :func:`distopt.config.from_dict`), prints a rich table and, with
 ``--json PATH``, writes machine-readable results. Variants are measured interleaved in one run;
-reports quote medians and ratios. Benchmarks with a ``device`` key run on ``cpu`` (default) or
-``cuda``; their clocks (:mod:`distopt.estimate.ab`) wait for the GPU.
+reports quote medians and ratios. Benchmarks with a ``device`` key run on ``cpu`` (default),
+``cuda`` or ``auto``; time read around GPU work waits for the GPU first
+(:func:`distopt.estimate.ab.now` and the clocks of that module).
 """
 
 from __future__ import annotations

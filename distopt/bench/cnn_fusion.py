@@ -29,7 +29,7 @@ from distopt.estimate.ab import wall_clock
 from distopt.models.resnet import ResNet
 from distopt.optimize.verify import exact_math
 from distopt.training.config import Device
-from distopt.training.device import resolve_device
+from distopt.training.device import device_name, resolve_device
 
 DEFAULT = "default passes"
 
@@ -183,7 +183,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
         torch.set_num_threads(cfg.threads)
     console = make_console()
     params = sum(p.numel() for p in _model(cfg, torch.device("cpu")).parameters())
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    where = device_name(device)
     console.print(
         f"ResNet-50-shaped CNN: blocks {list(cfg.blocks)}, width {cfg.width}, {params / 1e6:.1f}M params, "
         f"batch {cfg.batch_size}×3×{cfg.image_size}², {where}, {torch.get_num_threads()} threads"
@@ -221,7 +221,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
         result = {
             "config": to_dict(cfg),
             "params": params,
-            "device": where,
+            "device_name": where,
             "eval_s": eval_times,
             "train_s": train_times,
             "setup_s": setup,

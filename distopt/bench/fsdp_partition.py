@@ -263,18 +263,22 @@ def _run_variant(cfg: FsdpPartitionConfig, variant: str) -> dict[str, Any]:
 
 def run(config: dict, args: argparse.Namespace) -> int:
     cfg = from_dict(FsdpPartitionConfig, config)
-    # Checked before any rank starts. One CPU rank shards nothing; a one-GPU host still
-    # compares the unit choices.
-    if job_device.resolve_device(cfg.device).type == "cuda":
+    # Checked before any rank starts, without starting CUDA here (the ranks use the GPUs). One
+    # CPU rank shards nothing; a one-GPU host still compares the unit choices.
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(job_device.NO_GPU)
+    if cfg.device != "cpu" and torch.cuda.is_available():
         gpus = torch.cuda.device_count()
         if cfg.world_size > gpus:
             raise ConfigError(
                 f"world_size: {cfg.world_size} ranks on cuda need as many GPUs; this host has {gpus}"
             )
-        ranks = f"{cfg.world_size} NCCL rank(s) on {torch.cuda.get_device_name()}"
+        where = torch.cuda.get_device_name(0)
+        ranks = f"{cfg.world_size} NCCL rank(s) on {where}"
         memory = "peak GPU MiB"
     else:
         check(cfg.world_size >= 2, "world_size", "an integer >= 2 on the CPU", cfg.world_size)
+        where = "CPU"
         ranks = f"{cfg.world_size} gloo ranks"
         memory = "peak RSS MiB"
     console = make_console()
@@ -370,6 +374,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
             json.dump(
                 {
                     "config": to_dict(cfg),
+                    "device_name": where,
                     "params": params,
                     "variants": rows,
                     "runs": runs,

@@ -68,6 +68,7 @@ from distopt.dist import netns
 from distopt.dist.netns import LinkShape, Network, NetworkError
 from distopt.errors import ConfigError
 from distopt.estimate import GainPrediction
+from distopt.estimate.ab import now
 from distopt.estimate.step import StepPrediction, predict_phases, predict_step, time_optimizer_step
 from distopt.metrics import QpsLogWriter
 from distopt.models.dlrm import (
@@ -307,12 +308,6 @@ class VariantResult:
         return self.batch_size / quantile(self.step_times, 1 - q)
 
 
-def _stamp(device: torch.device) -> float:
-    """Now, once the GPU's queued work is done (a step's time is the work done, not queued)."""
-    job_device.synchronize(device)
-    return time.perf_counter()
-
-
 def _train_chunk(
     model,
     cfg: DLRMConfig,
@@ -321,18 +316,17 @@ def _train_chunk(
     *,
     blocking_push: bool,
     lr: float,
-    device: torch.device,
 ) -> list[float]:
     stamps = []
     for batch in batches:
-        stamps.append(_stamp(device))
+        stamps.append(now())
         loss = dlrm_loss(model(batch.dense, batch.sparse), batch.labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         ps.push_gradients(lr=lr, blocking=blocking_push)
     ps.flush()  # the last async push belongs to this chunk
-    stamps.append(_stamp(device))
+    stamps.append(now())
     return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
 
 
@@ -345,7 +339,6 @@ def _pipelined_chunk(
     max_staleness: int | None,
     lr: float,
     memory: dict,
-    device: torch.device,
 ) -> list[float]:
     """Step times of the optimized model in a pipeline (its first prefetch is in the first step);
     ``memory`` keeps the peak bytes measured in flight and of one batch's rows, and ``depth``
@@ -360,12 +353,12 @@ def _pipelined_chunk(
         push=lambda: ps.push_gradients(lr=lr),
         max_staleness=max_staleness,
     )
-    stamps = [_stamp(device)]
+    stamps = [now()]
     for _ in pipe.run():
-        stamps.append(_stamp(device))
+        stamps.append(now())
     pipe.close()
     ps.flush()
-    stamps[-1] = _stamp(device)  # the last async push belongs to this chunk
+    stamps[-1] = now()  # the last async push belongs to this chunk
     memory["inflight_bytes_max"] = max(
         memory.get("inflight_bytes_max", 0), pipe.stats.inflight_bytes_max
     )
@@ -387,7 +380,6 @@ def _chunk(
     staleness: int,
     max_staleness: int | None,
     memory: dict,
-    device: torch.device,
 ) -> list[float]:
     """Step times of variant ``name`` training ``model`` on ``batches`` once."""
     if name in PIPELINED:
@@ -399,7 +391,6 @@ def _chunk(
             max_staleness=max_staleness,
             lr=bench.lr,
             memory=memory,
-            device=device,
         )
     if name == "no_network":
         ps.set_latency_ms(0.0)
@@ -411,7 +402,6 @@ def _chunk(
             opt,
             blocking_push=name == "baseline",
             lr=bench.lr,
-            device=device,
         )
     finally:
         if name == "no_network":
@@ -752,7 +742,6 @@ def _point(
                     staleness=depth.get(name, staleness),
                     max_staleness=adapt_to,
                     memory=memory.get(name, {}),
-                    device=device,
                 )
             if name in depth:  # the next chunk starts where this one ended
                 depth[name] = memory[name]["depth"]
@@ -1436,7 +1425,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
     device = job_device.resolve_device(bench.device)
     console = make_console()
     if device.type == "cuda":
-        console.print(f"trainer on {torch.cuda.get_device_name(device)}; servers on the host")
+        console.print(f"trainer on {job_device.device_name(device)}; servers on the host")
     run_stamp = time.strftime("%Y%m%d-%H%M%S")
     points = []
     sweep = list(itertools.product(bench.tables, bench.latency_ms, bench.compute))
@@ -1517,6 +1506,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
                 {
                     "kind": "ps_overlap",
                     "config": to_dict(bench),
+                    "device_name": job_device.device_name(device),
                     "points": points,
                     "link_cost": costs,
                     "batching": batching,

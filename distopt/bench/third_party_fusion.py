@@ -41,7 +41,7 @@ from distopt.estimate.ab import default_clock, wall_clock
 from distopt.optimize.verify import exact_math
 from distopt.report import report_of
 from distopt.training.config import Device
-from distopt.training.device import resolve_device
+from distopt.training.device import device_name, resolve_device
 
 MODELS = ("resnet50", "convnext_tiny")
 
@@ -161,7 +161,7 @@ def _one(
     row: dict[str, Any] = {
         "model": name,
         "threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
+        "device_name": device_name(device),
         "median_s": times,
         "setup_s": setup,
         "distopt_vs_eager": times["eager"] / times["distopt"],
@@ -194,7 +194,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
     ]
     torch.set_num_threads(default_threads)
     table = Table(
-        title=f"eval on {rows[0]['device']}, batch {cfg.batch_size}×3×{cfg.image_size}², "
+        title=f"eval on {rows[0]['device_name']}, batch {cfg.batch_size}×3×{cfg.image_size}², "
         f"median of {cfg.rounds} interleaved rounds"
     )
     for column in (

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -18,6 +17,7 @@ import distopt
 import distopt.ps as ps
 from distopt import models
 from distopt.errors import ConfigError
+from distopt.estimate.ab import now
 from distopt.optimize.gain import predict_gain
 from distopt.pipeline import pipeline_split
 
@@ -117,9 +117,9 @@ def _predict_and_measure(
         for _ in range(rounds):  # interleaved, so drift hits both alike
             for name, module in (("before", model), ("after", optimized)):
                 for _ in range(steps):
-                    start = time.perf_counter()
+                    start = now()
                     module(*inputs)
-                    times[name].append(time.perf_counter() - start)
+                    times[name].append(now() - start)
     before, after = (statistics.median(times[k]) for k in ("before", "after"))
     print(f"cost model: {prediction.summary()}")
     print(

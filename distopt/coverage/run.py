@@ -13,6 +13,7 @@ from torch.utils._pytree import tree_flatten
 
 import distopt
 from distopt.coverage.corpus import CorpusEntry
+from distopt.remote.isolation import forked_rng
 from distopt.report import report_of
 
 
@@ -32,7 +33,7 @@ class CoverageRow:
 
 
 def _outputs(model: nn.Module, inputs: tuple[Any, ...], seed: int) -> list[torch.Tensor]:
-    with torch.random.fork_rng(devices=[]):
+    with forked_rng():
         torch.manual_seed(seed)
         flat, _ = tree_flatten(model(*inputs))
     return [t.detach() for t in flat if isinstance(t, torch.Tensor)]

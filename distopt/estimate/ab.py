@@ -31,6 +31,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -77,23 +78,34 @@ def one_time_work() -> Iterator[None]:
         timing.one_time_s += timing.now() - start
 
 
-def _using_cuda() -> bool:
+def using_gpus() -> bool:
+    """Whether this process has started CUDA (then every clock here waits for the GPUs)."""
     # is_initialized: a process that never touched the GPU pays nothing and starts no context.
     return torch.cuda.is_available() and torch.cuda.is_initialized()
 
 
-def _timed(fn: Callable[[], object], now: Callable[[], float]) -> float:
-    timing = _Timing(now)
+def sync_gpus() -> None:
+    """Wait until every GPU this process uses has done the work queued on it."""
+    if using_gpus():
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+
+
+def now() -> float:
+    """``time.perf_counter()`` once the GPUs are idle: time read around GPU work counts the work."""
+    sync_gpus()
+    return time.perf_counter()
+
+
+def _timed(fn: Callable[[], object], clock: Callable[[], float]) -> float:
+    timing = _Timing(clock)
     token = _TIMING.set(timing)
-    cuda = _using_cuda()
     try:
-        if cuda:
-            torch.cuda.synchronize()
-        start = now()
+        sync_gpus()
+        start = clock()
         fn()
-        if cuda:
-            torch.cuda.synchronize()
-        return now() - start - timing.one_time_s
+        sync_gpus()  # fn may have been the first to use a GPU
+        return clock() - start - timing.one_time_s
     finally:
         _TIMING.reset(token)
 
@@ -112,7 +124,7 @@ def default_clock(label: str, fn: Callable[[], object]) -> float:
     differences being measured. With more threads only wall time sees parallel efficiency, and
     the CPU time of a thread waiting for the GPU is not the call's cost.
     """
-    cpu_time = torch.get_num_threads() == 1 and not _using_cuda()
+    cpu_time = torch.get_num_threads() == 1 and not using_gpus()
     return _timed(fn, time.thread_time if cpu_time else time.perf_counter)
 
 
@@ -154,6 +166,9 @@ class Measurer:
     min_time_s: float = 0.25
     """Seconds of timing at least when calls are short."""
     clock: Clock = default_clock
+    first_call_decides: bool = True
+    """Whether a long first call may decide alone (module docstring). Not on a GPU, whose first
+    calls load kernels: :func:`measurer_for_this_process` sets it."""
 
     def compare(
         self,
@@ -179,7 +194,7 @@ class Measurer:
         ]
         # On a GPU a first call also loads kernels and plans cuDNN convolutions (lazily, ~1 s
         # for a conv net): far more than a few percent of it, so it never decides alone there.
-        long_calls = max(first) >= LONG_CALL_S and not _using_cuda()
+        long_calls = max(first) >= LONG_CALL_S and self.first_call_decides
         if warm or long_calls:
             for label, seconds in zip(variants, first, strict=True):
                 samples[label].append(seconds)
@@ -237,3 +252,8 @@ class Measurer:
         measured slower, however little, is not returned; with a 2% margin the final check kept
         xdeepfm at 2.11 ms against 2.07, and coverage_speed then measured it at 0.94× eager)."""
         return result.candidate_s <= result.baseline_s
+
+
+def measurer_for_this_process(**settings: Any) -> Measurer:
+    """A :class:`Measurer` with ``settings``, whose long first calls decide only off the GPU."""
+    return Measurer(first_call_decides=not using_gpus(), **settings)

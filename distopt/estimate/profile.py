@@ -23,7 +23,6 @@ One semantics for every caller (the cost model's prediction, the FSDP partition'
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,7 +31,8 @@ import torch.fx
 from torch.fx import Node
 
 from distopt.errors import ConfigError
-from distopt.remote.isolation import isolated, preserved_state
+from distopt.estimate.ab import now
+from distopt.remote.isolation import forked_rng, isolated, preserved_state
 from distopt.remote.ops import RemoteOp, remote_ops
 from distopt.remote.record import awaited
 
@@ -67,12 +67,12 @@ class _ProfilingInterpreter(torch.fx.Interpreter):
             return _UNAVAILABLE
         if op is not None and n is not op.start:
             return super().run_node(n)  # a wait: the answer is in already (timed at the start)
-        start = time.perf_counter()
+        start = now()
         result = super().run_node(n)
         if op is not None and op.kind != "call":
             awaited(result, op.spec)  # an issue: the request's time runs until its answer
         if n.op not in ("placeholder", "output"):
-            self.samples.setdefault(n.name, []).append(time.perf_counter() - start)
+            self.samples.setdefault(n.name, []).append(now() - start)
         return result
 
 
@@ -105,7 +105,7 @@ def profile_nodes(
     with (
         preserved_state(gm),
         isolated(),
-        torch.random.fork_rng(devices=[]),
+        forked_rng(),
         torch.set_grad_enabled(grad),
     ):
         interpreter.run(*example_inputs)

@@ -38,6 +38,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from distopt.estimate.ab import now
+
 PHASES: tuple[str, ...] = ("data", "forward", "backward", "pushes", "optimizer")
 """The disjoint phases of a step, in order."""
 PARTS: dict[str, str] = {"waits": "forward", "all_reduce": "backward"}
@@ -191,9 +193,9 @@ def median_time(call: Callable[[], object], *, repeats: int, warmup: int = 1) ->
         call()
     samples = []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start = now()
         call()
-        samples.append(time.perf_counter() - start)
+        samples.append(now() - start)
     return statistics.median(samples)
 
 
@@ -221,11 +223,11 @@ def time_optimizer_step(
     for attempt in range(1 + repeats):
         for p, grad in zip(copies, grads, strict=True):
             p.grad = grad
-        start = time.perf_counter()
+        start = now()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if attempt:  # the first builds the optimizer's state
-            samples.append(time.perf_counter() - start)
+            samples.append(now() - start)
     return statistics.median(samples)
 
 

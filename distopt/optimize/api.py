@@ -23,13 +23,13 @@ from distopt.errors import (
     PassError,
     VerificationError,
 )
-from distopt.estimate.ab import LONG_CALL_S, Measurer
+from distopt.estimate.ab import LONG_CALL_S, Measurer, measurer_for_this_process
 from distopt.optimize.backend import make_backend
 from distopt.optimize.explain import draw_graph
 from distopt.optimize.verify import Reference, compare_modules, run_reference
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
 from distopt.remote.intercept import makes_remote_calls
-from distopt.remote.isolation import preserved_state
+from distopt.remote.isolation import forked_rng, preserved_state
 from distopt.remote.local import with_remote_calls
 from distopt.remote.ops import remote_ops, remote_write_of
 from distopt.remote.record import RemoteWrite, RemoteWriteRefused
@@ -236,7 +236,7 @@ def _capture_and_transform(
 def _measurer(cfg: OptimizeConfig) -> Measurer | None:
     m = cfg.measure
     return (
-        Measurer(margin=m.margin, budget_s=m.budget_s, max_rounds=m.max_rounds)
+        measurer_for_this_process(margin=m.margin, budget_s=m.budget_s, max_rounds=m.max_rounds)
         if m.enabled
         else None
     )
@@ -371,7 +371,7 @@ def _keep_if_not_slower(
 
     def timed(module: nn.Module) -> Callable[[], object]:
         def call() -> object:
-            with preserved_state(module), torch.no_grad(), torch.random.fork_rng(devices=[]):
+            with preserved_state(module), torch.no_grad(), forked_rng():
                 return module(*inputs)
 
         return call

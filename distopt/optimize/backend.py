@@ -18,7 +18,7 @@ import torch.fx
 from torch import nn
 
 from distopt.errors import ConfigError, PassError
-from distopt.estimate.ab import Measurer
+from distopt.estimate.ab import Measurer, measurer_for_this_process
 from distopt.passes import PassSpec, resolve_pipeline, run_passes
 from distopt.passes.local.measured import answering_first_call
 from distopt.report import GraphRecord, OptimizeReport
@@ -216,7 +216,7 @@ def distopt_backend(
         pass_options=opts.get("pass_options"),
         report=report,
         inner=opts.get("inner"),
-        measure=Measurer(),
+        measure=measurer_for_this_process(),
     )
     compiled = backend(gm, example_inputs)
     params = tuple(

@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import itertools
 import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal
@@ -25,6 +24,7 @@ import torch.fx
 from torch import nn
 
 from distopt.errors import ConfigError
+from distopt.estimate.ab import now
 from distopt.estimate.predict import (
     GainPrediction,
     Prediction,
@@ -52,7 +52,7 @@ from distopt.ps.client import calls as ps_calls
 from distopt.ps.client import context as ps_context
 from distopt.remote import registry
 from distopt.remote.intercept import calling_through
-from distopt.remote.isolation import isolated, preserved_state
+from distopt.remote.isolation import forked_rng, isolated, preserved_state
 from distopt.remote.local import named_local_tensors, with_remote_calls
 from distopt.remote.record import Recording, RemoteWriteRefused, recording
 
@@ -148,25 +148,25 @@ def _timed_step(
 ) -> None:
     """One rehearsed step: forward (the waits in it counted), backward (ending in
     ``all_reduce``, timed as its part), push, and the whole ``step``; appended to ``times``."""
-    step_start = time.perf_counter()
+    step_start = now()
     reduced = 0.0
     with scope() as backward_of:
         ps_calls.take_wait_time()
-        start = time.perf_counter()
+        start = now()
         loss = run_forward()
-        forward = time.perf_counter() - start
+        forward = now() - start
         waits = ps_calls.take_wait_time()
-        start = time.perf_counter()
+        start = now()
         backward_of(loss)
         if all_reduce is not None:
-            local_end = time.perf_counter()
+            local_end = now()
             all_reduce()
-            reduced = time.perf_counter() - local_end
-        backward = time.perf_counter() - start
-        start = time.perf_counter()
+            reduced = now() - local_end
+        backward = now() - start
+        start = now()
         push()
-        pushes = time.perf_counter() - start
-    step = time.perf_counter() - step_start
+        pushes = now() - start
+    step = now() - step_start
     for name, value in zip(
         REHEARSED, (forward, waits, backward, reduced, pushes, step), strict=True
     ):
@@ -264,7 +264,7 @@ def rehearse(
     with (
         preserved_state(model, optimized),
         isolated(),
-        torch.random.fork_rng(devices=[]),
+        forked_rng(),
     ):
         # Restored on exit; None now so that backward does not accumulate into the user's grads.
         _clear_grads(model, optimized)
@@ -439,7 +439,7 @@ def read_latency_s(model: nn.Module, example_inputs: tuple[Any, ...], *, runs: i
     with (
         preserved_state(model),
         isolated(),
-        torch.random.fork_rng(devices=[]),
+        forked_rng(),
         torch.no_grad(),
         recording(view, allow_writes=False) as record,
     ):

@@ -5,9 +5,10 @@ recorded; each candidate (the optimized graph, or a prefix of the pipeline while
 replays those results (:class:`distopt.remote.replay.Replay`), so no remote call runs twice and
 randomness on a server cannot make a correct rewrite look wrong.
 
-Both runs start from the same CPU and CUDA random states, and compute float32 in full float32
+Both runs start from the same CPU and CUDA random states, and run convolutions in full float32
 with deterministic cuDNN kernels (:func:`exact_math`): on CUDA, TF32 convolutions (PyTorch's
-default) differ from a correct rewrite of them by ~1e-3, a tolerance that would pass real bugs.
+default) put a correct conv-BN fold of ResNet-50 1e-2 away from the original, a tolerance that
+would pass real bugs.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 from distopt.capture.dynamo_remote import checking
 from distopt.config import VerifyConfig
 from distopt.estimate.ab import default_clock
-from distopt.remote.isolation import isolated, kept_attributes, preserved_state
+from distopt.remote.isolation import RngStates, isolated, kept_attributes, preserved_state
 from distopt.remote.local import named_local_tensors, with_remote_calls
 from distopt.remote.record import Recording, RemoteWriteRefused, recording
 from distopt.remote.replay import Replay
@@ -42,54 +43,28 @@ class RunResult:
     grads: dict[str, torch.Tensor | None]
 
 
-@dataclasses.dataclass(frozen=True)
-class SeedState:
-    """The random states a verification run starts from: the CPU's and each CUDA device's."""
-
-    cpu: torch.Tensor
-    cuda: tuple[torch.Tensor, ...] = ()
-
-    @staticmethod
-    def now() -> SeedState:
-        # is_initialized: a model that never touched the GPU starts no CUDA context here.
-        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-        return SeedState(
-            torch.random.get_rng_state(), tuple(torch.cuda.get_rng_state_all()) if cuda else ()
-        )
-
-    @contextlib.contextmanager
-    def forked(self) -> Iterator[None]:
-        """Run from these states; the caller's states are put back after."""
-        with torch.random.fork_rng(devices=range(len(self.cuda))):
-            torch.random.set_rng_state(self.cpu)
-            if self.cuda:
-                torch.cuda.set_rng_state_all(self.cuda)
-            yield
-
-
 @contextlib.contextmanager
 def exact_math() -> Iterator[None]:
-    """float32 math in float32 (no TF32) and deterministic cuDNN kernels, the user's settings put
-    back after: the comparison then sees the rewrite, not the precision or the kernel choice."""
-    saved = (
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.backends.cudnn.deterministic,
-        torch.backends.cudnn.benchmark,
+    """Convolutions in full float32 (no TF32) with deterministic cuDNN kernels; the user's settings
+    are put back after. The comparison then sees the rewrite, not the precision or the kernel
+    choice. Matmul precision stays the user's: Dynamo's guards check it, so changing it here would
+    make a Dynamo candidate compile again, unverified, on its first real call."""
+    cudnn: Any = torch.backends.cudnn
+    # torch >= 2.9 sets TF32 per op (cudnn.conv.fp32_precision); once a user has set it, the
+    # legacy allow_tf32 flag may no longer be read.
+    owner, name, exact = (
+        (cudnn.conv, "fp32_precision", "ieee")
+        if hasattr(getattr(cudnn, "conv", None), "fp32_precision")
+        else (cudnn, "allow_tf32", False)
     )
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cudnn.benchmark = False
+    saved = (getattr(owner, name), cudnn.deterministic, cudnn.benchmark)
     try:
+        setattr(owner, name, exact)
+        cudnn.deterministic, cudnn.benchmark = True, False
         yield
     finally:
-        (
-            torch.backends.cuda.matmul.allow_tf32,
-            torch.backends.cudnn.allow_tf32,
-            torch.backends.cudnn.deterministic,
-            torch.backends.cudnn.benchmark,
-        ) = saved
+        setattr(owner, name, saved[0])
+        cudnn.deterministic, cudnn.benchmark = saved[1], saved[2]
 
 
 @dataclasses.dataclass
@@ -99,7 +74,8 @@ class Reference:
     result: RunResult
     recording: Recording
     """The remote calls the original made, with their results (replayed into candidates)."""
-    seed_state: SeedState
+    rng: RngStates
+    """The generators' states the original's run started from (each candidate's starts there)."""
     check_grads: bool
     seconds: float = 0.0
     """How long the original's run took (by ``distopt.estimate.ab.default_clock``)."""
@@ -112,13 +88,13 @@ def _run(
     module: nn.Module,
     forward: Callable[..., Any],
     inputs: tuple[Any, ...],
-    seed_state: SeedState,
+    rng: RngStates,
     check_grads: bool,
 ) -> RunResult:
     params = [(n, p) for n, p in named_local_tensors(module, "_parameters") if p.requires_grad]
     for _, p in params:
         p.grad = None
-    with seed_state.forked(), exact_math(), torch.set_grad_enabled(check_grads):
+    with rng.forked(), exact_math(), torch.set_grad_enabled(check_grads):
         outputs = forward(*inputs)
     flat_out, _ = tree_flatten(outputs)
     tensors = [t for t in flat_out if isinstance(t, torch.Tensor)]
@@ -155,7 +131,7 @@ def run_reference(
     With ``allow_writes=False`` a remote write raises
     :class:`~distopt.remote.record.RemoteWriteRefused` before it is sent.
     """
-    seed_state = SeedState.now()
+    rng = RngStates.now()
     # An eval-mode model is optimized for inference (e.g. conv-bn folding): outputs must match,
     # gradients of parameters folded away are meaningless.
     check_grads = config.check_grads and original.training
@@ -169,9 +145,9 @@ def run_reference(
     ):
         seconds = default_clock(
             "baseline",
-            lambda: results.append(_run(view, view, example_inputs, seed_state, check_grads)),
+            lambda: results.append(_run(view, view, example_inputs, rng, check_grads)),
         )
-    return Reference(results[0], record, seed_state, check_grads, seconds, tuple(rebound))
+    return Reference(results[0], record, rng, check_grads, seconds, tuple(rebound))
 
 
 def compare_modules(
@@ -200,7 +176,7 @@ def compare_modules(
     else:  # Dynamo: the compiled graphs' remote calls answer from the recording
         replay = checking(optimized, example_inputs, ref.recording)
     with preserved_state(optimized), isolated(), replay:
-        got = _run(optimized, forward, example_inputs, ref.seed_state, ref.check_grads)
+        got = _run(optimized, forward, example_inputs, ref.rng, ref.check_grads)
     loose = reordered is not None and reordered()
     record = _compare(ref.result, got, config, time.perf_counter() - start, reordered=loose)
     record.gradients = ref.check_grads

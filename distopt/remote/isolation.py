@@ -3,12 +3,15 @@
 Verification and cost measurement run real forward and backward passes; the user's buffers,
 gradients and client-side remote state (e.g. the parameter-server client's record of fetched
 rows) must come out as they went in. :func:`preserved_state` restores what lives in the modules,
-:func:`isolated` enters every hook registered by a layer that keeps state of its own.
+:func:`isolated` enters every hook registered by a layer that keeps state of its own, and
+:func:`forked_rng` / :class:`RngStates` keep the random generators (the CPU's and, once CUDA is
+in use, every GPU's) as the user left them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -19,6 +22,49 @@ from torch import nn
 from distopt.remote.local import is_remote_module, named_local_modules, named_local_tensors
 
 _ISOLATION_HOOKS: list[Callable[[], AbstractContextManager[Any]]] = []
+
+
+def _gpus_in_use() -> range:
+    # is_initialized: a process that never touched the GPU starts no CUDA context here.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return range(torch.cuda.device_count())
+    return range(0)
+
+
+@contextlib.contextmanager
+def forked_rng() -> Iterator[None]:
+    """Random numbers drawn inside come from copies of the default generators: the CPU's and each
+    GPU's in use are as the caller left them afterwards."""
+    with torch.random.fork_rng(devices=_gpus_in_use()):
+        yield
+
+
+@dataclasses.dataclass(frozen=True)
+class RngStates:
+    """The default generators' states: the CPU's, and each GPU's once CUDA is in use."""
+
+    cpu: torch.Tensor
+    cuda: tuple[torch.Tensor, ...] = ()
+
+    @staticmethod
+    def now() -> RngStates:
+        gpus = _gpus_in_use()
+        return RngStates(
+            torch.random.get_rng_state(), tuple(torch.cuda.get_rng_state_all()) if gpus else ()
+        )
+
+    def same_as(self, other: RngStates) -> bool:
+        mine, theirs = (self.cpu, *self.cuda), (other.cpu, *other.cuda)
+        return len(mine) == len(theirs) and all(map(torch.equal, mine, theirs))
+
+    @contextlib.contextmanager
+    def forked(self) -> Iterator[None]:
+        """Draw from these states inside; the caller's generators are put back after."""
+        with forked_rng():
+            torch.random.set_rng_state(self.cpu)
+            if self.cuda:
+                torch.cuda.set_rng_state_all(self.cuda)
+            yield
 
 
 def register_isolation_hook(factory: Callable[[], AbstractContextManager[Any]]) -> None:

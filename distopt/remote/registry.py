@@ -58,6 +58,8 @@ class RemoteCallSpec:
             function sent by ``rpc_sync``, an RRef's method), where a :func:`register_read`
             declaration is looked for; the last is the one to declare. ``None``: the effect is
             fixed by the registration (nothing for the user to declare).
+        wait_profiled: ``wait`` opens a profiler range of its own (as ``distopt.ps.wait`` does),
+            so the wait op opens none around it.
         wait_op: the graph op the passes insert to wait for an issued call (made from ``wait``
             when the spec is created; see :mod:`distopt.remote.wait`).
     """
@@ -71,10 +73,12 @@ class RemoteCallSpec:
     batch_key: ResourceFn | None = None
     aliases: tuple[tuple[dict[str, Any], str], ...] = field(default=(), compare=False)
     runs: RunsFn | None = None
+    wait_profiled: bool = False
     wait_op: WaitOp = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "wait_op", make_wait_op(self.name, self.wait))
+        wait_op = make_wait_op(self.name, self.wait, profiled=self.wait_profiled)
+        object.__setattr__(self, "wait_op", wait_op)
 
     @property
     def name(self) -> str:
@@ -97,6 +101,7 @@ def register_remote(
     batch_key: ResourceFn | None = None,
     aliases: Sequence[tuple[dict[str, Any], str]] = (),
     runs: RunsFn | None = None,
+    wait_profiled: bool = False,
 ) -> RemoteCallSpec:
     """Declare ``fn`` a blocking remote call whose asynchronous form is ``issue`` + ``wait``."""
     if not callable(fn):
@@ -115,6 +120,7 @@ def register_remote(
         batch_key=batch_key,
         aliases=tuple(aliases),
         runs=runs,
+        wait_profiled=wait_profiled,
     )
     # The issue (and batched issue) of a call must survive dead-code elimination, like the call.
     for effectful in (fn, issue, batched):
@@ -133,6 +139,7 @@ def remote(
     resource: ResourceFn | None = None,
     batched: Callable[..., Future] | None = None,
     batch_key: ResourceFn | None = None,
+    wait_profiled: bool = False,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator form of :func:`register_remote`::
 
@@ -149,6 +156,7 @@ def remote(
             resource=resource,
             batched=batched,
             batch_key=batch_key,
+            wait_profiled=wait_profiled,
         )
         return fn
 

@@ -30,9 +30,6 @@ from distopt.where import call_site
 
 WaitOp = Callable[..., Any]
 
-PROFILED = "_distopt_profiled"
-"""Attribute set (True) on a wait function that opens its own ``record_function`` range."""
-
 
 def server_message(err: BaseException) -> str:
     """One line of a remote error: RPC prefixes ``On WorkerInfo(...):`` and appends a traceback."""
@@ -44,15 +41,15 @@ def server_message(err: BaseException) -> str:
     return lines[0]
 
 
-def make_wait_op(call: str, wait: Callable[[Any], Any]) -> WaitOp:
+def make_wait_op(call: str, wait: Callable[[Any], Any], *, profiled: bool = False) -> WaitOp:
     """The wait op of the remote call named ``call`` whose futures ``wait`` resolves.
 
     The op's arguments: the future an issue returned, the user's source line of the original
     blocking call (quoted in errors), and for a batched issue ``item``, the index of this call's
-    result in the list the batched future resolves to.
+    result in the list the batched future resolves to. ``profiled``: ``wait`` opens its own
+    profiler range, and the op opens none.
     """
     short = call.rsplit(".", 1)[-1]
-    profiled = getattr(wait, PROFILED, False)
 
     def wait_op(future: Any, where: str, item: int | None = None) -> Any:
         scope = contextlib.nullcontext() if profiled else record_function(f"distopt.wait:{short}")

@@ -108,6 +108,11 @@ def mixed_precision(precision: str) -> Any:
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
+def device_name(device: torch.device) -> str:
+    """What ``device`` is, for reports: the GPU's model name (``NVIDIA H200``) or ``CPU``."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (step times measure work done, not work queued)."""
     if device.type == "cuda":
@@ -119,6 +124,7 @@ __all__ = [
     "autocast",
     "data_parallel_group",
     "device_mesh",
+    "device_name",
     "host_inputs",
     "mixed_precision",
     "resolve_device",

@@ -7,7 +7,7 @@ import distopt
 from distopt.config import VerifyConfig
 from distopt.errors import DistoptFallbackWarning, VerificationError
 from distopt.optimize.verify import compare_modules, exact_math
-from distopt.remote.isolation import kept_attributes, preserved_state
+from distopt.remote.isolation import RngStates, forked_rng, kept_attributes, preserved_state
 from distopt.report import report_of
 
 
@@ -142,21 +142,29 @@ def test_kept_attributes_puts_back_what_a_block_assigned() -> None:
 
 
 def test_exact_math_puts_the_users_settings_back() -> None:
-    backends = torch.backends
-    saved = (backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, backends.cudnn.benchmark)
-    backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, backends.cudnn.benchmark = (
-        True,
-        True,
-        True,
-    )
+    cudnn = torch.backends.cudnn
+    saved = (cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark)
+    cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = True, False, True
     try:
         with exact_math():
-            assert not backends.cuda.matmul.allow_tf32 and not backends.cudnn.allow_tf32
-            assert backends.cudnn.deterministic and not backends.cudnn.benchmark
-        assert backends.cuda.matmul.allow_tf32 and backends.cudnn.allow_tf32
-        assert backends.cudnn.benchmark and not backends.cudnn.deterministic
+            assert not cudnn.allow_tf32 and cudnn.deterministic and not cudnn.benchmark
+        assert cudnn.allow_tf32 and not cudnn.deterministic and cudnn.benchmark
+        with pytest.raises(RuntimeError), exact_math():
+            raise RuntimeError("a failing run")
+        assert cudnn.allow_tf32 and not cudnn.deterministic and cudnn.benchmark
     finally:
-        backends.cuda.matmul.allow_tf32, backends.cudnn.allow_tf32, backends.cudnn.benchmark = saved
+        cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = saved
+
+
+def test_exact_math_leaves_matmul_precision_to_the_user() -> None:
+    """Dynamo's guards check it: a change would recompile a verified candidate, unverified."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("medium")
+    try:
+        with exact_math():
+            assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
 class _ConvBN(nn.Module):
@@ -172,8 +180,8 @@ class _ConvBN(nn.Module):
 
 @pytest.mark.cuda
 def test_conv_bn_folded_on_cuda_passes_verification() -> None:
-    """CUDA convolutions run in TF32 by default: folded weights then differ by ~1e-3, which
-    failed verification and returned every conv net unoptimized on a GPU."""
+    """CUDA convolutions run in TF32 by default: folded weights then differ by up to ~1e-2,
+    which failed verification and returned every conv net unoptimized on a GPU."""
     model = _ConvBN().cuda().eval()
     with torch.no_grad():
         model.bn.running_mean.uniform_(-1, 1)
@@ -194,3 +202,22 @@ def test_dropout_on_cuda_trains_the_same_under_verification() -> None:
         model, model, (torch.randn(4, 16, 16, 16, device="cuda"),), VerifyConfig()
     )
     assert record.passed and record.max_abs_diff == 0.0
+
+
+def test_forked_rng_leaves_the_callers_generator_as_it_was() -> None:
+    before = RngStates.now()
+    with forked_rng():
+        torch.randn(3)
+    assert before.same_as(RngStates.now())
+    torch.randn(3)
+    assert not before.same_as(RngStates.now())
+
+
+@pytest.mark.cuda
+def test_forked_rng_covers_the_gpus_in_use() -> None:
+    torch.randn(1, device="cuda")  # CUDA in use
+    before = RngStates.now()
+    assert before.cuda
+    with forked_rng():
+        torch.randn(3, device="cuda")
+    assert before.same_as(RngStates.now())

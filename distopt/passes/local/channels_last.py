@@ -24,7 +24,7 @@ from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.passes.core.runner import REORDERS_FLOAT
 from distopt.passes.local.measured import keep_if_faster
 from distopt.passes.local.patterns import is_convolution
-from distopt.remote.isolation import preserved_state
+from distopt.remote.isolation import forked_rng, preserved_state
 from distopt.remote.registry import register_leaf_function
 from distopt.text import plural
 
@@ -106,7 +106,7 @@ def _output_formats(
     if example_inputs is None:
         return None
     try:
-        with preserved_state(gm), torch.no_grad(), torch.random.fork_rng(devices=[]):
+        with preserved_state(gm), torch.no_grad(), forked_rng():
             out = gm(*example_inputs)
     except Exception:
         return None

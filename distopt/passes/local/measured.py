@@ -44,7 +44,7 @@ from distopt.passes.core.pass_base import (
     captured_seconds,
     timing_key,
 )
-from distopt.remote.isolation import isolated, preserved_state
+from distopt.remote.isolation import RngStates, forked_rng, isolated, preserved_state
 from distopt.remote.ops import remote_ops
 from distopt.remote.side_effects import eliminate_dead_code
 
@@ -177,14 +177,6 @@ def _mode() -> tuple[bool, bool]:
     return torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
 
-def _rng_states() -> list[torch.Tensor]:
-    """The default generators' states: the CPU one, and each GPU's once CUDA is in use."""
-    states = [torch.random.get_rng_state()]
-    if torch.cuda.is_initialized():
-        states.extend(torch.cuda.get_rng_state_all())
-    return states
-
-
 def _workload(
     module: torch.nn.Module, inputs: tuple[Any, ...], key: tuple[str, tuple[Any, ...]]
 ) -> _LastRun:
@@ -194,12 +186,12 @@ def _workload(
         preserved_state(module) as buffers,
         _restored(inputs) as written,
         isolated(),
-        torch.random.fork_rng(devices=[]),
+        forked_rng(),
         torch.no_grad(),
     ):
-        rng = _rng_states()
+        rng = RngStates.now()
         outputs = module(*inputs)
-        drew = not all(map(torch.equal, rng, _rng_states()))
+        drew = not rng.same_as(RngStates.now())
         mode = _mode()
     return _LastRun(key, _versions(inputs), outputs, mode, bool(buffers or written or drew))
 

@@ -12,6 +12,7 @@ from torch.fx import Node
 
 from distopt.errors import ConfigError
 from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
+from distopt.remote.isolation import forked_rng
 from distopt.remote.ops import (
     RemoteOp,
     batch_key_of_call,
@@ -69,7 +70,7 @@ def _example_values(
     interpreter = torch.fx.Interpreter(gm)
     values: dict[Node, Any] = {}
     placeholders = iter(inputs)
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with forked_rng(), torch.no_grad():
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 value = next(placeholders, None)

@@ -56,6 +56,7 @@ def register(package_namespace: dict[str, Any] | None = None) -> None:
         batched=fetch_batched,
         batch_key=server_group,
         aliases=[(ns, "fetch") for ns in namespaces],
+        wait_profiled=True,  # calls.wait opens the range "distopt.wait:ps.fetch:<table>"
     )
     register_remote(
         calls.push,
@@ -64,6 +65,7 @@ def register(package_namespace: dict[str, Any] | None = None) -> None:
         effect="write",
         resource=table_resource,
         aliases=[(ns, "push") for ns in namespaces],
+        wait_profiled=True,
     )
 
 
