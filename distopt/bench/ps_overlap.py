@@ -122,6 +122,11 @@ class PSOverlapConfig:
     steps: int = 12
     warmup: int = 2
     """Steps discarded at the start of each variant's chunk."""
+    copies: int = 3
+    """Copies of each uncached variant's model, built alike; round r trains copy r mod copies.
+    Two copies of one model differed by up to 6–9% per step within a process at K = 1 (issue 23's
+    helper runs), where two models that run one schedule are compared against a 2% margin: each
+    variant's score then pools its copies instead of resting on one copy's memory layout."""
     warmup_rounds: int = 1
     """Untimed interleaved rounds before the timed ones. The first chunk a variant trains in
     the process pays first-use costs that later ones do not (issue 23's run: at heavy compute
@@ -234,6 +239,7 @@ class PSOverlapConfig:
             "an integer >= 0",
             self.warmup_rounds,
         )
+        check(self.copies >= 1, "copies", "an integer >= 1", self.copies)
         check(
             self.steps > self.warmup >= 0,
             "steps",
@@ -698,25 +704,36 @@ def _point(
         optimizer_s = time_optimizer_step(
             list(baseline.parameters()), lambda params: torch.optim.SGD(params, lr=bench.lr)
         )
-        models = {
-            "baseline": baseline,
-            "optimized": optimized,
-            "hand": DLRMHandAsync(cfg).to(device),
+
+        # Each variant trains copies of its own (a cached one: one copy, of its own tables, with
+        # the same dense parameters); an optimized copy is optimized from a copy of the baseline.
+        def build(name: str) -> torch.nn.Module:
+            if name == "baseline":
+                return DLRM(cfg).to(device)
+            if name == "hand":
+                return DLRMHandAsync(cfg).to(device)
+            source = DLRM(own[name]).to(device) if name in own else DLRM(cfg).to(device)
+            model = distopt.optimize(source, example, strict=True)
+            ps.discard_step()
+            return model
+
+        models: dict[str, list[torch.nn.Module]] = {
+            "baseline": [baseline],
+            "optimized": [optimized],
         }
-        # Each trains its own copy of the optimized model (a cached one: of its own tables,
-        # with the same dense parameters).
-        for name in ("pipelined", "no_network", *CACHED_VARIANTS):
-            if name in bench.variants:
-                source = DLRM(own[name]).to(device) if name in own else copy.deepcopy(baseline)
-                models[name] = distopt.optimize(source, example, strict=True)
-                ps.discard_step()
+        for name in bench.variants:
+            copies = 1 if name in cached else bench.copies
+            models[name] = models.get(name, [])
+            while len(models[name]) < copies:
+                models[name].append(build(name))
         tables = {t: (r.spec, len(r.servers)) for t, r in ps.routes().items()}
         caches: dict[str, dict[str, TableCache]] = {
             name: build_caches(cache_configs[name], tables) for name in cached
         }
         variants = bench.variants
         optimizers = {
-            name: torch.optim.SGD(models[name].parameters(), lr=bench.lr) for name in variants
+            name: [torch.optim.SGD(m.parameters(), lr=bench.lr) for m in models[name]]
+            for name in variants
         }
         round_medians: dict[str, list[float]] = {name: [] for name in variants}
         memory: dict[str, dict[str, int]] = {
@@ -727,16 +744,18 @@ def _point(
         # Automatic staleness is the cost model's guess; the run deepens it while reads are late.
         adapt_to = bench.max_staleness if bench.pipeline_staleness == "auto" else None
 
-        def train(name: str, chunk_batches: list) -> tuple[list[float], _Fetched]:
-            """Variant ``name`` trains once on ``chunk_batches``: its step times and fetches."""
+        def train(name: str, chunk_batches: list, turn: int = 0) -> tuple[list[float], _Fetched]:
+            """Variant ``name``'s copy for round ``turn`` trains once on ``chunk_batches``: its
+            step times and fetches."""
+            which = turn % len(models[name])
             counted = _Fetched.start()
             with ps_calls.using_caches(caches.get(name, {})):
                 chunk = _chunk(
                     name,
-                    models[name],
+                    models[name][which],
                     cfg,
                     chunk_batches,
-                    optimizers[name],
+                    optimizers[name][which],
                     bench=bench,
                     latency=latency,
                     staleness=depth.get(name, staleness),
@@ -758,7 +777,8 @@ def _point(
         for warmup_round in range(bench.warmup_rounds if unwarmed else 0):
             shift = warmup_round % len(unwarmed)
             for name in unwarmed[shift:] + unwarmed[:shift]:
-                train(name, batches)
+                for turn in range(len(models[name])):  # every copy pays its first-use costs here
+                    train(name, batches, turn)
             console.print(f"  warm-up round {warmup_round + 1}/{bench.warmup_rounds} (untimed)")
         # Each variant follows each other about equally often (distopt.bench.order).
         planned = max(bench.rounds, bench.max_rounds)
@@ -797,7 +817,7 @@ def _point(
                 drawn.extend(batches)
             for name in orders[round_index]:
                 before = netns.link_bytes(link, LINK_HOST) if link is not None else (0, 0)
-                chunk, took = train(name, batches)
+                chunk, took = train(name, batches, round_index)
                 if link is not None:
                     after = netns.link_bytes(link, LINK_HOST)
                     wire[name][0] += after[0] - before[0]
@@ -819,7 +839,7 @@ def _point(
                 f"median ms per step: {steps}"
             )
         exact = {
-            name: _exact_check(models[name], batches[-4:], held)
+            name: _exact_check(models[name][0], batches[-4:], held)
             for name, held in caches.items()
             if bench.cache_staleness == 0
         }

@@ -127,6 +127,8 @@ def test_ps_overlap_config_errors_name_the_key() -> None:
         from_dict(PSOverlapConfig, {"warmup_rounds": -1})
     with pytest.raises(ConfigError, match=r"undecided_factor: expected a number >= 1, got 0.5"):
         from_dict(PSOverlapConfig, {"undecided_factor": 0.5})
+    with pytest.raises(ConfigError, match=r"copies: expected an integer >= 1, got 0"):
+        from_dict(PSOverlapConfig, {"copies": 0})
 
 
 @pytest.mark.slow
