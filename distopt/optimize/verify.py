@@ -50,21 +50,20 @@ def exact_math() -> Iterator[None]:
     choice. Matmul precision stays the user's: Dynamo's guards check it, so changing it here would
     make a Dynamo candidate compile again, unverified, on its first real call."""
     cudnn: Any = torch.backends.cudnn
-    # torch >= 2.9 sets TF32 per op (cudnn.conv.fp32_precision); once a user has set it, the
-    # legacy allow_tf32 flag may no longer be read.
-    owner, name, exact = (
-        (cudnn.conv, "fp32_precision", "ieee")
-        if hasattr(getattr(cudnn, "conv", None), "fp32_precision")
-        else (cudnn, "allow_tf32", False)
-    )
-    saved = (getattr(owner, name), cudnn.deterministic, cudnn.benchmark)
+    flags: list[tuple[Any, str, Any]] = [(cudnn, "allow_tf32", False)]
+    try:  # the legacy flag, unless the user set TF32 per op (torch >= 2.9): reading it then raises
+        _ = cudnn.allow_tf32
+    except RuntimeError:
+        flags = [(cudnn.conv, "fp32_precision", "ieee"), (cudnn.rnn, "fp32_precision", "ieee")]
+    flags += [(cudnn, "deterministic", True), (cudnn, "benchmark", False)]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in flags]
     try:
-        setattr(owner, name, exact)
-        cudnn.deterministic, cudnn.benchmark = True, False
+        for owner, name, value in flags:
+            setattr(owner, name, value)
         yield
     finally:
-        setattr(owner, name, saved[0])
-        cudnn.deterministic, cudnn.benchmark = saved[1], saved[2]
+        for owner, name, value in saved:
+            setattr(owner, name, value)
 
 
 @dataclasses.dataclass

@@ -149,11 +149,26 @@ def test_exact_math_puts_the_users_settings_back() -> None:
         with exact_math():
             assert not cudnn.allow_tf32 and cudnn.deterministic and not cudnn.benchmark
         assert cudnn.allow_tf32 and not cudnn.deterministic and cudnn.benchmark
-        with pytest.raises(RuntimeError), exact_math():
+        with pytest.raises(RuntimeError, match="a failing run"), exact_math():
             raise RuntimeError("a failing run")
         assert cudnn.allow_tf32 and not cudnn.deterministic and cudnn.benchmark
     finally:
         cudnn.allow_tf32, cudnn.deterministic, cudnn.benchmark = saved
+
+
+def test_exact_math_with_tf32_set_per_op() -> None:
+    """A user of torch's per-op flags (torch >= 2.9), whose legacy flag can no longer be read."""
+    cudnn = torch.backends.cudnn
+    if not hasattr(getattr(cudnn, "conv", None), "fp32_precision"):
+        pytest.skip("this torch has no per-op TF32 flags")
+    saved = cudnn.allow_tf32
+    cudnn.conv.fp32_precision = "tf32"
+    try:
+        with exact_math():
+            assert cudnn.conv.fp32_precision != "tf32" and cudnn.rnn.fp32_precision != "tf32"
+        assert cudnn.conv.fp32_precision == "tf32"
+    finally:
+        cudnn.allow_tf32 = saved  # the legacy setter makes both flags agree again
 
 
 def test_exact_math_leaves_matmul_precision_to_the_user() -> None:
