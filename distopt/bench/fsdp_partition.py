@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import resource
 import statistics
@@ -33,6 +34,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import distopt
 from distopt.bench import median
+from distopt.bench.rounds import Target, round_interval, undecided
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist.rendezvous import run_spawned
@@ -59,6 +61,10 @@ class FsdpPartitionConfig:
     warmup: int = 1
     rounds: int = 3
     """Fresh-process runs per variant, round-robin."""
+    undecided_factor: float = 2.0
+    """While distopt's step time against the per-block policy's is undecided (its 90% interval
+    over the rounds, :mod:`distopt.bench.rounds`, holds 1.0), more rounds, up to this × ``rounds``
+    (1: none). The step times of all rounds are pooled in the score."""
     world_size: int = 2
     threads: int = 1
     """Intra-op threads per rank (2 ranks on 2 cores: 1)."""
@@ -75,6 +81,12 @@ class FsdpPartitionConfig:
         check(self.dim % self.heads == 0, "dim", f"a multiple of heads ({self.heads})", self.dim)
         check(self.steps >= 1, "steps", "an integer >= 1", self.steps)
         check(self.rounds >= 1, "rounds", "an integer >= 1", self.rounds)
+        check(
+            self.undecided_factor >= 1,
+            "undecided_factor",
+            "a number >= 1",
+            self.undecided_factor,
+        )
         check(self.world_size >= 1, "world_size", "an integer >= 1", self.world_size)
         for v in self.variants:
             check(v in VARIANTS, "variants", f"names from {list(VARIANTS)}", v)
@@ -221,6 +233,7 @@ def _worker(rank: int, cfg_dict: dict[str, Any], variant: str, out: str) -> None
             json.dumps(
                 {
                     "step_s": statistics.median(times),
+                    "step_times_s": times,
                     "peak_bytes": [int(r) for r in peaks],
                     "units": len(inner),
                     "root_bytes": root,
@@ -288,14 +301,37 @@ def run(config: dict, args: argparse.Namespace) -> int:
         f"{ranks}, batch {cfg.batch_size}×{cfg.seq_len}, {cfg.rounds} rounds × {cfg.steps} steps"
     )
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in cfg.variants}
-    for r in range(cfg.rounds):
+    # Scored "distopt ≤ 1.0× per-block step time", as per_block / distopt ≥ 1.
+    targets = (
+        [Target("step time vs per-block", lambda m: m["per_block"] / m["distopt"], 1.0)]
+        if {"distopt", "per_block"} <= set(cfg.variants)
+        else []
+    )
+    cap = math.floor(cfg.rounds * cfg.undecided_factor)
+    interval: tuple[float, float] | None = None
+    while True:
+        r = len(runs[cfg.variants[0]])
+        samples = {v: [x["step_times_s"] for x in runs[v]] for v in cfg.variants}
+        if r >= cfg.rounds:
+            still = undecided(samples, targets) if r < cap else {}
+            if not still:
+                break
+            low, high = still[targets[0].name]
+            console.print(
+                f"undecided: distopt's step time vs per-block [{1 / high:.3f}, {1 / low:.3f}]× "
+                f"holds 1.0; one more round (≤{cap})"
+            )
         for variant in cfg.variants:
-            console.print(f"round {r + 1}/{cfg.rounds}: {variant}…")
+            of = f"/{cfg.rounds}" if r < cfg.rounds else f" (of ≤{cap}, while undecided)"
+            console.print(f"round {r + 1}{of}: {variant}…")
             runs[variant].append(_run_variant(cfg, variant))
+    if targets:
+        low, high = round_interval(samples, targets[0].statistic)
+        interval = (1 / high, 1 / low)
     rows = {}
     for variant, results in runs.items():
         rows[variant] = {
-            "step_s": median([x["step_s"] for x in results]),
+            "step_s": median([t for x in results for t in x["step_times_s"]]),
             "peak_bytes": median([max(x["peak_bytes"]) for x in results]),
             "analytic_peak_bytes": results[0]["analytic_peak_bytes"],
             "units": results[0]["units"],
@@ -379,6 +415,8 @@ def run(config: dict, args: argparse.Namespace) -> int:
                     "variants": rows,
                     "runs": runs,
                     "ratios": {n: v for n, v, _ in checks},
+                    "rounds": len(runs[cfg.variants[0]]),
+                    "step_time_vs_per_block_interval": interval,
                 },
                 fh,
                 indent=2,
