@@ -9,9 +9,10 @@ time, so a comparison spends as little as the evidence allows:
 * one call of each warms it up (allocator, oneDNN primitives) and is not counted — except calls
   longer than :data:`LONG_CALL_S` on the CPU whose times differ by more than the one-round band:
   one-time costs are a few percent of such a call, so that first round decides alone and two long
-  calls are saved (not on a GPU, whose first calls load kernels). Work a call does once and caches — weights derived and packed on first use, an
-  eighth of ResNet-50's first fused call at one thread — is timed where it happens
-  (:func:`one_time_work`) and left out of the call's time, so it does not blur that first round;
+  calls are saved (not on a GPU, whose first calls load kernels). Work a call does once and
+  caches — weights derived and packed on first use, an eighth of ResNet-50's first fused call at
+  one thread — is timed where it happens (:func:`one_time_work`) and left out of the call's time,
+  so it does not blur that first round;
 * it stops as soon as the medians differ by more than the noise allows (a wide band after one
   round, narrowing with more), or when ``budget_s`` is spent, or after ``max_rounds``; calls
   longer than :data:`LONG_CALL_S` may stop after one counted round, shorter ones only after
