@@ -705,15 +705,14 @@ def _point(
             list(baseline.parameters()), lambda params: torch.optim.SGD(params, lr=bench.lr)
         )
 
-        # Each variant trains copies of its own (a cached one: one copy, of its own tables, with
-        # the same dense parameters); an optimized copy is optimized from a copy of the baseline.
+        # Each variant trains copies of its own (a cached one: one copy, of its own tables); every
+        # copy is built from the config, so all start from the same dense parameters.
         def build(name: str) -> torch.nn.Module:
             if name == "baseline":
                 return DLRM(cfg).to(device)
             if name == "hand":
                 return DLRMHandAsync(cfg).to(device)
-            source = DLRM(own[name]).to(device) if name in own else DLRM(cfg).to(device)
-            model = distopt.optimize(source, example, strict=True)
+            model = distopt.optimize(DLRM(own.get(name, cfg)).to(device), example, strict=True)
             ps.discard_step()
             return model
 
@@ -723,9 +722,9 @@ def _point(
         }
         for name in bench.variants:
             copies = 1 if name in cached else bench.copies
-            models[name] = models.get(name, [])
-            while len(models[name]) < copies:
-                models[name].append(build(name))
+            built = models.setdefault(name, [])
+            while len(built) < copies:
+                built.append(build(name))
         tables = {t: (r.spec, len(r.servers)) for t, r in ps.routes().items()}
         caches: dict[str, dict[str, TableCache]] = {
             name: build_caches(cache_configs[name], tables) for name in cached
