@@ -50,7 +50,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import torch.fx
@@ -69,7 +69,15 @@ from distopt.dist.netns import LinkShape, Network, NetworkError
 from distopt.errors import ConfigError
 from distopt.estimate import GainPrediction
 from distopt.estimate.ab import now
-from distopt.estimate.step import StepPrediction, predict_phases, predict_step, time_optimizer_step
+from distopt.estimate.step import (
+    OTHER,
+    StepPhases,
+    StepPrediction,
+    other_s,
+    predict_phases,
+    predict_step,
+    time_optimizer_step,
+)
 from distopt.metrics import QpsLogWriter
 from distopt.models.dlrm import (
     DLRM,
@@ -322,18 +330,26 @@ def _train_chunk(
     *,
     blocking_push: bool,
     lr: float,
-) -> list[float]:
+) -> tuple[list[float], list[dict[str, float]]]:
+    """Step times and phases of ``model`` training on ``batches`` once."""
     stamps = []
+    phases = StepPhases(ps.take_wait_time)
+    taken = []
     for batch in batches:
         stamps.append(now())
-        loss = dlrm_loss(model(batch.dense, batch.sparse), batch.labels)
+        with phases.phase("forward"):
+            loss = dlrm_loss(model(batch.dense, batch.sparse), batch.labels)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        ps.push_gradients(lr=lr, blocking=blocking_push)
+        with phases.backward(loss):
+            loss.backward()
+        with phases.phase("optimizer"):
+            opt.step()
+        with phases.phase("pushes"):
+            ps.push_gradients(lr=lr, blocking=blocking_push)
+        taken.append(phases.take())
     ps.flush()  # the last async push belongs to this chunk
     stamps.append(now())
-    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)], taken
 
 
 def _pipelined_chunk(
@@ -345,10 +361,12 @@ def _pipelined_chunk(
     max_staleness: int | None,
     lr: float,
     memory: dict,
-) -> list[float]:
-    """Step times of the optimized model in a pipeline (its first prefetch is in the first step);
-    ``memory`` keeps the peak bytes measured in flight and of one batch's rows, and ``depth``
-    the staleness the pipeline ended at (with ``max_staleness`` it deepens when reads are late)."""
+) -> tuple[list[float], list[dict[str, float]]]:
+    """Step times and phases of the optimized model in a pipeline (its first prefetch is in the
+    first step); ``memory`` keeps the peak bytes measured in flight and of one batch's rows, and
+    ``depth`` the staleness the pipeline ended at (with ``max_staleness`` it deepens when reads
+    are late)."""
+    phases = StepPhases(ps.take_wait_time)
     pipe = TrainPipeline(
         model,
         opt,
@@ -358,10 +376,13 @@ def _pipelined_chunk(
         inputs=lambda b: (b.dense, b.sparse),
         push=lambda: ps.push_gradients(lr=lr),
         max_staleness=max_staleness,
+        phases=phases,
     )
     stamps = [now()]
+    taken = []
     for _ in pipe.run():
         stamps.append(now())
+        taken.append(phases.take())
     pipe.close()
     ps.flush()
     stamps[-1] = now()  # the last async push belongs to this chunk
@@ -371,7 +392,7 @@ def _pipelined_chunk(
     memory["batch_bytes_max"] = max(memory.get("batch_bytes_max", 0), pipe.stats.batch_bytes_max)
     memory["depth"] = pipe.stats.depth
     memory["window"] = max(memory.get("window", 1), pipe.stats.depth)  # batches in flight at most
-    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)], taken
 
 
 def _chunk(
@@ -386,8 +407,9 @@ def _chunk(
     staleness: int,
     max_staleness: int | None,
     memory: dict,
-) -> list[float]:
-    """Step times of variant ``name`` training ``model`` on ``batches`` once."""
+) -> tuple[list[float], list[dict[str, float]]]:
+    """Step times and phases (:class:`StepPhases`) of variant ``name`` training ``model`` on
+    ``batches`` once."""
     if name in PIPELINED:
         return _pipelined_chunk(
             model,
@@ -458,6 +480,15 @@ class _Fetched:
         return self.hits / self.lookups if self.lookups else None
 
 
+class _Trained(NamedTuple):
+    """A variant's chunk: its step times, each step's phases (:class:`StepPhases`) and its
+    fetches."""
+
+    step_s: list[float]
+    phases: list[dict[str, float]]
+    fetched: _Fetched
+
+
 PROGRESS_EVERY_S = 15.0
 """How often long work (a cache's warm-up) says how far it got."""
 
@@ -466,7 +497,7 @@ def _warm_up(
     name: str,
     batches: list,
     chunk_steps: int,
-    train: Callable[[str, list], tuple[list[float], _Fetched]],
+    train: Callable[[str, list], _Trained],
     console: Console,
 ) -> None:
     """Variant ``name`` trains on ``batches``, ``chunk_steps`` at a time, untimed; says how far
@@ -475,8 +506,7 @@ def _warm_up(
     console.print(f"  warm-up of {name}'s caches: {len(batches)} steps…")
     done = _Fetched()
     for offset in range(0, len(batches), chunk_steps):
-        _, took = train(name, batches[offset : offset + chunk_steps])
-        done.merge(took)
+        done.merge(train(name, batches[offset : offset + chunk_steps]).fetched)
         now = time.perf_counter()
         if now - last >= PROGRESS_EVERY_S or done.steps == len(batches):
             last = now
@@ -630,7 +660,7 @@ def _point(
     device: torch.device,
     *,
     over_link: bool = True,
-) -> tuple[dict, GainPrediction]:
+) -> tuple[dict, GainPrediction, dict[str, list[dict[str, float]]]]:
     cfg = DLRMConfig(
         num_tables=k,
         compute=compute,
@@ -743,13 +773,13 @@ def _point(
         # Automatic staleness is the cost model's guess; the run deepens it while reads are late.
         adapt_to = bench.max_staleness if bench.pipeline_staleness == "auto" else None
 
-        def train(name: str, chunk_batches: list, turn: int = 0) -> tuple[list[float], _Fetched]:
+        def train(name: str, chunk_batches: list, turn: int = 0) -> _Trained:
             """Variant ``name``'s copy for round ``turn`` trains once on ``chunk_batches``: its
-            step times and fetches."""
+            step times, their phases and its fetches."""
             which = turn % len(models[name])
             counted = _Fetched.start()
             with ps_calls.using_caches(caches.get(name, {})):
-                chunk = _chunk(
+                chunk, chunk_phases = _chunk(
                     name,
                     models[name][which],
                     cfg,
@@ -766,7 +796,7 @@ def _point(
             took = _Fetched()
             took.add(counted, steps=len(chunk))
             fetched[name].merge(took)
-            return chunk, took
+            return _Trained(chunk, chunk_phases, took)
 
         for name in cached if warm_batches else ():
             _warm_up(name, warm_batches, bench.steps, train, console)
@@ -785,6 +815,7 @@ def _point(
             variants, math.ceil(planned * bench.undecided_factor), turns="chunks"
         )
         round_samples: dict[str, list[list[float]]] = {name: [] for name in variants}
+        measured_phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         round_index = 0
         planned_rounds: int | None = None  # set when the planned rounds are done
         started = time.perf_counter()
@@ -816,7 +847,7 @@ def _point(
                 drawn.extend(batches)
             for name in orders[round_index]:
                 before = netns.link_bytes(link, LINK_HOST) if link is not None else (0, 0)
-                chunk, took = train(name, batches, round_index)
+                chunk, chunk_phases, took = train(name, batches, round_index)
                 if link is not None:
                     after = netns.link_bytes(link, LINK_HOST)
                     wire[name][0] += after[0] - before[0]
@@ -824,6 +855,7 @@ def _point(
                     wire[name][2] += len(chunk)
                 timed[name].merge(took)
                 round_samples[name].append(chunk[bench.warmup :])
+                measured_phases[name].extend(chunk_phases[bench.warmup :])
                 round_medians[name].append(median(chunk[bench.warmup :]))
             round_index += 1
             if planned_rounds is not None:
@@ -906,6 +938,9 @@ def _point(
         "pipeline_staleness": depth["pipelined"],
         "predicted_pipeline_staleness": predicted_staleness,
         "predicted_phases": predicted,
+        "measured_phases": {
+            name: _phase_medians(measured_phases[name], results[name].median_s) for name in variants
+        },
         "predicted_step_s": predicted_s,
         "prediction": _prediction_scores(predicted_s, median_s),
         "pipelined_memory": memory["pipelined"]
@@ -930,7 +965,7 @@ def _point(
         "placement": "loopback" if link is None else "link",
         "link": _wire_report(bench, cfg, wire) if link is not None else None,
     }
-    return point, prediction
+    return point, prediction, measured_phases
 
 
 def _hand_faster_rounds(round_medians: dict[str, list[float]]) -> int:
@@ -1002,6 +1037,13 @@ def _predicted_phases(
     assert prediction.costs is not None  # DLRM's backward sends no remote write
     costs = dataclasses.replace(prediction.costs, optimizer_s=optimizer_s)
     return {name: predict_phases(costs, name) for name in costs.rehearsed}
+
+
+def _phase_medians(steps: list[dict[str, float]], median_step_s: float) -> dict[str, float]:
+    """Each phase's median over a variant's timed steps, and :data:`OTHER` (its median step less
+    the phases'): the measured side of ``predicted_phases``."""
+    medians = {phase: median([step[phase] for step in steps]) for phase in steps[0]}
+    return {**medians, OTHER: other_s(median_step_s, medians)}
 
 
 def _prediction_scores(predicted_s: dict[str, float], median_s: dict[str, float]) -> dict:
@@ -1081,8 +1123,15 @@ def _batching(bench: PSOverlapConfig, net: Network | None) -> dict:
 
 
 def _write_logs(
-    bench: PSOverlapConfig, point: dict, prediction: GainPrediction, run_stamp: str
+    bench: PSOverlapConfig,
+    point: dict,
+    prediction: GainPrediction,
+    step_phases: dict[str, list[dict[str, float]]],
+    run_stamp: str,
 ) -> None:
+    """A QPS log per variant: its timed steps with their phases (``step_phases``), and for the
+    optimized and pipelined variants the prediction's header, so that ``distopt compare`` shows
+    each phase predicted beside measured."""
     phases = point["predicted_phases"]
     assert prediction.costs is not None
     how = dict(predict_step(prediction.costs).assumptions)
@@ -1116,8 +1165,9 @@ def _write_logs(
             extra=headers.get(name),
         )
         with writer:
-            for step, seconds in enumerate(point["variants"][name]["step_times_s"]):
-                writer.log_step(step, seconds)
+            steps = zip(point["variants"][name]["step_times_s"], step_phases[name], strict=True)
+            for step, (seconds, phases) in enumerate(steps):
+                writer.log_step(step, seconds, phases=phases)
 
 
 def _staleness_cell(point: dict) -> str:
@@ -1477,10 +1527,10 @@ def run(config: dict, args: argparse.Namespace) -> int:
                 )
                 + "…"
             )
-            point, prediction = _point(
+            point, prediction, step_phases = _point(
                 bench, k, latency, compute, console, net, device, over_link=over_link
             )
-            _write_logs(bench, point, prediction, run_stamp)
+            _write_logs(bench, point, prediction, step_phases, run_stamp)
             points.append(point)
         if bench.batching_fetches:
             console.print(

@@ -57,23 +57,59 @@ def plain(text: str | None) -> str | None:
     return _LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
 
 
+class _Interrupts:
+    """Whether Ctrl-C came while a command ran. Python raises its KeyboardInterrupt wherever the
+    main thread runs Python next, which can be a callback PyTorch calls (an RPC answer being
+    unpickled): PyTorch then turns it into the call's error, and the command would fail with
+    "remote call failed" where the user pressed Ctrl-C."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._installed = False
+
+    def __enter__(self) -> _Interrupts:
+        # Only over Python's own handler: a caller's (a test's, an embedding program's) stays.
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, self._interrupt)
+            self._installed = True
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def _interrupt(self, signum: int, frame: object) -> None:
+        self.seen = True
+        raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     # Models, datasets and benchmark factories are named by module path (``mypkg.models:make``):
     # find them in the current directory, as ``python -m`` would.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
     args = build_parser().parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except DistoptError as err:
-        print(f"distopt {args.command}: error: {err}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as err:
-        print(f"distopt {args.command}: error: {err.strerror}: {err.filename}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C: what was started has been stopped on the way out
-        print(f"distopt {args.command}: interrupted", file=sys.stderr)
-        return 128 + signal.SIGINT
+    with _Interrupts() as interrupts:
+        try:
+            return int(args.func(args) or 0)
+        except (DistoptError, FileNotFoundError) as err:
+            if interrupts.seen:  # the error Ctrl-C became on its way out (see _Interrupts)
+                return _interrupted(args.command)
+            if isinstance(err, FileNotFoundError):
+                print(
+                    f"distopt {args.command}: error: {err.strerror}: {err.filename}",
+                    file=sys.stderr,
+                )
+            else:
+                print(f"distopt {args.command}: error: {err}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # Ctrl-C: what was started has been stopped on the way out
+            return _interrupted(args.command)
+
+
+def _interrupted(command: str) -> int:
+    print(f"distopt {command}: interrupted", file=sys.stderr)
+    return 128 + signal.SIGINT
 
 
 if __name__ == "__main__":

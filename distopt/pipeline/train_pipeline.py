@@ -31,6 +31,7 @@ between steps elsewhere are not seen (a ``distopt.ps`` push there is still count
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -40,6 +41,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from distopt.errors import ConfigError
+from distopt.estimate.step import StepPhases
 from distopt.pipeline.checks import (
     in_dist_autograd,
     no_slot_reason,
@@ -102,8 +104,25 @@ class StepOutput:
     loss: torch.Tensor
 
 
+class _Untimed:
+    """The phases of a pipeline that times none (``phases=None``)."""
+
+    def phase(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+        return contextlib.nullcontext()
+
+
+_UNTIMED = _Untimed()
+
+
 class TrainPipeline:
-    """Forward, backward, push and optimizer step with the next batches' reads in flight."""
+    """Forward, backward, push and optimizer step with the next batches' reads in flight.
+
+    ``phases``: time each step's phases (:class:`~distopt.estimate.step.StepPhases`, the names
+    the QPS log and the cost model use); the caller takes them after each step.
+    """
 
     def __init__(
         self,
@@ -118,6 +137,7 @@ class TrainPipeline:
         to_device: Callable[[Any], Any] | None = None,
         deterministic: bool = False,
         max_staleness: int | None = None,
+        phases: StepPhases | None = None,
     ) -> None:
         self.staleness = check_staleness(staleness)
         self.max_staleness = (
@@ -138,6 +158,8 @@ class TrainPipeline:
         self.push = push
         self.to_device = to_device
         self.steps = 0
+        # Each step's phases, timed into the caller's StepPhases (it takes them after the step).
+        self.phases = phases
         self._data_iter = data_iter
         self._prefetcher: Prefetcher[Any] | None = None
 
@@ -181,17 +203,24 @@ class TrainPipeline:
                 "would send the next batch's reads in this step's context)"
             )
         prefetcher = self._connect(data_iter)
-        batch, issued = prefetcher.take()
+        phases = self.phases or _UNTIMED
+        with phases.phase("data"):
+            batch, issued = prefetcher.take()
         self.optimizer.zero_grad(set_to_none=True)
-        with provided(issued):
-            output = self.model(*self.inputs(batch))
-        loss = self.loss_fn(output, batch)
-        prefetcher.before_backward()
-        loss.backward()
-        if self.push is not None:
-            self.push()
-        prefetcher.after_push()
-        self.optimizer.step()
+        with phases.phase("forward"):
+            with provided(issued):
+                output = self.model(*self.inputs(batch))
+            loss = self.loss_fn(output, batch)
+            # Sending the next batches' reads is part of the forward, as the cost model counts it.
+            prefetcher.before_backward()
+        with phases.backward(loss):
+            loss.backward()
+        with phases.phase("pushes"):
+            if self.push is not None:
+                self.push()
+            prefetcher.after_push()
+        with phases.phase("optimizer"):
+            self.optimizer.step()
         self.steps += 1
         return StepOutput(step=self.steps - 1, batch=batch, output=output, loss=loss.detach())
 

@@ -419,7 +419,9 @@ def train(
                                     source.task, trained(*batch.inputs), batch, model_loss
                                 )
                         if prefetcher is not None:
-                            prefetcher.before_backward()
+                            # The next batches' reads: in the forward, as the cost model counts them.
+                            with phases.phase("forward"):
+                                prefetcher.before_backward()
                         scaled = stepper.scale(loss)
                         with phases.backward(scaled):
                             scaled.backward()

@@ -10,6 +10,7 @@ import torch
 
 import distopt.ps as ps
 from distopt.errors import ConfigError
+from distopt.estimate.step import LOGGED, StepPhases
 from distopt.models.dlrm import dlrm_loss, make_batch
 from distopt.pipeline import TrainPipeline
 from distopt.pipeline.prefetch import LATE_TAKES
@@ -104,6 +105,33 @@ def test_deterministic_stale_runs_repeat_bitwise_and_pushes_are_ordered_again_af
     assert pipe.stats.staleness_max == 1 == first.stats.staleness_max
     _pipelined(server, staleness=1)  # relaxed: pushes may overtake each other while it runs
     assert calls.set_stale_pushes(False) is False  # and the issue order is back after it
+
+
+def test_a_pipeline_times_its_steps_phases_for_the_caller(server) -> None:
+    ps.load_state_dict(server)
+    batches = _batches()
+    gm = optimized_dlrm(_inputs(batches[0]))
+    phases = StepPhases(ps.take_wait_time)
+    pipe = TrainPipeline(
+        gm,
+        torch.optim.SGD(gm.parameters(), lr=0.01),
+        iter(batches),
+        staleness=1,
+        loss_fn=_loss,
+        inputs=_inputs,
+        push=lambda: ps.push_gradients(lr=LR),
+        phases=phases,
+    )
+    taken = []
+    for _ in pipe.run():
+        taken.append(phases.take())
+    pipe.close()
+    ps.flush()
+    assert len(taken) == STEPS
+    for step in taken:
+        assert list(step) == list(LOGGED)
+        assert step["forward"] > 0 and step["backward"] > 0 and step["optimizer"] > 0
+        assert step["pushes"] > 0 and step["data"] >= 0 and 0 <= step["waits"] <= step["forward"]
 
 
 def test_the_data_ends_cleanly_between_steps(server) -> None:

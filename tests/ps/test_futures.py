@@ -77,6 +77,22 @@ def test_after_starts_once_writes_and_reads_are_done_and_finishes_with_the_answe
     assert out.wait() == 42
 
 
+@pytest.mark.parametrize("signal_error", [KeyboardInterrupt(), SystemExit(143)])
+def test_an_interrupted_start_fails_the_call_and_still_ends_the_program(signal_error) -> None:
+    """Ctrl-C (or SIGTERM, which the CLI turns into SystemExit) while a request is sent: the call
+    fails, so the flush on the way out does not wait for it forever, and the signal goes on."""
+    out: Future = Future()
+
+    def start() -> Future:
+        raise signal_error
+
+    with pytest.raises(type(signal_error)):
+        after(out, writes=[], reads=[], start=start, finish=lambda v: v, what="ps.fetch:t")
+    assert out.done()
+    with pytest.raises(RemoteCallError, match="ps.fetch:t"):
+        out.wait()
+
+
 def test_a_failed_earlier_write_fails_the_call_without_starting_it() -> None:
     out: Future = Future()
     started: list[str] = []

@@ -72,10 +72,18 @@ def after(
             return
         try:
             inner = start()
-        except Exception as err:
-            out.set_exception(
-                err if isinstance(err, RemoteCallError) else RemoteCallError(f"{what}: {err}")
-            )
+        except BaseException as err:
+            # ``out`` is in its tables' order: left pending, every later call of those tables
+            # and every flush would wait for it forever. Ctrl-C (KeyboardInterrupt) or SIGTERM
+            # (SystemExit) landing while the request is sent still ends the program: a flush on
+            # the way out once hung there, and the program outlived its signal.
+            if isinstance(err, RemoteCallError):
+                out.set_exception(err)
+            else:
+                detail = err if isinstance(err, Exception) else type(err).__name__
+                out.set_exception(RemoteCallError(f"{what}: {detail}"))
+            if not isinstance(err, Exception):
+                raise
             return
 
         def done(fut: Future) -> None:
