@@ -815,7 +815,7 @@ def _point(
             variants, math.ceil(planned * bench.undecided_factor), turns="chunks"
         )
         round_samples: dict[str, list[list[float]]] = {name: [] for name in variants}
-        measured_phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
+        step_phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         round_index = 0
         planned_rounds: int | None = None  # set when the planned rounds are done
         started = time.perf_counter()
@@ -855,7 +855,7 @@ def _point(
                     wire[name][2] += len(chunk)
                 timed[name].merge(took)
                 round_samples[name].append(chunk[bench.warmup :])
-                measured_phases[name].extend(chunk_phases[bench.warmup :])
+                step_phases[name].extend(chunk_phases[bench.warmup :])
                 round_medians[name].append(median(chunk[bench.warmup :]))
             round_index += 1
             if planned_rounds is not None:
@@ -939,7 +939,7 @@ def _point(
         "predicted_pipeline_staleness": predicted_staleness,
         "predicted_phases": predicted,
         "measured_phases": {
-            name: _phase_medians(measured_phases[name], results[name].median_s) for name in variants
+            name: _phase_medians(step_phases[name], results[name].median_s) for name in variants
         },
         "predicted_step_s": predicted_s,
         "prediction": _prediction_scores(predicted_s, median_s),
@@ -965,7 +965,7 @@ def _point(
         "placement": "loopback" if link is None else "link",
         "link": _wire_report(bench, cfg, wire) if link is not None else None,
     }
-    return point, prediction, measured_phases
+    return point, prediction, step_phases
 
 
 def _hand_faster_rounds(round_medians: dict[str, list[float]]) -> int:
@@ -1166,8 +1166,8 @@ def _write_logs(
         )
         with writer:
             steps = zip(point["variants"][name]["step_times_s"], step_phases[name], strict=True)
-            for step, (seconds, phases) in enumerate(steps):
-                writer.log_step(step, seconds, phases=phases)
+            for step, (seconds, timed) in enumerate(steps):
+                writer.log_step(step, seconds, phases=timed)
 
 
 def _staleness_cell(point: dict) -> str:

@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import sys
+import threading
 
 from distopt.errors import DistoptError
 
@@ -68,14 +69,19 @@ class _Interrupts:
         self._installed = False
 
     def __enter__(self) -> _Interrupts:
-        # Only over Python's own handler: a caller's (a test's, an embedding program's) stays.
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        # Only over Python's own handler, in the main thread (the only one that may set one): a
+        # caller's handler (a test's, an embedding program's) stays.
+        if (
+            threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        ):
             signal.signal(signal.SIGINT, self._interrupt)
             self._installed = True
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._installed:
+        # Unless the command set a handler of its own meanwhile.
+        if self._installed and signal.getsignal(signal.SIGINT) == self._interrupt:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def _interrupt(self, signum: int, frame: object) -> None:

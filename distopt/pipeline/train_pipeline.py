@@ -203,7 +203,7 @@ class TrainPipeline:
                 "would send the next batch's reads in this step's context)"
             )
         prefetcher = self._connect(data_iter)
-        phases = self.phases or _UNTIMED
+        phases = _UNTIMED if self.phases is None else self.phases
         with phases.phase("data"):
             batch, issued = prefetcher.take()
         self.optimizer.zero_grad(set_to_none=True)
@@ -211,7 +211,8 @@ class TrainPipeline:
             with provided(issued):
                 output = self.model(*self.inputs(batch))
             loss = self.loss_fn(output, batch)
-            # Sending the next batches' reads is part of the forward, as the cost model counts it.
+            # With staleness >= 1 the next batches' reads leave here: part of the forward, as in
+            # the cost model's rehearsal (with 0 they leave after the push, in ``pushes``).
             prefetcher.before_backward()
         with phases.backward(loss):
             loss.backward()

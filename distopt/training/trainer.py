@@ -419,7 +419,7 @@ def train(
                                     source.task, trained(*batch.inputs), batch, model_loss
                                 )
                         if prefetcher is not None:
-                            # The next batches' reads: in the forward, as the cost model counts them.
+                            # Staleness >= 1: the next reads leave here (rehearsed in forward).
                             with phases.phase("forward"):
                                 prefetcher.before_backward()
                         scaled = stepper.scale(loss)

@@ -79,8 +79,9 @@ def test_after_starts_once_writes_and_reads_are_done_and_finishes_with_the_answe
 
 @pytest.mark.parametrize("signal_error", [KeyboardInterrupt(), SystemExit(143)])
 def test_an_interrupted_start_fails_the_call_and_still_ends_the_program(signal_error) -> None:
-    """Ctrl-C (or SIGTERM, which the CLI turns into SystemExit) while a request is sent: the call
-    fails, so the flush on the way out does not wait for it forever, and the signal goes on."""
+    """Ctrl-C (or SIGTERM, which a bench over a link turns into SystemExit) while a request is
+    sent: the call fails, so the flush on the way out does not wait for it forever, and the
+    signal goes on."""
     out: Future = Future()
 
     def start() -> Future:
@@ -90,6 +91,20 @@ def test_an_interrupted_start_fails_the_call_and_still_ends_the_program(signal_e
         after(out, writes=[], reads=[], start=start, finish=lambda v: v, what="ps.fetch:t")
     assert out.done()
     with pytest.raises(RemoteCallError, match="ps.fetch:t"):
+        out.wait()
+
+
+def test_an_interrupted_finish_still_fails_the_call() -> None:
+    """The answer came before the callback was added, so ``finish`` runs on this thread, inside
+    PyTorch's callback (which drops what a callback raises): Ctrl-C landing in it (unpickling,
+    a cache update) still fails the call, so nothing waits for it forever."""
+    out: Future = Future()
+
+    def finish(_value: object) -> None:
+        raise KeyboardInterrupt
+
+    after(out, writes=[], reads=[], start=lambda: _resolved(1), finish=finish, what="ps.push:t")
+    with pytest.raises(RemoteCallError, match="ps.push:t: KeyboardInterrupt"):
         out.wait()
 
 

@@ -63,6 +63,22 @@ def after(
     matter to later operations.
     """
 
+    def fail(err: BaseException) -> None:
+        """Complete ``out`` with ``err`` (as a :class:`RemoteCallError` naming the call), and
+        raise ``err`` again when it is not an error of the call: Ctrl-C (KeyboardInterrupt) or
+        SIGTERM turned into SystemExit. ``out`` is in its tables' order: left pending, every
+        later call of those tables and every flush would wait for it forever (a bench's flush
+        on the way out once did, and the bench outlived its signal). Raised inside a callback
+        PyTorch runs, the interrupt is logged and dropped there; ``out`` is failed all the same."""
+        if not out.done():
+            if isinstance(err, RemoteCallError):
+                out.set_exception(err)
+            else:
+                detail = err if isinstance(err, Exception) else type(err).__name__
+                out.set_exception(RemoteCallError(f"{what}: {detail}"))
+        if not isinstance(err, Exception):
+            raise err
+
     def go() -> None:
         failed = first_error(writes)
         if failed is not None:
@@ -73,26 +89,14 @@ def after(
         try:
             inner = start()
         except BaseException as err:
-            # ``out`` is in its tables' order: left pending, every later call of those tables
-            # and every flush would wait for it forever. Ctrl-C (KeyboardInterrupt) or SIGTERM
-            # (SystemExit) landing while the request is sent still ends the program: a flush on
-            # the way out once hung there, and the program outlived its signal.
-            if isinstance(err, RemoteCallError):
-                out.set_exception(err)
-            else:
-                detail = err if isinstance(err, Exception) else type(err).__name__
-                out.set_exception(RemoteCallError(f"{what}: {detail}"))
-            if not isinstance(err, Exception):
-                raise
+            fail(err)
             return
 
         def done(fut: Future) -> None:
             try:
                 out.set_result(finish(fut.value()))
-            except Exception as err:
-                out.set_exception(
-                    err if isinstance(err, RemoteCallError) else RemoteCallError(f"{what}: {err}")
-                )
+            except BaseException as err:
+                fail(err)
 
         inner.add_done_callback(done)
 
