@@ -70,10 +70,9 @@ from distopt.errors import ConfigError
 from distopt.estimate import GainPrediction
 from distopt.estimate.ab import now
 from distopt.estimate.step import (
-    OTHER,
     StepPhases,
     StepPrediction,
-    other_s,
+    phase_medians,
     predict_phases,
     predict_step,
     time_optimizer_step,
@@ -939,7 +938,7 @@ def _point(
         "predicted_pipeline_staleness": predicted_staleness,
         "predicted_phases": predicted,
         "measured_phases": {
-            name: _phase_medians(step_phases[name], results[name].median_s) for name in variants
+            name: phase_medians(step_phases[name], results[name].median_s) for name in variants
         },
         "predicted_step_s": predicted_s,
         "prediction": _prediction_scores(predicted_s, median_s),
@@ -1037,13 +1036,6 @@ def _predicted_phases(
     assert prediction.costs is not None  # DLRM's backward sends no remote write
     costs = dataclasses.replace(prediction.costs, optimizer_s=optimizer_s)
     return {name: predict_phases(costs, name) for name in costs.rehearsed}
-
-
-def _phase_medians(steps: list[dict[str, float]], median_step_s: float) -> dict[str, float]:
-    """Each phase's median over a variant's timed steps, and :data:`OTHER` (its median step less
-    the phases'): the measured side of ``predicted_phases``."""
-    medians = {phase: median([step[phase] for step in steps]) for phase in steps[0]}
-    return {**medians, OTHER: other_s(median_step_s, medians)}
 
 
 def _prediction_scores(predicted_s: dict[str, float], median_s: dict[str, float]) -> dict:

@@ -55,6 +55,16 @@ def other_s(median_step_s: float, phase_medians: Mapping[str, float]) -> float:
     return median_step_s - sum(phase_medians.get(name, 0.0) for name in PHASES)
 
 
+def phase_medians(steps: Sequence[Mapping[str, float]], median_step_s: float) -> dict[str, float]:
+    """The measured side of a per-phase report: each phase's (and part's) median over ``steps``
+    (the phases of each step, as :meth:`StepPhases.take` returns them; one missing counts 0),
+    and :data:`OTHER`, what those medians leave of the median step ``median_step_s``."""
+    medians = {
+        name: float(statistics.median(step.get(name, 0.0) for step in steps)) for name in steps[0]
+    }
+    return {**medians, OTHER: other_s(median_step_s, medians)}
+
+
 LOGGED: tuple[str, ...] = (
     "data",
     "forward",

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from distopt.errors import DistoptError
-from distopt.estimate.step import OTHER, StepPrediction, other_s
+from distopt.estimate.step import StepPrediction, phase_medians
 from distopt.metrics.records import MergedStep, RunLog, StepRecord
 
 DEFAULT_WARMUP = 5
@@ -298,13 +298,7 @@ def summarize(run: Jobs, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSumm
     measured = np.concatenate([np.asarray(seg) for seg in segments])
     step_times = np.asarray([m.step_time_s for m in counted_steps], dtype=float)
     median_step_s = float(np.median(step_times))
-    phases = None
-    if recorded:
-        phases = {
-            name: float(np.median([p.get(name, 0.0) for p in recorded])) for name in recorded[0]
-        }
-        # What the phases' medians leave of the median step, as the prediction's OTHER is made.
-        phases[OTHER] = other_s(median_step_s, phases)
+    phases = phase_medians(recorded, median_step_s) if recorded else None
     return RunSummary(
         label=label,
         run_id=run.run_id,
