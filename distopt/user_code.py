@@ -19,6 +19,7 @@ from types import ModuleType
 from typing import Any
 
 from distopt.errors import ConfigError
+from distopt.where import describe_failure
 
 
 def import_module(name: str) -> ModuleType:
@@ -40,7 +41,7 @@ def import_module(name: str) -> ModuleType:
 
 def load(spec: str, *, key: str) -> Any:
     """The object ``package.module:function`` names; a one-line :class:`ConfigError` naming
-    ``key`` when it is malformed or does not import."""
+    ``key`` when it is malformed, does not import, or its module raises while importing."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(f"{key}: expected 'package.module:function', got {spec!r}")
@@ -50,6 +51,10 @@ def load(spec: str, *, key: str) -> Any:
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as err:
         raise ConfigError(f"{key}: cannot import {spec!r} ({type(err).__name__}: {err})") from None
+    except Exception as err:  # the module itself raised: a SyntaxError, a missing variable
+        raise ConfigError(
+            f"{key}: importing {module_name!r} for {spec!r} failed: {describe_failure(err)}"
+        ) from None
     return obj
 
 

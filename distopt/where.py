@@ -69,6 +69,11 @@ def describe_failure(exc: BaseException) -> str:
     """``Type: first line of the message (at user_file:line: code)``."""
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     where = user_frame(exc)
+    if isinstance(exc, SyntaxError) and exc.filename and exc.msg:
+        # The user's line is in the exception, not in a frame; str() names the file without its folder.
+        message = exc.msg
+        text = (exc.text or "").strip()
+        where = f"{exc.filename}:{exc.lineno}" + (f": {text}" if text else "")
     return f"{type(exc).__name__}: {message}" + (f" (at {where})" if where else "")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import warnings
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from torch import nn
 import distopt
 import distopt.ps as ps
 from distopt import models
-from distopt.errors import ConfigError
+from distopt.errors import ConfigError, DistoptFallbackWarning
 from distopt.estimate.ab import now
 from distopt.optimize.gain import predict_gain
 from distopt.pipeline import pipeline_split
@@ -91,13 +92,16 @@ def _explain(
     args: argparse.Namespace, model: nn.Module, inputs: tuple[Any, ...] | None
 ) -> nn.Module:
     passes = [p.strip() for p in args.passes.split(",") if p.strip()] if args.passes else None
-    optimized = distopt.optimize(
-        model,
-        inputs,
-        passes=passes,
-        verify=None if not args.no_verify else False,
-        strict=args.strict,
-    )
+    with warnings.catch_warnings():
+        # The report printed below says why; the warning would name this file, not the user's.
+        warnings.simplefilter("ignore", DistoptFallbackWarning)
+        optimized = distopt.optimize(
+            model,
+            inputs,
+            passes=passes,
+            verify=None if not args.no_verify else False,
+            strict=args.strict,
+        )
     if args.pipeline:
         distopt.explain(
             pipeline_split(optimized).main, show_code=not args.no_code, graph_path=args.graph

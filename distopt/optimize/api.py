@@ -285,8 +285,18 @@ def _verify_or_fall_back(
             "has its outputs verified but not its gradients: backward sends",
         )
         unsent = err.write
+        report.backward_writes = [err.write.describe()]
         verify_cfg = dataclasses.replace(cfg.verify, check_grads=False)
         reference = run_reference(model, inputs, verify_cfg, allow_writes=False)
+    except Exception as err:  # the user's own model failed on the example inputs
+        if strict:
+            raise
+        # No reference to check against; e.g. a model whose remote calls have no RPC group.
+        return _fall_back(
+            model, report, f"running the original model failed: {describe_failure(err)}"
+        )
+    else:
+        report.backward_writes = [w.describe() for w in reference.recording.backward_writes]
     if not reference.check_grads:  # an inference run: the final timing check's first sample
         report.original_seconds = reference.seconds
     dropped = _assignments_dropped(optimized, reference.rebound)

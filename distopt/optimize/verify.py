@@ -29,7 +29,7 @@ from distopt.config import VerifyConfig
 from distopt.estimate.ab import default_clock
 from distopt.remote.isolation import RngStates, isolated, kept_attributes, preserved_state
 from distopt.remote.local import named_local_tensors, with_remote_calls
-from distopt.remote.record import Recording, RemoteWriteRefused, recording
+from distopt.remote.record import Recording, backward_pass, recording
 from distopt.remote.replay import Replay
 from distopt.report import VerifyRecord
 
@@ -108,12 +108,8 @@ def _run(
                 for t in differentiable
             )
             # differentiable is not empty, so the sum is a tensor (never the start value 0).
-            try:
-                with exact_math():
-                    cast(torch.Tensor, loss).backward()
-            except RemoteWriteRefused as err:
-                err.in_backward = True
-                raise
+            with exact_math(), backward_pass():
+                cast(torch.Tensor, loss).backward()
         grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in params}
     return RunResult([t.detach().clone() for t in tensors], flat_out, grads)
 

@@ -8,6 +8,9 @@ to count what it missed. It counts only ``distopt.ps`` pushes, against ``distopt
 
 * ``staleness >= 1`` with ``push=``: the read runs ahead of ``push``, whose writes are invisible
   (a user RPC may update the very rows it reads), so an uncounted read is refused;
+* ``staleness >= 1`` when the model's backward sends remote writes (an autograd function that
+  pushes its rows' gradients with ``rpc_sync``, as verification found): the read runs ahead of
+  that backward, whose writes are unseen in the same way;
 * ``staleness >= 2``: the read of batch ``k + s`` is issued before the forward of the steps in
   between, so it crosses the forward's remote writes; an uncounted one that the passes say
   conflicts with it (same resource, or unknown) is refused. ``staleness=1`` crosses none: the
@@ -18,6 +21,8 @@ A model ``distopt.optimize`` compiled with Dynamo or returned as written has no 
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed.autograd as dist_autograd
@@ -46,10 +51,18 @@ def uncounted_reads(gm: torch.fx.GraphModule) -> list[tuple[Node, RemoteOp]]:
     return [(issue, ops[issue]) for issue, _ in prefetchable(gm) if not is_counted(ops[issue])]
 
 
-def staleness_problem(gm: torch.fx.GraphModule, staleness: int, *, push: bool) -> str | None:
+def staleness_problem(
+    gm: torch.fx.GraphModule,
+    staleness: int,
+    *,
+    push: bool,
+    backward_writes: Sequence[str] = (),
+) -> str | None:
     """Why ``gm`` cannot run ``staleness`` steps ahead with its staleness counted, or ``None``.
 
-    ``push``: the pipeline calls a user ``push`` each step (its writes are unseen)."""
+    ``push``: the pipeline calls a user ``push`` each step (its writes are unseen).
+    ``backward_writes``: the remote writes ``gm``'s backward sends, described
+    (:attr:`~distopt.report.OptimizeReport.backward_writes`; unseen too)."""
     if staleness == 0:
         return None
     uncounted = uncounted_reads(gm)
@@ -61,6 +74,12 @@ def staleness_problem(gm: torch.fx.GraphModule, staleness: int, *, push: bool) -
             f"staleness={staleness} cannot count what the read {_named(issue, op)} misses: it would "
             "run before push=, whose writes are unseen (only distopt.ps pushes are counted, for "
             "distopt.ps reads); use staleness=0 (exact)"
+        )
+    if backward_writes:
+        return (
+            f"staleness={staleness} cannot count what the read {_named(issue, op)} misses: it would "
+            f"run before the backward's remote writes, which it does not see ({backward_writes[0]}; "
+            "only distopt.ps pushes are counted, for distopt.ps reads); use staleness=0 (exact)"
         )
     if staleness >= 2:
         ops = remote_ops(gm.graph)

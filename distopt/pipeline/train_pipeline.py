@@ -82,7 +82,10 @@ def check_pipelined(model: nn.Module, staleness: int, *, push: bool) -> Prefetch
     counted reads (see :mod:`distopt.pipeline.checks`), else a one-line ``ConfigError`` naming it."""
     split = pipeline_split(model)
     assert isinstance(model, torch.fx.GraphModule)  # pipeline_split refused anything else
-    problem = staleness_problem(model, staleness, push=push)
+    report = report_of(model)
+    problem = staleness_problem(
+        model, staleness, push=push, backward_writes=report.backward_writes if report else ()
+    )
     if problem is not None:
         raise ConfigError(f"pipeline: model {type(model).__name__}: {problem}")
     return split

@@ -10,6 +10,7 @@ performs every remote call and keeps its result, and the optimized graph runs un
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import sys
 import threading
@@ -77,11 +78,11 @@ def remote_write(
 class RemoteWriteRefused(VerificationError):
     """A run that must not change remote state reached a remote write (before sending it)."""
 
-    def __init__(self, write: RemoteWrite) -> None:
+    def __init__(self, write: RemoteWrite, *, in_backward: bool = False) -> None:
         super().__init__(write.describe())
         self.write = write
-        self.in_backward = False
-        """Set when backward made the call (the forward sends no write)."""
+        self.in_backward = in_backward
+        """Backward made the call (inside :func:`backward_pass`; the forward sent no write)."""
 
 
 @dataclasses.dataclass
@@ -91,6 +92,24 @@ class Recording:
     """Remote writes that were not sent but waited out (``recording(write_cost_s=...)``)."""
     blocking_s: list[float] = dataclasses.field(default_factory=list)
     """Seconds each blocking call of :attr:`calls` took (an issue's are not here)."""
+    backward_writes: list[RemoteWrite] = dataclasses.field(default_factory=list)
+    """Remote writes made inside :func:`backward_pass` (sent, or refused there)."""
+
+
+_IN_BACKWARD: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "distopt_in_backward", default=False
+)
+
+
+@contextlib.contextmanager
+def backward_pass() -> Iterator[None]:
+    """Inside: the recorded model's backward runs (on this thread, as autograd runs a CPU
+    graph's backward on the thread that called it): its remote writes are backward writes."""
+    token = _IN_BACKWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_BACKWARD.reset(token)
 
 
 def entry_points() -> dict[int, RemoteCallSpec]:
@@ -124,20 +143,25 @@ def recording(
 
     def handler(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         spec = entries.get(id(fn))
-        if spec is not None and not allow_writes and fn is not spec.batched:
+        write: RemoteWrite | None = None
+        if spec is not None and fn is not spec.batched:
             if registry.effect_of(spec, args, kwargs) == "write":
                 where = user_line(call_frame(sys._getframe(1))) or "an unknown line"
                 write = remote_write(spec, args, kwargs, where)
-                if write_cost_s is None:
-                    raise RemoteWriteRefused(write)
-                if fn is spec.fn:
-                    time.sleep(write_cost_s)
-                    record.stood_in.append(write)
-                    return None
-                if fn is spec.issue and spec.wait is _TORCH_FUTURE_WAIT:
-                    record.stood_in.append(write)
-                    return _answered_later(write_cost_s)
-                raise RemoteWriteRefused(write)
+                if _IN_BACKWARD.get():
+                    record.backward_writes.append(write)
+        if write is not None and not allow_writes:
+            assert spec is not None  # write is set only for a spec's call
+            if write_cost_s is None:
+                raise RemoteWriteRefused(write, in_backward=_IN_BACKWARD.get())
+            if fn is spec.fn:
+                time.sleep(write_cost_s)
+                record.stood_in.append(write)
+                return None
+            if fn is spec.issue and spec.wait is _TORCH_FUTURE_WAIT:
+                record.stood_in.append(write)
+                return _answered_later(write_cost_s)
+            raise RemoteWriteRefused(write, in_backward=_IN_BACKWARD.get())
         start = time.perf_counter()
         with calling_through():
             value = fn(*args, **kwargs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch.utils.data import TensorDataset
@@ -70,4 +72,27 @@ def test_bad_factories_are_one_line_errors_naming_them(
             call_factory(spec, kwargs, split="train", seed=0)
         else:
             load_factory(spec)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        ("def make(split, seed)\n    pass\n", r"SyntaxError: expected ':' \(at .*broken_data\.py:1: def make\(split, seed\)\)$"),
+        ("import os\nBUCKET = os.environ['DISTOPT_TEST_UNSET_BUCKET']\n", r"KeyError: 'DISTOPT_TEST_UNSET_BUCKET' \(at .*broken_data\.py:2: "),
+    ],
+)  # fmt: skip
+def test_a_data_module_that_raises_while_importing_is_a_one_line_error(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, source: str, message: str
+) -> None:
+    """A user's data module with a syntax error, or one reading an unset variable at import, had
+    escaped the config check as a 45-line traceback (the model's factory gave one line)."""
+    (tmp_path / "broken_data.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "broken_data", raising=False)
+    with pytest.raises(
+        ConfigError,
+        match=r"^data.source: importing 'broken_data' for 'broken_data:make' failed: " + message,
+    ) as info:
+        load_factory("broken_data:make")
     assert "\n" not in str(info.value)

@@ -77,8 +77,11 @@ def _pushes_in_backward(config: dict | None = None):
         config=config,
         passes=["split_remote", "hoist_issue", "sink_wait"],
     )
-    record = report_of(optimized).verification
+    report = report_of(optimized)
+    record = report.verification
     assert record is not None
+    # What a pipeline running reads ahead of backward must know (distopt.pipeline.checks).
+    assert len(report.backward_writes) == 1 and report.backward_writes[0].startswith("push at ")
     return record, STORE.log
 
 
@@ -236,3 +239,23 @@ def test_forked_rng_covers_the_gpus_in_use() -> None:
     with forked_rng():
         torch.randn(3, device="cuda")
     assert before.same_as(RngStates.now())
+
+
+class _NeedsAServer(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("RPC has not been initialized")
+
+
+def test_a_model_failing_on_its_example_inputs_is_returned_with_the_reason() -> None:
+    """A user's model whose remote calls have no RPC group (``distopt explain`` on a factory
+    returning ``(model, inputs)``) had crashed optimize with a traceback from verification."""
+    model = _NeedsAServer()
+    with pytest.warns(DistoptFallbackWarning, match="running the original model failed"):
+        result = distopt.optimize(model, (torch.randn(2, 3),))
+    assert result is model
+    fallback = report_of(result).fallback
+    assert fallback is not None and fallback.startswith(
+        "running the original model failed: RuntimeError: RPC has not been initialized (at "
+    )
+    with pytest.raises(RuntimeError, match="RPC has not been initialized"):
+        distopt.optimize(model, (torch.randn(2, 3),), strict=True)

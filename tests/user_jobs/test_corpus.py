@@ -10,9 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from distopt.dist.rendezvous import free_port
+from distopt.metrics import load_run
 from distopt.metrics.records import RunLog
 from tests.launchers.conftest import ray_cluster  # noqa: F401  (a fixture)
-from tests.user_jobs.as_user import copy_out, launch, launch_both, losses, replica_logs, trainer_log
+from tests.user_jobs.as_user import (
+    copy_out,
+    distopt_cli,
+    launch,
+    launch_both,
+    losses,
+    replica_logs,
+    trainer_log,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -143,3 +153,38 @@ def test_an_undeclared_server_function_is_named_in_the_job_log(tmp_path: Path) -
     )
     assert log.count("DistoptUnverifiedWarning") == 1 and expected in log
     assert "verification passed (outputs only)" in log
+
+
+def test_a_pipeline_ahead_of_writes_sent_from_backward_is_refused_and_exact_mode_trains(
+    tmp_path: Path,
+) -> None:
+    """kv_recsys pipelined: its backward sends the rows' SGD step with ``rpc_sync``, which the
+    pipeline cannot count. Staleness 1 had trained on rows missing the last update, logging
+    ``staleness_max: 0``; it is now refused in one line naming the read and the write, and exact
+    mode trains with the losses of the job without a pipeline."""
+    work = copy_out("kv_recsys", tmp_path)
+    model = work / "kvrec" / "model.py"
+    ahead = distopt_cli(
+        "launch", "job.yaml", "--set", "variant=optimized", "--set", "pipeline.enabled=true",
+        "--set", "pipeline.staleness=1", "--set", "steps=3", "--run-id", "ahead",
+        "--num-trainers", "1", "--arg", f"master_port={free_port(consecutive=2)}",
+        cwd=work,
+    )  # fmt: skip
+    assert ahead.returncode != 0
+    failed = [line for line in ahead.stderr.splitlines() if "FAILED" in line]
+    assert len(failed) == 1, ahead.stderr
+    assert "staleness=1 cannot count what the read" in failed[0]
+    assert f"the backward's remote writes, which it does not see (rpc_sync at {model}:" in failed[0]
+    sets = ("deterministic=true", "steps=20")
+    launch(work, "optimized", ps=True, num_trainers=1, sets=sets)
+    launch(
+        work,
+        "optimized",
+        ps=True,
+        num_trainers=1,
+        run_id="exact",
+        sets=(*sets, "pipeline.enabled=true"),
+    )
+    plain, exact = load_run(work / "runs" / "optimized"), load_run(work / "runs" / "exact")
+    assert losses(exact) == losses(plain)
+    assert all(step.staleness_max == 0 for step in exact.ranks[0].steps)
