@@ -241,8 +241,16 @@ class Measurer:
         base, cand = statistics.median(samples["baseline"]), statistics.median(samples["candidate"])
         if base <= 0 or cand <= 0:
             return False
-        band = max(CLEAR_ONE_ROUND / math.sqrt(rounds), 2 * self.margin)
-        return abs(math.log(base / cand)) >= math.log1p(band)
+        return abs(math.log(base / cand)) >= math.log1p(self._band(rounds))
+
+    def _band(self, rounds: int) -> float:
+        """How far apart medians of ``rounds`` rounds must be to tell them apart."""
+        return max(CLEAR_ONE_ROUND / math.sqrt(rounds), 2 * self.margin)
+
+    def clearly_slower(self, result: ABResult) -> bool:
+        """The candidate measured slower than the baseline by more than the noise of its rounds
+        allows (the band :meth:`compare` stops at)."""
+        return result.candidate_s > result.baseline_s * (1 + self._band(result.rounds))
 
     def keeps(self, result: ABResult) -> bool:
         """The candidate is faster than the baseline by at least the margin."""

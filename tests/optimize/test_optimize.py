@@ -269,6 +269,26 @@ def test_the_final_check_reuses_a_long_graph_timing_from_the_passes(
         )
 
 
+@pytest.mark.parametrize(("graph_s", "returned"), [(1.1, "optimized"), (1.3, "original")])
+def test_a_long_final_check_returns_the_original_only_when_clearly_slower(
+    graph_s: float, returned: str
+) -> None:
+    # The passes timed the optimized graph at graph_s, the original's verification run took 1 s:
+    # 10% apart is within one round's noise (the passes' interleaved A/B decided), 30% is not.
+    # Either way no call is made.
+    wrapper = nn.Sequential(_Counted())
+    optimized = torch.fx.GraphModule(wrapper, _CountedLeaf().trace(wrapper))
+    original = _Counted()
+    report = OptimizeReport(model="M", tier="symbolic_trace", original_seconds=1.0)
+    report.graphs.append(GraphRecord(code_before="", measured_seconds=graph_s))
+    result = _keep_if_not_slower(
+        original, optimized, (torch.ones(2),), OptimizeConfig(), report, warm=True
+    )
+    assert result is {"optimized": optimized, "original": original}[returned]
+    assert optimized.get_submodule("0").calls == 0 and original.calls == 0
+    assert (report.fallback is None) == (returned == "optimized")
+
+
 class _ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
