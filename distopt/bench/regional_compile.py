@@ -13,7 +13,9 @@ transformers library's ConvNeXt-T, or a ResNet, built from its config with rando
 The conv net runs channels-last (``channels_last``) in every variant. Every run is a fresh process
 with a fresh Inductor cache directory (nothing compiled earlier helps), rounds go round-robin
 over the variants, tables quote medians. Compile time is the first step's time less the median
-of the following steps.
+of the following steps. Inductor's CPU vector-ISA probe, a fact about the machine that a fresh
+cache directory would make every run pay again, runs before the model is built
+(:func:`distopt.bench.probe_inductor_cpu`; its seconds are in the JSON as ``isa_probe_s``).
 
 Targets (issue 26): regional ≥ ``target_speed``× the whole-model step speed, with
 ≤ ``target_compile_ratio``× its compile time.
@@ -38,7 +40,7 @@ from rich.table import Table
 from torch import nn
 
 import distopt
-from distopt.bench import median
+from distopt.bench import median, probe_inductor_cpu
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist.rendezvous import StorePlan, init_gloo, spawned_gloo
@@ -166,6 +168,7 @@ def _worker(
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="distopt-bench-inductor-")
+    probe_s = probe_inductor_cpu()
     init_gloo(plan, me="rank0", rank=0, world_size=1, timeout_s=120.0)
     try:
         model, x, target = _build(cfg, name)
@@ -199,6 +202,7 @@ def _worker(
                     "compile_s": max(0.0, times[0] - step_s),
                     "setup_s": setup_s,
                     "regions": record.regions if record else 0,
+                    "isa_probe_s": probe_s,
                     "loss": loss.item(),
                 }
             )
@@ -228,7 +232,14 @@ def run(config: dict, args: argparse.Namespace) -> int:
         rows[name] = {
             variant: {
                 key: median([x[key] for x in results])
-                for key in ("step_s", "first_step_s", "compile_s", "setup_s", "regions")
+                for key in (
+                    "step_s",
+                    "first_step_s",
+                    "compile_s",
+                    "setup_s",
+                    "regions",
+                    "isa_probe_s",
+                )
             }
             for variant, results in runs.items()
         }

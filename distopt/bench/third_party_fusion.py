@@ -34,7 +34,7 @@ from rich.table import Table
 from torch import nn
 
 import distopt
-from distopt.bench import median
+from distopt.bench import median, probe_inductor_cpu
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.estimate.ab import default_clock, wall_clock
@@ -186,6 +186,9 @@ def run(config: dict, args: argparse.Namespace) -> int:
     # Dynamo's one-time start-up (imports, first frame) is paid before anything is timed: both
     # distopt (its capture tier) and torch.compile use it.
     torch.compile(lambda t: t + 1, backend="eager")(torch.ones(1))
+    # So is Inductor's probe of the machine's vector ISAs, which the first row's compile paid alone.
+    if cfg.compile and device.type == "cpu":
+        probe_inductor_cpu()
     default_threads = torch.get_num_threads()
     rows = [
         _one(cfg, name, threads or default_threads, device, console)
