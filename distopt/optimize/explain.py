@@ -97,7 +97,7 @@ def _verification(v: VerifyRecord) -> str:
 def summary(module: nn.Module) -> str:
     """One line on what :func:`distopt.optimize` did to ``module`` (job logs)."""
     report = _report(module)
-    changed = changed_passes(report)
+    changed = [] if report.fallback else changed_passes(report)  # a fallback kept no change
     text = f"optimize: {report.model} {_verdict(report)} ({report.tier}"
     text += f"; changed by {', '.join(changed)})" if changed else ")"
     if report.fallback:

@@ -15,6 +15,7 @@ import itertools
 import logging
 import secrets
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from distopt.config import to_dict
 from distopt.data import Batch, DataSource, build_data, to_batch
 from distopt.dist.env import JobEnv
 from distopt.dist.rendezvous import collective, collective_error
-from distopt.errors import CaptureError, ConfigError, RemoteCallError
+from distopt.errors import CaptureError, ConfigError, DistoptFallbackWarning, RemoteCallError
 from distopt.estimate.step import (
     StepPhases,
     gradient_bytes,
@@ -112,7 +113,11 @@ def resolve_run_id(config: JobConfig, env: JobEnv) -> str:
 
 
 def _optimize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> nn.Module:
-    return optimize(model, example, config=config.optimize_config or None)
+    with warnings.catch_warnings():
+        # The job logs the summary line (explain.summary), which gives the reason: the warning
+        # would say it again, naming this file as its cause.
+        warnings.simplefilter("ignore", DistoptFallbackWarning)
+        return optimize(model, example, config=config.optimize_config or None)
 
 
 def _prediction(

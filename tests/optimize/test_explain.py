@@ -1,9 +1,11 @@
+import pytest
 import torch
 from torch import nn
 
 import distopt
 from distopt import models
-from distopt.optimize.explain import draw_graph
+from distopt.errors import DistoptFallbackWarning
+from distopt.optimize.explain import draw_graph, summary
 
 
 def test_report_lists_tier_passes_diff_and_verification() -> None:
@@ -90,3 +92,24 @@ def test_explain_reports_what_parallelize_did() -> None:
     assert "capture tier: symbolic_trace" in text and "verification passed" in text
     assert "parallelize: fsdp, 4 units (MiB: " in text
     assert "FSDP2 schedule: units left to the root" in text
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.inner = nn.Sequential(nn.Linear(4, 4), nn.Identity())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(x)
+
+
+def test_a_job_logs_summary_of_a_fallback_gives_the_reason_and_no_changes() -> None:
+    """A user's trial: 'returned unoptimized (eager_fallback; changed by split_remote, ...)'
+    named passes whose changes were thrown away."""
+    with pytest.warns(DistoptFallbackWarning):
+        result = distopt.optimize(_Counting(), (torch.randn(2, 4),))
+    line = summary(result)
+    assert line.startswith("optimize: _Counting returned unoptimized (eager_fallback): ")
+    assert "changed by" not in line and "forward assigns calls" in line
