@@ -218,6 +218,7 @@ def _prediction(
         "optimizer_s": step_s,
         "rehearsed": costs.rehearsed,
         "write_stand_ins": costs.write_stand_ins,
+        "write_waits": costs.write_waits,
     }
 
 

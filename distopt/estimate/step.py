@@ -267,8 +267,9 @@ class StepCosts:
     """Per schedule (:data:`SCHEDULES`, those rehearsed): the median ``forward``, ``waits``,
     ``backward`` and ``pushes``, and :data:`OTHER`, of steps run at start-up on the first batch —
     remote reads sent for real, distopt pushes as dry runs (the servers compute on copies and
-    change nothing), a remote write of the user's own not sent but waited out at
-    :attr:`read_latency_s`, no optimizer step (:func:`distopt.optimize.gain.rehearse`)."""
+    change nothing), a remote write of the user's own not applied but stood in for (its
+    arguments sent to its server, where nothing runs; without a stand-in, waited out at
+    :attr:`read_latency_s`), no optimizer step (:func:`distopt.optimize.gain.rehearse`)."""
     pushes: PushMode = "none"
     """How the rehearsal pushed (``in_turn``: each trainer's blocking push in its turn)."""
     trainers: int = 1
@@ -280,7 +281,10 @@ class StepCosts:
     optimizer_s: float = 0.0
     data_s: float = 0.0
     write_stand_ins: int = 0
-    """Remote writes per rehearsed step that were waited out instead of sent."""
+    """Remote writes per rehearsed step that were stood in for instead of applied."""
+    write_waits: int = 0
+    """Those of :attr:`write_stand_ins` with no stand-in to send: waited out at
+    :attr:`read_latency_s`."""
     read_latency_s: float = 0.0
     """The model's median remote read (what a write not sent costs)."""
     pipeline_depth: int | None = None
@@ -308,10 +312,15 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
     """How each phase of :func:`predict_phases` was predicted (the QPS-log header's ``how``)."""
     writes = ""
     if costs.write_stand_ins:
-        writes = (
-            f"; {costs.write_stand_ins} remote write(s) per step not sent, each waited out at "
-            f"the model's median read ({costs.read_latency_s * 1e3:.2f} ms)"
-        )
+        writes = f"; {costs.write_stand_ins} remote write(s) per step not applied"
+        sent = costs.write_stand_ins - costs.write_waits
+        if sent:
+            writes += f", {sent} sent as stand-ins (their arguments to their server, run nowhere)"
+        if costs.write_waits:
+            writes += (
+                f", {costs.write_waits} waited out at the model's median read "
+                f"({costs.read_latency_s * 1e3:.2f} ms)"
+            )
     rehearsed = "median of steps rehearsed at start-up on the first batch (reads sent)"
     if costs.trainers > 1:
         rehearsed = f"{rehearsed}, the {costs.trainers} trainers in step"

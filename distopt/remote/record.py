@@ -89,7 +89,9 @@ class RemoteWriteRefused(VerificationError):
 class Recording:
     calls: list[RemoteCallRecord] = dataclasses.field(default_factory=list)
     stood_in: list[RemoteWrite] = dataclasses.field(default_factory=list)
-    """Remote writes that were not sent but waited out (``recording(write_cost_s=...)``)."""
+    """Remote writes not applied but stood in for (``recording(write_cost_s=...)``)."""
+    waited_out: list[RemoteWrite] = dataclasses.field(default_factory=list)
+    """Those of :attr:`stood_in` with no stand-in sent: waited out at ``write_cost_s``."""
     blocking_s: list[float] = dataclasses.field(default_factory=list)
     """Seconds each blocking call of :attr:`calls` took (an issue's are not here)."""
     backward_writes: list[RemoteWrite] = dataclasses.field(default_factory=list)
@@ -132,10 +134,11 @@ def recording(
     Only the outermost call counts: the ``rpc_async`` a ``RemoteModule`` makes inside its
     ``forward`` belongs to that one call. Waits and other leaves run unrecorded. With
     ``allow_writes=False`` a remote write raises :class:`RemoteWriteRefused` before it is sent;
-    with ``write_cost_s`` too, a blocking write is not sent either: this thread waits that long
-    instead and the call answers ``None``, and an issued one (``rpc_async``: a torch future)
-    answers ``None`` that long after it was issued, so a timing run sees what the write would
-    cost (:attr:`Recording.stood_in` lists them; a model that uses a write's answer fails that
+    with ``write_cost_s`` too, a write is not applied either, and a timing run sees what it would
+    cost: its spec's :attr:`~RemoteCallSpec.stand_in` is sent (its arguments to its server, where
+    nothing runs) and the call answers ``None`` — as a future when the write was issued
+    (``rpc_async``); without a stand-in this thread waits ``write_cost_s`` instead, or an issued
+    one answers that long after it was issued (:attr:`Recording.stood_in` lists them; a model that uses a write's answer fails that
     run; a write issued through another library's handle is refused).
     """
     entries: dict[int, RemoteCallSpec] = {}
@@ -155,12 +158,18 @@ def recording(
             if write_cost_s is None:
                 raise RemoteWriteRefused(write, in_backward=_IN_BACKWARD.get())
             if fn is spec.fn:
-                time.sleep(write_cost_s)
                 record.stood_in.append(write)
+                if not _stood_in(spec, args, kwargs):
+                    record.waited_out.append(write)
+                    time.sleep(write_cost_s)
                 return None
             if fn is spec.issue and spec.wait is _TORCH_FUTURE_WAIT:
                 record.stood_in.append(write)
-                return _answered_later(write_cost_s)
+                issued = _stand_in_issued(spec, args, kwargs)
+                if issued is None:
+                    record.waited_out.append(write)
+                    return _answered_later(write_cost_s)
+                return issued
             raise RemoteWriteRefused(write, in_backward=_IN_BACKWARD.get())
         start = time.perf_counter()
         with calling_through():
@@ -179,6 +188,34 @@ def recording(
 _TORCH_FUTURE_WAIT = registry.wait_future
 """The wait of issues answering a torch future (read here once: inside a routed block the
 registry's name answers with its routed wrapper)."""
+
+
+def _stood_in(spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+    """Send a blocking write's :attr:`~RemoteCallSpec.stand_in` and wait for it; ``False`` when
+    the spec has none or it failed (a server without distopt to run it)."""
+    if spec.stand_in is None:
+        return False
+    try:
+        with calling_through():  # the stand-in's own rpc_async is not the model's call
+            spec.stand_in(args, kwargs).wait()
+    except Exception:
+        return False
+    return True
+
+
+def _stand_in_issued(
+    spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> torch.futures.Future | None:
+    """An issued write not sent: its stand-in's future, answering ``None`` whether the stand-in
+    ran or failed; ``None`` when the spec has none or it could not be sent."""
+    if spec.stand_in is None:
+        return None
+    try:
+        with calling_through():
+            sent = spec.stand_in(args, kwargs)
+    except Exception:
+        return None
+    return sent.then(lambda _: None)
 
 
 def _answered_later(seconds: float) -> torch.futures.Future:

@@ -30,6 +30,7 @@ Effect = Literal["read", "write"]
 EffectFn = Callable[[Sequence[Any], Mapping[str, Any]], Effect]
 ResourceFn = Callable[[Sequence[Any], Mapping[str, Any]], Hashable]
 RunsFn = Callable[[Sequence[Any], Mapping[str, Any]], Sequence[Any]]
+StandInFn = Callable[[Sequence[Any], Mapping[str, Any]], Future]
 
 
 def wait_future(fut: Future) -> Any:
@@ -60,6 +61,10 @@ class RemoteCallSpec:
             fixed by the registration (nothing for the user to declare).
         wait_profiled: ``wait`` opens a profiler range of its own (as ``distopt.ps.wait`` does),
             so the wait op opens none around it.
+        stand_in: optional function of ``(args, kwargs)`` that sends a write's arguments to the
+            server the call goes to, where nothing runs, and returns the future of that request:
+            what a rehearsal that must not write times in the write's place (the transport at
+            the sizes the step sends). Without one, a rehearsal waits a read's latency instead.
         wait_op: the graph op the passes insert to wait for an issued call (made from ``wait``
             when the spec is created; see :mod:`distopt.remote.wait`).
     """
@@ -74,6 +79,7 @@ class RemoteCallSpec:
     aliases: tuple[tuple[dict[str, Any], str], ...] = field(default=(), compare=False)
     runs: RunsFn | None = None
     wait_profiled: bool = False
+    stand_in: StandInFn | None = field(default=None, compare=False)
     wait_op: WaitOp = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +108,7 @@ def register_remote(
     aliases: Sequence[tuple[dict[str, Any], str]] = (),
     runs: RunsFn | None = None,
     wait_profiled: bool = False,
+    stand_in: StandInFn | None = None,
 ) -> RemoteCallSpec:
     """Declare ``fn`` a blocking remote call whose asynchronous form is ``issue`` + ``wait``."""
     if not callable(fn):
@@ -121,6 +128,7 @@ def register_remote(
         aliases=tuple(aliases),
         runs=runs,
         wait_profiled=wait_profiled,
+        stand_in=stand_in,
     )
     # The issue (and batched issue) of a call must survive dead-code elimination, like the call.
     for effectful in (fn, issue, batched):

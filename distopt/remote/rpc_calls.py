@@ -210,6 +210,21 @@ def rpc_runs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
     return [func] if target is func else [func, target]
 
 
+def nothing(*args: Any, **kwargs: Any) -> None:
+    """Run on the server in a write's place (:func:`rpc_stand_in`): takes its arguments, does
+    nothing with them."""
+
+
+def rpc_stand_in(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Future:
+    """An ``rpc_sync``/``rpc_async`` write's arguments sent to its server, where :func:`nothing`
+    runs: the request's cost at its real size without applying it (RRefs among the arguments are
+    left out: sending one forks it on the server)."""
+    to, _, call_args = _call_parts(args, kwargs)
+    call_kwargs = (args[3] if len(args) > 3 else kwargs.get("kwargs")) or {}
+    sent = tuple(None if is_rref(a) else a for a in call_args)
+    return rpc.rpc_async(to, nothing, args=sent, kwargs=dict(call_kwargs))
+
+
 def rpc_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:
     to, _, call_args = _call_parts(args, kwargs)
     rref, _ = _rref_target(None, call_args)
@@ -272,6 +287,7 @@ def _register() -> None:
         resource=rpc_resource,
         runs=rpc_runs,
         aliases=[(ns, "rpc_sync") for ns in places],
+        stand_in=rpc_stand_in,
     )
     register_remote(
         remote_to_here,
