@@ -127,13 +127,29 @@ def check_first_batch(
         targets = "no targets" if batch.targets is None else "targets"
         raise ConfigError(
             f"data: a batch of {what} has {len(batch.inputs)} inputs and {targets}, which "
-            f"{type(model).__name__}.forward{signature} does not take ({err}): make the collate "
-            "function return distopt.data.Batch(inputs=(...), targets=...); a tuple or list is "
-            "taken for the inputs alone"
+            f"{type(model).__name__}.forward{signature} does not take ({err}): "
+            f"{_batch_hint(batch)}"
         ) from None
     except ValueError:  # no signature to check
         pass
     return batch
+
+
+def _batch_hint(batch: Batch) -> str:
+    """What to change in the collate function, from the batch it made (only a Batch the
+    collate function returned has targets; a dict is taken whole as the only input)."""
+    if len(batch.inputs) == 1 and isinstance(batch.inputs[0], dict):
+        keys = ", ".join(repr(k) for k in batch.inputs[0])
+        return (
+            f"the batch is a dict ({keys}), taken as one input: make the collate function return "
+            "distopt.data.Batch(inputs=(...), targets=...)"
+        )
+    if batch.targets is not None:
+        return "make the Batch's inputs the forward's arguments, in its order"
+    return (
+        "make the collate function return distopt.data.Batch(inputs=(...), targets=...); a tuple "
+        "or list is taken for the inputs alone"
+    )
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ from torchx.specs import AppState
 
 from distopt.config import load_config, to_dict
 from distopt.data import build_data
+from distopt.dist.rendezvous import free_port
 from distopt.errors import ConfigError
 from distopt.torchx import preflight, watch
 from distopt.torchx.schedulers import apply_torchxconfig, distopt_schedulers, get_runner
@@ -300,6 +301,11 @@ def launch(
         env["DISTOPT_LAUNCH_RUN_DIR"] = str(run_dir.resolve())
     if env:
         extra["env"] = env
+    if scheduler == "local_cwd" and kind == "ps" and "master_port" not in extra and not dryrun:
+        # Every replica runs on this host: free ports, so that two jobs launched at once (a
+        # baseline and an optimized run) do not both take the default 29500 (the second job's
+        # server had failed to host its store, and its trainers joined the first job's).
+        extra["master_port"] = free_port(consecutive=2)
     # A dry run leaves nothing behind: the component reads the config (it checks it), so it is
     # written where the job would read it, then removed with the folders made for it (or an
     # earlier run's config put back).

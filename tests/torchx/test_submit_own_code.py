@@ -241,7 +241,7 @@ VARIANTS = """
 import torch
 import torch.distributed.rpc as rpc
 
-from {pkg}.data import Clicks
+from {pkg}.data import Batch, Clicks
 from {pkg}.model import Model, lookup
 
 
@@ -314,6 +314,28 @@ class Triples(Clicks):
 
 def data_as_triples(split, seed):
     return Triples(64, seed)
+
+
+class ForgotIds(Clicks):
+    @staticmethod
+    def collate_fn(samples):
+        dense, ids, labels = (torch.stack(column) for column in zip(*samples))
+        return Batch((dense,), labels)
+
+
+def data_forgot_ids(split, seed):
+    return ForgotIds(64, seed)
+
+
+class Dicts(Clicks):
+    @staticmethod
+    def collate_fn(samples):
+        dense, ids, labels = (torch.stack(column) for column in zip(*samples))
+        return {"dense": dense, "ids": ids, "label": labels}
+
+
+def data_as_dicts(split, seed):
+    return Dicts(64, seed)
 """
 
 
@@ -355,6 +377,19 @@ def data_as_triples(split, seed):
             "Model.forward(dense, ids) does not take (too many positional arguments): make the collate "
             "function return distopt.data.Batch(inputs=(...), targets=...); a tuple or list is taken for "
             "the inputs alone",
+        ),
+        (  # a Batch already: the advice is about its inputs (a user's trial)
+            ["--set", "data.source={pkg}.extra:data_forgot_ids"],
+            "data: a batch of {pkg}.extra:data_forgot_ids has 1 inputs and targets, which "
+            "Model.forward(dense, ids) does not take (missing a required argument: 'ids'): make the "
+            "Batch's inputs the forward's arguments, in its order",
+        ),
+        (
+            ["--set", "data.source={pkg}.extra:data_as_dicts"],
+            "data: a batch of {pkg}.extra:data_as_dicts has 1 inputs and no targets, which "
+            "Model.forward(dense, ids) does not take (missing a required argument: 'ids'): the batch "
+            "is a dict ('dense', 'ids', 'label'), taken as one input: make the collate function "
+            "return distopt.data.Batch(inputs=(...), targets=...)",
         ),
         (
             ["--set", "model={pkg}.extra:make_plain", "--num-ps", "1"],
