@@ -14,7 +14,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import statistics
-import time
 from collections.abc import Sequence
 
 from distopt.errors import ConfigError
@@ -45,23 +44,3 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
-
-
-def probe_inductor_cpu() -> float:
-    """Run Inductor's CPU vector-ISA probe now; returns its seconds.
-
-    Inductor's first CPU compile in a process checks which vector instruction sets build and load
-    here by compiling a test program per ISA (7.7 s of g++ on this project's 2-core host), and
-    keeps the answer for the process and in its cache directory. It is a fact about the machine,
-    paid once per machine by a user's default cache directory, not a cost of compiling a model:
-    a benchmark timing a cold compile with a fresh cache directory per run calls this first in
-    every variant, so each variant's compile time is its own graphs' (as its precompiled header,
-    built once per machine, already is).
-    """
-    try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-    except ImportError:  # another torch release: the probe, if any, stays in the compile
-        return 0.0
-    start = time.perf_counter()
-    pick_vec_isa()
-    return time.perf_counter() - start

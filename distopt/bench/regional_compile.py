@@ -18,7 +18,7 @@ with a fresh Inductor cache directory (nothing compiled earlier helps), rounds g
 over the variants, tables quote medians. Compile time is the first step's time less the median
 of the following steps. Inductor's CPU vector-ISA probe, a fact about the machine that a fresh
 cache directory would make every run pay again, runs before the model is built
-(:func:`distopt.bench.probe_inductor_cpu`; its seconds are in the JSON as ``isa_probe_s``).
+(:func:`distopt.bench._inductor.probe_inductor_cpu`; its seconds are in the JSON as ``isa_probe_s``).
 
 Targets (issue 26): regional ≥ ``target_speed``× the whole-model step speed, with
 ≤ ``target_compile_ratio``× its compile time.
@@ -43,7 +43,8 @@ from rich.table import Table
 from torch import nn
 
 import distopt
-from distopt.bench import median, probe_inductor_cpu
+from distopt.bench import median
+from distopt.bench._inductor import probe_inductor_cpu
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist.rendezvous import StorePlan, init_gloo, spawned_gloo

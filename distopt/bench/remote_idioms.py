@@ -192,8 +192,10 @@ def _prediction(
     (:func:`distopt.optimize.gain.rehearse`), plus the ``DistributedOptimizer`` step, which
     cannot be rehearsed (it applies): one request to every owner of parameters in parallel,
     modelled as a round trip of an empty request to each (no server function: none of the
-    latency the tables' functions add). A write in the forward is waited out at the model's
-    median read (profiled; a model without a graph: its blocking calls timed)."""
+    latency the tables' functions add). A write in the forward is not applied: an ``rpc_sync``
+    write sends its arguments in its place (a stand-in: none of the latency its function adds
+    either), another is waited out at the model's median read (profiled; a model without a graph:
+    its blocking calls timed)."""
     try:
         read = predict_gain(model, optimized, example, repeats=3).rpc_latency_s
     except CaptureError:  # a Dynamo-tier model: no graph to profile, its calls timed instead
@@ -217,8 +219,8 @@ def _prediction(
         "optimized_s": steps["optimized"],
         "optimizer_s": step_s,
         "rehearsed": costs.rehearsed,
-        "write_stand_ins": costs.write_stand_ins,
-        "write_waits": costs.write_waits,
+        "writes_not_applied": costs.writes_not_applied,
+        "writes_waited_out": costs.writes_waited_out,
     }
 
 

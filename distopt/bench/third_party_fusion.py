@@ -34,7 +34,8 @@ from rich.table import Table
 from torch import nn
 
 import distopt
-from distopt.bench import median, probe_inductor_cpu
+from distopt.bench import median
+from distopt.bench._inductor import probe_inductor_cpu
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.estimate.ab import default_clock, wall_clock
@@ -187,8 +188,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
     # distopt (its capture tier) and torch.compile use it.
     torch.compile(lambda t: t + 1, backend="eager")(torch.ones(1))
     # So is Inductor's probe of the machine's vector ISAs, which the first row's compile paid alone.
-    if cfg.compile and device.type == "cpu":
-        probe_inductor_cpu()
+    probe_s = probe_inductor_cpu() if cfg.compile and device.type == "cpu" else 0.0
     default_threads = torch.get_num_threads()
     rows = [
         _one(cfg, name, threads or default_threads, device, console)
@@ -239,5 +239,9 @@ def run(config: dict, args: argparse.Namespace) -> int:
     )
     if getattr(args, "json", None):
         with open(args.json, "w") as fh:
-            json.dump({"config": to_dict(cfg), "rows": rows, "target_met": ok}, fh, indent=2)
+            json.dump(
+                {"config": to_dict(cfg), "rows": rows, "target_met": ok, "isa_probe_s": probe_s},
+                fh,
+                indent=2,
+            )
     return 0 if ok else 1

@@ -145,12 +145,14 @@ class ABResult:
 
     def describe(self, candidate: str = "with", baseline: str = "without") -> str:
         return (
-            f"{candidate} {_ms(self.candidate_s)} vs {baseline} {_ms(self.baseline_s)} "
+            f"{candidate} {format_seconds(self.candidate_s)} vs {baseline} "
+            f"{format_seconds(self.baseline_s)} "
             f"(median of {self.rounds} interleaved round{'s' * (self.rounds != 1)})"
         )
 
 
-def _ms(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
+    """``1.52 s`` or ``855 ms``: how a report gives a call's time."""
     return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.3g} ms"
 
 

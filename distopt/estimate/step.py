@@ -268,7 +268,7 @@ class StepCosts:
     ``backward`` and ``pushes``, and :data:`OTHER`, of steps run at start-up on the first batch —
     remote reads sent for real, distopt pushes as dry runs (the servers compute on copies and
     change nothing), a remote write of the user's own not applied but stood in for (its
-    arguments sent to its server, where nothing runs; without a stand-in, waited out at
+    arguments sent to its server, not applied; without a stand-in, waited out at
     :attr:`read_latency_s`), no optimizer step (:func:`distopt.optimize.gain.rehearse`)."""
     pushes: PushMode = "none"
     """How the rehearsal pushed (``in_turn``: each trainer's blocking push in its turn)."""
@@ -280,10 +280,11 @@ class StepCosts:
     """Dense gradient bytes the rehearsal all-reduced after each backward (0: none)."""
     optimizer_s: float = 0.0
     data_s: float = 0.0
-    write_stand_ins: int = 0
-    """Remote writes per rehearsed step that were stood in for instead of applied."""
-    write_waits: int = 0
-    """Those of :attr:`write_stand_ins` with no stand-in to send: waited out at
+    writes_not_applied: int = 0
+    """Remote writes per rehearsed step not applied: a stand-in sent in their place, or
+    waited out."""
+    writes_waited_out: int = 0
+    """Those of :attr:`writes_not_applied` with no stand-in to send: waited out at
     :attr:`read_latency_s`."""
     read_latency_s: float = 0.0
     """The model's median remote read (what a write not sent costs)."""
@@ -311,14 +312,14 @@ def predict_phases(costs: StepCosts, schedule: str) -> dict[str, float]:
 def assumptions(costs: StepCosts) -> dict[str, str]:
     """How each phase of :func:`predict_phases` was predicted (the QPS-log header's ``how``)."""
     writes = ""
-    if costs.write_stand_ins:
-        writes = f"; {costs.write_stand_ins} remote write(s) per step not applied"
-        sent = costs.write_stand_ins - costs.write_waits
+    if costs.writes_not_applied:
+        writes = f"; {costs.writes_not_applied} remote write(s) per step not applied"
+        sent = costs.writes_not_applied - costs.writes_waited_out
         if sent:
-            writes += f", {sent} sent as stand-ins (their arguments to their server, run nowhere)"
-        if costs.write_waits:
+            writes += f", {sent} sent as stand-ins (their arguments to their server, not applied)"
+        if costs.writes_waited_out:
             writes += (
-                f", {costs.write_waits} waited out at the model's median read "
+                f", {costs.writes_waited_out} waited out at the model's median read "
                 f"({costs.read_latency_s * 1e3:.2f} ms)"
             )
     rehearsed = "median of steps rehearsed at start-up on the first batch (reads sent)"

@@ -224,7 +224,7 @@ def rehearse(
     ``pushes`` says (``baseline_pushes`` for the model as written, when it pushes otherwise): the
     servers compute the update on copies of the rows and change nothing, and the next step's
     reads wait for it as for a real push. A remote write of the user's own in the backward is not
-    sent: its stand-in is (its arguments to its server, where nothing runs), or without one it is
+    sent: its stand-in is (its arguments to its server, not applied), or without one it is
     waited out at ``read_latency_s`` (:func:`recording`); one that cannot be (a write issued
     through another library's handle) raises :class:`RemoteWriteRefused` before it is sent. No optimizer step. Schedules
     take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps`` steps, the first step of each
@@ -259,7 +259,7 @@ def rehearse(
         name: {phase: [] for phase in REHEARSED} for name in runs
     }
     all_reduce = lockstep.all_reduce if lockstep is not None else None
-    stand_ins = write_waits = 0
+    not_applied = writes_waited_out = 0
     baseline_wrote: bool | None = None  # unknown until the model as written was rehearsed
     depth = pipeline_staleness or 0
     with (
@@ -303,9 +303,9 @@ def rehearse(
                     if ps_calls.is_connected():
                         ps_calls.flush()  # the last dry-run push belongs to this chunk
                 if name == "baseline":
-                    stand_ins = len(record.stood_in) // len(chunk_times["forward"])
-                    write_waits = len(record.waited_out) // len(chunk_times["forward"])
-                    baseline_wrote = bool(record.stood_in) or any(
+                    not_applied = len(record.not_applied) // len(chunk_times["forward"])
+                    writes_waited_out = len(record.waited_out) // len(chunk_times["forward"])
+                    baseline_wrote = bool(record.not_applied) or any(
                         registry.effect_of(call.spec, call.args or (), call.kwargs or {}) != "read"
                         for call in record.calls
                         if call.spec is not None
@@ -341,8 +341,8 @@ def rehearse(
         pushes=pushes,
         trainers=lockstep.size if lockstep is not None else 1,
         all_reduce_bytes=lockstep.gradient_bytes if lockstep is not None else 0,
-        write_stand_ins=stand_ins,
-        write_waits=write_waits,
+        writes_not_applied=not_applied,
+        writes_waited_out=writes_waited_out,
         read_latency_s=read_latency_s,
         pipeline_depth=depth if split is not None else None,
     )

@@ -29,7 +29,7 @@ from distopt.config import VerifyConfig
 from distopt.estimate.ab import default_clock
 from distopt.remote.isolation import RngStates, isolated, kept_attributes, preserved_state
 from distopt.remote.local import named_local_tensors, with_remote_calls
-from distopt.remote.record import Recording, RemoteWriteRefused, backward_pass, recording
+from distopt.remote.record import Recording, backward_pass, recording
 from distopt.remote.replay import Replay
 from distopt.report import VerifyRecord
 
@@ -108,12 +108,10 @@ def _run(
                 for t in differentiable
             )
             # differentiable is not empty, so the sum is a tensor (never the start value 0).
-            try:
-                with exact_math(), backward_pass():
-                    cast(torch.Tensor, loss).backward()
-            except RemoteWriteRefused as err:
-                err.in_backward = True  # also when autograd ran that node on another thread
-                raise
+            # The recording sees the remote calls of this thread only: a backward that autograd
+            # runs on a device thread (a CUDA graph's) makes its calls unseen.
+            with exact_math(), backward_pass():
+                cast(torch.Tensor, loss).backward()
         grads = {n: (None if p.grad is None else p.grad.detach().clone()) for n, p in params}
     return RunResult([t.detach().clone() for t in tensors], flat_out, grads)
 

@@ -9,8 +9,8 @@ to count what it missed. It counts only ``distopt.ps`` pushes, against ``distopt
 * ``staleness >= 1`` with ``push=``: the read runs ahead of ``push``, whose writes are invisible
   (a user RPC may update the very rows it reads), so an uncounted read is refused;
 * ``staleness >= 1`` when the model's backward sends remote writes (an autograd function that
-  pushes its rows' gradients with ``rpc_sync``, as verification found): the read runs ahead of
-  that backward, whose writes are unseen in the same way;
+  pushes its rows' gradients with ``rpc_sync``, as verification found when it ran the backward):
+  the read runs ahead of that backward, whose writes are unseen in the same way;
 * ``staleness >= 2``: the read of batch ``k + s`` is issued before the forward of the steps in
   between, so it crosses the forward's remote writes; an uncounted one that the passes say
   conflicts with it (same resource, or unknown) is refused. ``staleness=1`` crosses none: the

@@ -88,10 +88,11 @@ class RemoteWriteRefused(VerificationError):
 @dataclasses.dataclass
 class Recording:
     calls: list[RemoteCallRecord] = dataclasses.field(default_factory=list)
-    stood_in: list[RemoteWrite] = dataclasses.field(default_factory=list)
-    """Remote writes not applied but stood in for (``recording(write_cost_s=...)``)."""
+    not_applied: list[RemoteWrite] = dataclasses.field(default_factory=list)
+    """Remote writes not applied (``recording(write_cost_s=...)``): a stand-in sent in their
+    place, or :attr:`waited_out`."""
     waited_out: list[RemoteWrite] = dataclasses.field(default_factory=list)
-    """Those of :attr:`stood_in` with no stand-in sent: waited out at ``write_cost_s``."""
+    """Those of :attr:`not_applied` with no stand-in sent: waited out at ``write_cost_s``."""
     blocking_s: list[float] = dataclasses.field(default_factory=list)
     """Seconds each blocking call of :attr:`calls` took (an issue's are not here)."""
     backward_writes: list[RemoteWrite] = dataclasses.field(default_factory=list)
@@ -135,10 +136,10 @@ def recording(
     ``forward`` belongs to that one call. Waits and other leaves run unrecorded. With
     ``allow_writes=False`` a remote write raises :class:`RemoteWriteRefused` before it is sent;
     with ``write_cost_s`` too, a write is not applied either, and a timing run sees what it would
-    cost: its spec's :attr:`~RemoteCallSpec.stand_in` is sent (its arguments to its server, where
-    nothing runs) and the call answers ``None`` — as a future when the write was issued
+    cost: its spec's :attr:`~RemoteCallSpec.stand_in` is sent (its arguments to its server, which
+    only counts them) and the call answers ``None`` — as a future when the write was issued
     (``rpc_async``); without a stand-in this thread waits ``write_cost_s`` instead, or an issued
-    one answers that long after it was issued (:attr:`Recording.stood_in` lists them; a model that uses a write's answer fails that
+    one answers that long after it was issued (:attr:`Recording.not_applied` lists them; a model that uses a write's answer fails that
     run; a write issued through another library's handle is refused).
     """
     entries: dict[int, RemoteCallSpec] = {}
@@ -147,7 +148,8 @@ def recording(
     def handler(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         spec = entries.get(id(fn))
         write: RemoteWrite | None = None
-        if spec is not None and fn is not spec.batched:
+        watched = not allow_writes or _IN_BACKWARD.get()  # else a write is sent, unremarked
+        if spec is not None and fn is not spec.batched and watched:
             if registry.effect_of(spec, args, kwargs) == "write":
                 where = user_line(call_frame(sys._getframe(1))) or "an unknown line"
                 write = remote_write(spec, args, kwargs, where)
@@ -158,13 +160,13 @@ def recording(
             if write_cost_s is None:
                 raise RemoteWriteRefused(write, in_backward=_IN_BACKWARD.get())
             if fn is spec.fn:
-                record.stood_in.append(write)
-                if not _stood_in(spec, args, kwargs):
+                record.not_applied.append(write)
+                if not _sent_stand_in(spec, args, kwargs):
                     record.waited_out.append(write)
                     time.sleep(write_cost_s)
                 return None
             if fn is spec.issue and spec.wait is _TORCH_FUTURE_WAIT:
-                record.stood_in.append(write)
+                record.not_applied.append(write)
                 issued = _stand_in_issued(spec, args, kwargs)
                 if issued is None:
                     record.waited_out.append(write)
@@ -190,7 +192,7 @@ _TORCH_FUTURE_WAIT = registry.wait_future
 registry's name answers with its routed wrapper)."""
 
 
-def _stood_in(spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
+def _sent_stand_in(spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
     """Send a blocking write's :attr:`~RemoteCallSpec.stand_in` and wait for it; ``False`` when
     the spec has none or it failed (a server without distopt to run it)."""
     if spec.stand_in is None:

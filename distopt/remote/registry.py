@@ -62,7 +62,7 @@ class RemoteCallSpec:
         wait_profiled: ``wait`` opens a profiler range of its own (as ``distopt.ps.wait`` does),
             so the wait op opens none around it.
         stand_in: optional function of ``(args, kwargs)`` that sends a write's arguments to the
-            server the call goes to, where nothing runs, and returns the future of that request:
+            server the call goes to, which only counts them, and returns the future of that request:
             what a rehearsal that must not write times in the write's place (the transport at
             the sizes the step sends). Without one, a rehearsal waits a read's latency instead.
         wait_op: the graph op the passes insert to wait for an issued call (made from ``wait``

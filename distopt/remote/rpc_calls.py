@@ -210,19 +210,20 @@ def rpc_runs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[Any]:
     return [func] if target is func else [func, target]
 
 
-def nothing(*args: Any, **kwargs: Any) -> None:
-    """Run on the server in a write's place (:func:`rpc_stand_in`): takes its arguments, does
-    nothing with them."""
-
-
 def rpc_stand_in(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Future:
-    """An ``rpc_sync``/``rpc_async`` write's arguments sent to its server, where :func:`nothing`
-    runs: the request's cost at its real size without applying it (RRefs among the arguments are
-    left out: sending one forks it on the server)."""
+    """An ``rpc_sync``/``rpc_async`` write's arguments sent to its server, which only counts
+    them: the request's cost at its real size without applying it. The server runs ``len`` on
+    them, packed in one tuple: a builtin every Python unpickles, so a server of the user's own
+    needs nothing of distopt (and imports nothing on its RPC thread). RRefs among the top-level
+    arguments are left out: sending one forks it on the server."""
     to, _, call_args = _call_parts(args, kwargs)
     call_kwargs = (args[3] if len(args) > 3 else kwargs.get("kwargs")) or {}
+    timeout = args[4] if len(args) > 4 else kwargs.get("timeout")
     sent = tuple(None if is_rref(a) else a for a in call_args)
-    return rpc.rpc_async(to, nothing, args=sent, kwargs=dict(call_kwargs))
+    payload = ((sent, dict(call_kwargs)),)
+    if timeout is None:
+        return rpc.rpc_async(to, len, args=payload)
+    return rpc.rpc_async(to, len, args=payload, timeout=timeout)
 
 
 def rpc_resource(args: Sequence[Any], kwargs: Mapping[str, Any]) -> Hashable:

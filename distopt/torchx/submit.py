@@ -301,10 +301,17 @@ def launch(
         env["DISTOPT_LAUNCH_RUN_DIR"] = str(run_dir.resolve())
     if env:
         extra["env"] = env
-    if scheduler == "local_cwd" and kind == "ps" and "master_port" not in extra and not dryrun:
+    if (
+        scheduler == "local_cwd"
+        and kind == "ps"
+        and not dryrun
+        and "master_port" not in extra
+        and "master_port" not in torchx_config.get_configs("component", component, [os.getcwd()])
+    ):
         # Every replica runs on this host: free ports, so that two jobs launched at once (a
         # baseline and an optimized run) do not both take the default 29500 (the second job's
-        # server had failed to host its store, and its trainers joined the first job's).
+        # server had failed to host its store, and its trainers joined the first job's). A port
+        # the user chose (--arg, or the .torchxconfig's [component:distopt.ps_job]) stays.
         extra["master_port"] = free_port(consecutive=2)
     # A dry run leaves nothing behind: the component reads the config (it checks it), so it is
     # written where the job would read it, then removed with the folders made for it (or an

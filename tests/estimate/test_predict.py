@@ -168,7 +168,7 @@ def test_a_write_in_backward_is_waited_out_not_sent() -> None:
     prediction = predict_gain(model, optimized, example, measure_step=True, repeats=2)
     assert prediction.unmeasured_step is None and prediction.costs is not None
     # The in-process store's push has no stand-in to send (rpc_sync's has): waited out.
-    assert prediction.costs.write_stand_ins == 1 and prediction.costs.write_waits == 1
+    assert prediction.costs.writes_not_applied == 1 and prediction.costs.writes_waited_out == 1
     assert prediction.costs.read_latency_s == prediction.rpc_latency_s >= 0.01
     # The waited-out write is in the backward of both schedules.
     for schedule in ("baseline", "optimized"):
@@ -188,7 +188,7 @@ def test_an_issued_write_in_backward_answers_later_and_is_not_sent() -> None:
         model, example, passes=["split_remote", "hoist_issue", "sink_wait"]
     )
     prediction = predict_gain(model, optimized, example, measure_step=True, repeats=2)
-    assert prediction.costs is not None and prediction.costs.write_stand_ins == 1
+    assert prediction.costs is not None and prediction.costs.writes_not_applied == 1
     assert prediction.costs.rehearsed["baseline"]["backward"] >= 0.01
     assert torch.equal(STORE.snapshot()["t1"], before["t1"])
 

@@ -31,13 +31,13 @@ def test_own_rpc_model_trains_as_a_job(variant: str, tmp_path: Path) -> None:
     header = load_run(tmp_path / f"own-{variant}").ranks[0].header
     if variant == "optimized":
         # The prediction timed the user's own lookup on ps0 (there is no table of distopt's), and
-        # rehearsed the whole step: its backward's own write (apply_gradient) waited out, not sent.
+        # rehearsed the whole step: its backward's own write (apply_gradient) not applied, its
+        # arguments sent to ps0 in its place (a stand-in), none waited out at the read's latency.
         assert 0 < header["predicted_rpc_latency_s"] < 1
         how = header["predicted_phases"]["how"]["backward"]
-        assert "1 remote write(s) per step not sent" in how, how
-        assert (
-            header["predicted_phases"]["optimized"]["backward"] >= header["predicted_rpc_latency_s"]
-        )
+        assert "1 remote write(s) per step not applied, 1 sent as stand-ins" in how, how
+        assert "waited out" not in how, how
+        assert header["predicted_phases"]["optimized"]["backward"] > 0
         assert 0 < header["predicted_gain"] < 10
     else:
         assert "predicted_gain" not in header

@@ -1,6 +1,6 @@
 """A user's own write in the backward, rehearsed for the step prediction: it must not be applied,
 and its cost is that of sending it. Its stand-in sends the write's arguments to the write's server,
-where nothing runs (``rpc_calls.rpc_stand_in``); before, every write was waited out at the model's
+which only counts them (``rpc_calls.rpc_stand_in``); before, every write was waited out at the model's
 median read, and a store whose reads answer after a few ms while its writes are a quick
 ``index_add_`` had its backward predicted 2–2.6× the measured one."""
 
@@ -68,7 +68,7 @@ def test_a_backward_write_is_sent_as_a_stand_in_and_never_applied(group) -> None
     prediction = predict_gain(model, optimized, inputs, measure_step=True, repeats=2)
     costs = prediction.costs
     assert prediction.unmeasured_step is None and costs is not None
-    assert costs.write_stand_ins == 1 and costs.write_waits == 0
+    assert costs.writes_not_applied == 1 and costs.writes_waited_out == 0
     assert (
         "1 remote write(s) per step not applied, 1 sent as stand-ins"
         in assumptions(costs)["backward"]
