@@ -70,7 +70,8 @@ def describe_failure(exc: BaseException) -> str:
     message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     where = user_frame(exc)
     if isinstance(exc, SyntaxError) and exc.filename and exc.msg:
-        # The user's line is in the exception, not in a frame; str() names the file without its folder.
+        # The user's line is in the exception, not in a frame; str() names the file without
+        # its folder.
         message = exc.msg
         text = (exc.text or "").strip()
         where = f"{exc.filename}:{exc.lineno}" + (f": {text}" if text else "")

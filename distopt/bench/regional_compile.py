@@ -13,12 +13,13 @@ transformers library's ConvNeXt-T, or a ResNet, built from its config with rando
 The conv net keeps ``parallelize``'s default NCHW layout, or runs channels-last in every variant
 with ``channels_last: true`` (regional compile then measured 0.83× the whole model's speed, where
 eager ran 1.08×: Inductor's separately compiled blocks lose with NHWC activations; not yet
-understood, docs/fusion.md). Every run is a fresh process
-with a fresh Inductor cache directory (nothing compiled earlier helps), rounds go round-robin
-over the variants, tables quote medians. Compile time is the first step's time less the median
+understood, docs/fusion.md). Every run is a fresh process with a fresh Inductor cache
+directory (nothing compiled earlier helps), rounds go round-robin over the variants, tables quote
+medians. Compile time is the first step's time less the median
 of the following steps. Inductor's CPU vector-ISA probe, a fact about the machine that a fresh
 cache directory would make every run pay again, runs before the model is built
-(:func:`distopt.bench._inductor.probe_inductor_cpu`; its seconds are in the JSON as ``isa_probe_s``).
+(:func:`distopt.bench._inductor.probe_inductor_cpu`; its seconds are in the JSON as
+``isa_probe_s``).
 
 Targets (issue 26): regional ≥ ``target_speed``× the whole-model step speed, with
 ≤ ``target_compile_ratio``× its compile time.

@@ -226,10 +226,11 @@ def rehearse(
     reads wait for it as for a real push. A remote write of the user's own in the backward is not
     sent: its stand-in is (its arguments to its server, not applied), or without one it is
     waited out at ``read_latency_s`` (:func:`recording`); one that cannot be (a write issued
-    through another library's handle) raises :class:`RemoteWriteRefused` before it is sent. No optimizer step. Schedules
-    take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps`` steps, the first step of each
-    chunk not counted (a pipelined chunk runs as many steps more as its staleness, which are
-    not counted either: their reads were sent before its first step), each chunk going on until
+    through another library's handle) raises :class:`RemoteWriteRefused` before it is sent.
+    No optimizer step. Schedules take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps``
+    steps, the first step of each chunk not counted (a pipelined chunk runs as many steps more
+    as its staleness, which are not counted either: their reads were sent before its first
+    step), each chunk going on until
     its counted steps took :data:`REHEARSAL_CHUNK_S`; the backward, which the passes do not
     change, is the median over every schedule's steps, and so are the pushes of schedules that
     push alike; each schedule's :data:`~distopt.estimate.step.OTHER` is its own steps' median

@@ -139,8 +139,9 @@ def recording(
     cost: its spec's :attr:`~RemoteCallSpec.stand_in` is sent (its arguments to its server, which
     only counts them) and the call answers ``None`` — as a future when the write was issued
     (``rpc_async``); without a stand-in this thread waits ``write_cost_s`` instead, or an issued
-    one answers that long after it was issued (:attr:`Recording.not_applied` lists them; a model that uses a write's answer fails that
-    run; a write issued through another library's handle is refused).
+    one answers that long after it was issued (:attr:`Recording.not_applied` lists them; a model
+    that uses a write's answer fails that run; a write issued through another library's handle
+    is refused).
     """
     entries: dict[int, RemoteCallSpec] = {}
     record = Recording()
@@ -161,17 +162,17 @@ def recording(
                 raise RemoteWriteRefused(write, in_backward=_IN_BACKWARD.get())
             if fn is spec.fn:
                 record.not_applied.append(write)
-                if not _sent_stand_in(spec, args, kwargs):
+                if not _answered(_send_stand_in(spec, args, kwargs)):
                     record.waited_out.append(write)
                     time.sleep(write_cost_s)
                 return None
             if fn is spec.issue and spec.wait is _TORCH_FUTURE_WAIT:
                 record.not_applied.append(write)
-                issued = _stand_in_issued(spec, args, kwargs)
-                if issued is None:
+                sent = _send_stand_in(spec, args, kwargs)
+                if sent is None:
                     record.waited_out.append(write)
                     return _answered_later(write_cost_s)
-                return issued
+                return sent.then(lambda _: None)  # None, whether the stand-in ran or failed
             raise RemoteWriteRefused(write, in_backward=_IN_BACKWARD.get())
         start = time.perf_counter()
         with calling_through():
@@ -192,32 +193,29 @@ _TORCH_FUTURE_WAIT = registry.wait_future
 registry's name answers with its routed wrapper)."""
 
 
-def _sent_stand_in(spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]) -> bool:
-    """Send a blocking write's :attr:`~RemoteCallSpec.stand_in` and wait for it; ``False`` when
-    the spec has none or it failed (a server without distopt to run it)."""
+def _send_stand_in(
+    spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]
+) -> torch.futures.Future | None:
+    """The future of a write's :attr:`~RemoteCallSpec.stand_in`, sent; ``None`` when the spec has
+    none or it could not be sent."""
     if spec.stand_in is None:
-        return False
+        return None
     try:
         with calling_through():  # the stand-in's own rpc_async is not the model's call
-            spec.stand_in(args, kwargs).wait()
+            return spec.stand_in(args, kwargs)
+    except Exception:
+        return None
+
+
+def _answered(sent: torch.futures.Future | None) -> bool:
+    """Whether a stand-in was sent and answered (a server that failed it: ``False``)."""
+    if sent is None:
+        return False
+    try:
+        sent.wait()
     except Exception:
         return False
     return True
-
-
-def _stand_in_issued(
-    spec: RemoteCallSpec, args: Sequence[Any], kwargs: Mapping[str, Any]
-) -> torch.futures.Future | None:
-    """An issued write not sent: its stand-in's future, answering ``None`` whether the stand-in
-    ran or failed; ``None`` when the spec has none or it could not be sent."""
-    if spec.stand_in is None:
-        return None
-    try:
-        with calling_through():
-            sent = spec.stand_in(args, kwargs)
-    except Exception:
-        return None
-    return sent.then(lambda _: None)
 
 
 def _answered_later(seconds: float) -> torch.futures.Future:
