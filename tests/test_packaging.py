@@ -182,6 +182,8 @@ def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
         "demo",
         "--steps",
         "3",
+        "--rounds",
+        "2",
         "--out",
         tmp_path / "runs",
         cwd=elsewhere,
@@ -194,7 +196,7 @@ def test_wheel_installs_cleanly_and_runs_the_demo(tmp_path: Path) -> None:
         out
     )  # a click log
     for variant in ("baseline", "optimized"):
-        # demo --rounds (default 2) alternates the variants: one run per variant and round.
+        # demo --rounds alternates the variants: one run per variant and round.
         runs = sorted((tmp_path / "runs").glob(f"demo-*-{variant}-*"))
         assert len(runs) == 2, runs
         for run in runs:

@@ -145,6 +145,12 @@ def render(comparison: Comparison, console: Console) -> None:
     console.print(table)
     console.print(f"interval: {comparison.interval}", markup=False)
     for gain in comparison.gains:
+        if gain.rounds:
+            console.print(
+                f"{_short(gain.label)}: rounds' gains "
+                + ", ".join(f"{g:.3f}×" for g in gain.rounds),
+                markup=False,
+            )
         if gain.prediction_error is not None:
             console.print(
                 f"{_short(gain.label)}: predicted gain {gain.predicted:.3f}× vs measured "

@@ -7,8 +7,8 @@ rewritten by ``distopt.optimize`` (``variant=optimized``), in ``--rounds`` alter
 (baseline, optimized; then optimized, baseline; ...): the host's speed drifts on a shared
 machine, and alternating shorter jobs keeps the drift from favouring either variant. It prints
 the held-out AUC and loss each reached (deterministic jobs: the same for both), then the
-``distopt compare`` table of the pooled jobs (its interval resamples blocks of each job's steps)
-with the cost model's per-phase prediction beside the measured phases, and writes the plot
+``distopt compare`` table of the pooled jobs (its gain and interval over the rounds: the jobs of
+one run differ by more than their steps say, and a round is the unit that repeats) with the cost model's per-phase prediction beside the measured phases, and writes the plot
 (with matplotlib: ``pip install 'distopt[plot]'``).
 Runs from any directory: the config is read relative to it, else from the copy shipped with
 distopt; logs go under ``--out`` there.
@@ -36,12 +36,13 @@ from distopt.training.config import JobConfig
 def add_parser(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("demo", help="run the PS workload baseline vs optimized and compare")
     parser.add_argument("--config", default="configs/jobs/demo.yaml", help="job config")
-    parser.add_argument("--steps", type=int, default=150, help="training steps per job")
+    parser.add_argument("--steps", type=int, default=100, help="training steps per job")
     parser.add_argument(
         "--rounds",
         type=int,
-        default=2,
-        help="alternated rounds of one baseline and one optimized job (default 2: ABBA order)",
+        default=4,
+        help="alternated rounds of one baseline and one optimized job (default 4, ABBA order: "
+        "the gain's interval is over rounds, and two rounds give it one degree of freedom)",
     )
     parser.add_argument("--out", default="runs/demo", help="where logs and the plot go")
     parser.add_argument(

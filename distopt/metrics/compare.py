@@ -9,12 +9,18 @@ interval is a percentile block bootstrap: each run's post-warm-up steps are cut 
 ``block`` consecutive steps (the units: consecutive steps are not independent, a block of them
 nearly is), each run's blocks are resampled with replacement independently, the ratio of medians
 is recomputed ``resamples`` times, and the ``(1 - level) / 2`` and ``(1 + level) / 2`` quantiles
-bound the interval (:attr:`Comparison.interval` says so in words). A run pooled from several jobs
-is resampled in two stages, its jobs with replacement and then blocks within each job drawn: two
-jobs of one command differ by more than their steps say (the host, the processes' placement), and
-an interval over steps alone did not cover the next run's gain. Drift *between* two jobs run one
-after the other is in no interval computed from them: ``distopt demo`` alternates shorter jobs of
-each variant for that (docs/cost_model.md).
+bound the interval (:attr:`Comparison.interval` says so in words).
+
+Two jobs of one command differ by more than their steps say (the host, the processes'
+placement), and drift *between* two jobs run one after the other is in no interval computed from
+their steps: ``distopt demo`` alternates shorter jobs of each variant (docs/cost_model.md). When
+both runs are pooled from the same number of jobs (``k`` ≥ 2, rounds: the i-th job of each run
+paired, in the order given), the unit is the round: the gain is the geometric mean of the
+rounds' gains (each a ratio of medians) and its interval a Student t interval over their logs,
+``k - 1`` degrees of freedom. A bootstrap over two or three jobs could not see more spread between
+jobs than those few showed (two ``distopt demo`` runs whose intervals each missed the other's
+gain); the t interval widens with few rounds as it should. Runs of unequal job counts are
+resampled in two stages, jobs with replacement and then blocks within each drawn job.
 
 When a run's header has the cost model's per-phase prediction (``predicted_phases``), the
 comparison also puts each phase's prediction beside its measured median (:class:`PhaseRow`).
@@ -27,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+import scipy.stats
 
 from distopt.errors import DistoptError
 from distopt.estimate.step import StepPrediction, phase_medians
@@ -105,11 +112,14 @@ class Gain:
 
     label: str
     median: float
-    """Ratio of median QPS (run / baseline)."""
+    """Ratio of median QPS (run / baseline); over rounds, the geometric mean of the rounds'
+    ratios."""
     ci_low: float
     ci_high: float
     predicted: float | None
     """The cost model's predicted gain, when the logs carry one."""
+    rounds: tuple[float, ...] = ()
+    """Each round's gain, when the interval is over rounds (:func:`rounds_interval`)."""
     unchanged_s: tuple[float, float] | None = None
     """Median seconds per step of the phases the rewrite does not change (:data:`UNCHANGED`),
     in the baseline and in this run, when both logged their phases."""
@@ -181,11 +191,22 @@ class Comparison:
     @property
     def interval(self) -> str:
         """How the gains' intervals were made, in words."""
-        return (
-            f"{self.level:.0%} percentile bootstrap of the ratio of medians over blocks of "
-            f"{self.block} consecutive steps ({self.resamples} resamples, seed {self.seed}); "
-            + self._drift()
-        )
+        over_rounds = [gain for gain in self.gains if gain.rounds]
+        parts = []
+        if over_rounds:
+            rounds = len(over_rounds[0].rounds)
+            parts.append(
+                f"{self.level:.0%} t interval over {rounds} rounds (the i-th job of each run "
+                f"paired, in the order given; {rounds - 1} degrees of freedom) of the log of each "
+                "round's ratio of medians; the gain is their geometric mean"
+            )
+        if len(over_rounds) < len(self.gains):
+            parts.append(
+                f"{self.level:.0%} percentile bootstrap of the ratio of medians over blocks of "
+                f"{self.block} consecutive steps ({self.resamples} resamples, seed {self.seed}); "
+                + self._drift()
+            )
+        return "; ".join(parts)
 
     def _drift(self) -> str:
         if all(run.jobs == 1 for run in self.runs):
@@ -212,6 +233,7 @@ class Comparison:
                     "gain": gain.median if gain else None,
                     "gain_ci_low": gain.ci_low if gain else None,
                     "gain_ci_high": gain.ci_high if gain else None,
+                    "round_gains": list(gain.rounds) if gain and gain.rounds else None,
                     "predicted_gain": gain.predicted if gain else None,
                     "prediction_error": gain.prediction_error if gain else None,
                     "unchanged_phases_s": list(gain.unchanged_s)
@@ -417,6 +439,35 @@ def _resampled_medians(
     return medians
 
 
+def rounds_interval(
+    baseline: Sequence[np.ndarray], candidate: Sequence[np.ndarray], *, level: float = DEFAULT_LEVEL
+) -> tuple[float, float, float, tuple[float, ...]]:
+    """``(gain, ci_low, ci_high, round_gains)`` over paired rounds: round ``i`` is the ``i``-th
+    job of each side, its gain ``median(candidate[i]) / median(baseline[i])``; the gain is their
+    geometric mean and the interval a Student t interval on their logs (``len - 1`` degrees of
+    freedom). Drift slower than a round cancels within it; the spread between rounds is the
+    interval's."""
+    if not 0 < level < 1:
+        raise CompareError(f"--ci-level: expected a number in (0, 1), got {level}")
+    if len(baseline) != len(candidate) or len(baseline) < 2:
+        raise CompareError(
+            f"rounds need two or more jobs on each side, as many of each: got {len(baseline)} "
+            f"and {len(candidate)}"
+        )
+    gains = np.asarray(
+        [np.median(c) / np.median(b) for b, c in zip(baseline, candidate, strict=True)]
+    )
+    logs = np.log(gains)
+    half = scipy.stats.t.ppf((1 + level) / 2, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs))
+    mean = float(logs.mean())
+    return (
+        float(np.exp(mean)),
+        float(np.exp(mean - half)),
+        float(np.exp(mean + half)),
+        tuple(float(g) for g in gains),
+    )
+
+
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for key, value in config.items():
@@ -462,7 +513,8 @@ def compare_runs(
 ) -> Comparison:
     """Compare ``runs`` against ``runs[0]`` (the baseline). A run may be several jobs of one
     variant (alternated with the other variant's, so that host drift cannot favour either): their
-    steps are pooled, and the interval resamples blocks of each job.
+    steps are pooled for the QPS statistics; the gain is over rounds when both runs have as many
+    jobs (:func:`rounds_interval`), else a two-stage bootstrap of jobs and their blocks.
 
     Raises :class:`CompareError` when fewer than two runs are given, or, unless ``force``, when
     their configs differ in more than the variant (the message lists the differing keys) or a job
@@ -494,20 +546,22 @@ def compare_runs(
     base = summaries[0]
     gains = []
     for summary in summaries[1:]:
-        median, low, high = bootstrap_ratio_of_medians(
-            [np.asarray(seg) for seg in base.segments],
-            [np.asarray(seg) for seg in summary.segments],
-            resamples=resamples,
-            level=level,
-            seed=seed,
-            block=block,
-        )
+        base_jobs = [np.asarray(seg) for seg in base.segments]
+        jobs = [np.asarray(seg) for seg in summary.segments]
+        rounds: tuple[float, ...] = ()
+        if len(jobs) == len(base_jobs) >= 2:
+            median, low, high, rounds = rounds_interval(base_jobs, jobs, level=level)
+        else:
+            median, low, high = bootstrap_ratio_of_medians(
+                base_jobs, jobs, resamples=resamples, level=level, seed=seed, block=block
+            )
         gains.append(
             Gain(
                 label=summary.label,
                 median=median,
                 ci_low=low,
                 ci_high=high,
+                rounds=rounds,
                 predicted=predicted_gain(base, summary),
                 unchanged_s=_unchanged(base, summary),
             )

@@ -40,14 +40,23 @@ def test_rounds_alternate_which_variant_goes_first() -> None:
 @pytest.mark.slow
 def test_the_demo_learns_the_click_log_the_same_in_both_variants(tmp_path: Path) -> None:
     """``distopt demo`` trains on data with a signal: it prints a held-out AUC well above 0.5
-    (about 0.83 after the default 150 steps; the file's best is about 0.89), the same for both
+    (about 0.83 after 150 steps; the file's best is about 0.89), the same for both
     variants (deterministic jobs), before the compare table."""
     import re
 
     from tests import shell
 
     proc = shell.run(
-        "distopt", "demo", "--steps", "60", "--out", tmp_path, cwd=tmp_path, timeout=900
+        "distopt",
+        "demo",
+        "--steps",
+        "60",
+        "--rounds",
+        "2",
+        "--out",
+        tmp_path,
+        cwd=tmp_path,
+        timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = re.findall(
@@ -62,7 +71,8 @@ def test_the_demo_learns_the_click_log_the_same_in_both_variants(tmp_path: Path)
     auc = float(learned["baseline"].split(",")[0].split()[1])
     assert auc > 0.75, learned
     assert "gain [95% CI]" in proc.stdout and (tmp_path / "clicks.tsv").is_file()
-    assert "steps pooled from alternated jobs (2 baseline, 2 optimized)" in proc.stdout
+    assert "95% t interval over 2 rounds" in proc.stdout
+    assert re.search(r"rounds' gains [\d.]+×, [\d.]+×$", proc.stdout, re.M), proc.stdout
     phases = re.findall(r"^│ (\w+) +│", proc.stdout.split("step phases")[1], re.M)
     assert phases == [
         *("data", "forward", "waits", "backward", "all_reduce", "pushes", "optimizer"),

@@ -16,6 +16,7 @@ from distopt.metrics.compare import (
     compare_runs,
     failed_gains,
     mispredicted,
+    rounds_interval,
     summarize,
 )
 from distopt.metrics.qps_log import QpsLogWriter, load_run
@@ -327,7 +328,12 @@ def test_jobs_of_one_variant_are_pooled(write_run: WriteRun) -> None:
     (gain,) = result.gains
     assert result.runs[0].jobs == 2 and result.runs[0].steps == 2 * (200 - 5)
     assert gain.ci_low < 1.10 < gain.ci_high
-    assert "steps pooled from alternated jobs (2 baseline, 2 optimized)" in result.interval
+    assert gain.rounds == pytest.approx((1.10, 1.10), rel=0.02)
+    assert "t interval over 2 rounds" in result.interval
+    # Unequal job counts: no rounds to pair, the two-stage bootstrap.
+    uneven = compare_runs([base, fast[:1]], labels=["b", "f"])
+    assert not uneven.gains[0].rounds
+    assert "steps pooled from alternated jobs (2 baseline, 1 optimized)" in uneven.interval
     # One job of each, from opposite ends of the drift, gives a confident wrong answer.
     lone = compare_runs([base[0], fast[1]], labels=["b", "f"]).gains[0]
     assert lone.ci_high < 1.0
@@ -349,6 +355,32 @@ def test_an_interval_over_jobs_holds_their_spread() -> None:
         np.concatenate(base), np.concatenate(cand), block=10
     )
     assert 1.08 < steps_low < steps_high < 1.12
+
+
+def test_an_interval_over_rounds_holds_the_spread_between_rounds() -> None:
+    """Four rounds whose gains spread (1.05× to 1.20×) while every job is tight within its steps:
+    the interval over rounds holds every round's gain and the pooled ratio; a bootstrap of the
+    pooled steps is confident about a value that two rounds miss. Two rounds give one degree of
+    freedom: a wide interval, which a third round narrows."""
+    rng = np.random.default_rng(5)
+    gains = (1.05, 1.20, 1.10, 1.15)
+    base = [rng.normal(1000, 10, 120) for _ in gains]
+    cand = [rng.normal(1000 * g, 10, 120) for g in gains]
+    point, low, high, rounds = rounds_interval(base, cand)
+    assert rounds == pytest.approx(gains, rel=0.01)
+    assert low < 1.05 and high > 1.20 and low < point < high
+    assert point == pytest.approx(np.exp(np.mean(np.log(rounds))))
+    _, steps_low, steps_high = bootstrap_ratio_of_medians(
+        np.concatenate(base), np.concatenate(cand), block=10
+    )
+    assert steps_high - steps_low < 0.5 * (high - low)
+    two = rounds_interval(base[:2], cand[:2])
+    three = rounds_interval(base[:3], cand[:3])
+    assert two[2] - two[1] > three[2] - three[1]
+    with pytest.raises(CompareError, match="rounds need two or more jobs on each side"):
+        rounds_interval(base[:1], cand[:1])
+    with pytest.raises(CompareError, match="got 2 and 3"):
+        rounds_interval(base[:2], cand[:3])
 
 
 def _optimized_log(out: Path, run_id: str, config: dict[str, Any]) -> QpsLogWriter:
