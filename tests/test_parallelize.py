@@ -23,9 +23,12 @@ RTOL, ATOL = 1e-4, 1e-5
 may differ, so 20 SGD steps agree to ~1e-6. The tolerance leaves an order of magnitude."""
 
 
-def _gpt() -> nn.Module:
+def _gpt(*, tied: bool = False) -> nn.Module:
     torch.manual_seed(0)
-    return build("gpt", vocab_size=64, dim=32, heads=2, layers=3, seq_len=16, dropout=0.0)
+    model = build("gpt", vocab_size=64, dim=32, heads=2, layers=3, seq_len=16, dropout=0.0)
+    if tied:  # the usual language model: the head shares the token embedding's weight
+        model.head.weight = model.tok.weight
+    return model
 
 
 def _reference(strategy: str, model: nn.Module) -> nn.Module:
@@ -69,11 +72,12 @@ def _worker(
     cache_dir: str,
     memory_slack: float,
     num_units: int | None,
+    tied: bool,
 ) -> None:
     torch.set_num_threads(1)  # two ranks share two cores: more threads only oversubscribe
     init_gloo(plan, me=f"rank{rank}", rank=rank, world_size=world, timeout_s=60.0)
     try:
-        original = _gpt()
+        original = _gpt(tied=tied)
         keys = list(original.state_dict().keys())
         ours_model = copy.deepcopy(original)
         example = make_inputs("gpt", original, 2)
@@ -87,8 +91,12 @@ def _worker(
             cache_dir=cache_dir,
             memory_slack=memory_slack,
         )
-        if strategy != "ddp":
+        if strategy != "ddp" and not tied:
             assert timing_of(ours) is not None and timing_of(ours).units >= 2, timing_of(ours)
+        with pytest.raises(ConfigError, match=r"already wrapped by distopt.parallelize \("):
+            distopt.parallelize(ours, strategy, example_inputs=example)
+        with pytest.raises(ConfigError, match=r"already given to distopt.parallelize"):
+            distopt.parallelize(ours_model, strategy, example_inputs=example)
         if strategy == "fsdp" and memory_slack > 1:
             # Unbounded memory: every unit is gathered once per step (held by the root or kept
             # from forward into backward), so training runs on the no-reshard path throughout.
@@ -96,7 +104,7 @@ def _worker(
             assert len(schedule.root_held | schedule.keep_after_forward) == timing_of(ours).units, (
                 schedule
             )
-        if strategy == "fsdp" and num_units is None:
+        if strategy == "fsdp" and num_units is None and not tied:
             # One unit per block: the embeddings are a unit of their own, which backward does not
             # gather (embedding gradients need the indices only); training must not notice.
             assert timing_of(ours).schedule.backward_free == {0}, timing_of(ours).schedule
@@ -120,22 +128,24 @@ def _worker(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("strategy", "memory_slack", "num_units"),
+    ("strategy", "memory_slack", "num_units", "tied"),
     [
-        ("fsdp", 0.2, 3),
-        ("fsdp", 100.0, 3),
-        ("fsdp", 0.2, None),
-        ("fsdp1", 0.2, 3),
-        ("ddp", 0.2, 3),
+        ("fsdp", 0.2, 3, False),
+        ("fsdp", 100.0, 3, False),
+        ("fsdp", 0.2, None, False),
+        # Tied head and embedding: one tensor under two keys, both kept in the state dict.
+        ("fsdp", 0.2, None, True),
+        ("fsdp1", 0.2, 3, False),
+        ("ddp", 0.2, 3, False),
     ],
 )
 def test_training_matches_plain_wrapper(
-    strategy: str, memory_slack: float, num_units: int | None, tmp_path
+    strategy: str, memory_slack: float, num_units: int | None, tied: bool, tmp_path
 ) -> None:
     with spawned_gloo() as plan:
         mp.spawn(
             _worker,
-            args=(2, plan, strategy, str(tmp_path), memory_slack, num_units),
+            args=(2, plan, strategy, str(tmp_path), memory_slack, num_units, tied),
             nprocs=2,
             join=True,
         )
@@ -144,6 +154,11 @@ def test_training_matches_plain_wrapper(
 def test_config_rejects_unknown_strategy() -> None:
     with pytest.raises(ConfigError, match="strategy.*'zero3'"):
         ParallelizeConfig(strategy="zero3")  # type: ignore[arg-type]
+
+
+def test_config_rejects_unknown_compile_backend() -> None:
+    with pytest.raises(ConfigError, match=r"compile_backend: unknown .* 'nonexistent' \(known: "):
+        ParallelizeConfig(compile=True, compile_backend="nonexistent")
 
 
 def test_parallelize_is_exported() -> None:

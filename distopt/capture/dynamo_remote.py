@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import threading
 import types
 import warnings
@@ -208,6 +209,21 @@ def capturing() -> Iterator[None]:
         _STATE.capturing = before
 
 
+@contextlib.contextmanager
+def _dynamo_advice_silenced() -> Iterator[None]:
+    """Dynamo's warnings while it compiles a captured model (``Graph break from Tensor.item(),
+    consider setting: ...``) are advice to users of torch.compile; this model was not compiled at
+    its user's request, and a graph break only splits its captured graph (the report counts the
+    graphs). Errors still show."""
+    logger = logging.getLogger("torch._dynamo")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 _POLYFILLED: dict[int, Callable[..., Any]] = {}
 
 
@@ -310,7 +326,7 @@ class CapturedCall:
             self.known.add(signature)
             return out
         try:
-            with capturing():
+            with capturing(), _dynamo_advice_silenced():
                 return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as err:
             if self.raising:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+import weakref
 from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
+import torch._dynamo
 import torch.distributed as dist
 import torch.fx
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed._composable.replicate import DDP as ReplicatedDDP
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy
+from torch.nn.parallel import DistributedDataParallel
 
 from distopt.config import from_dict
 from distopt.dist.rendezvous import collective
@@ -83,6 +87,13 @@ class ParallelizeConfig:
     def __post_init__(self) -> None:
         if self.strategy not in ("ddp", "fsdp", "fsdp1"):
             raise ConfigError(f"strategy: expected 'ddp', 'fsdp' or 'fsdp1', got {self.strategy!r}")
+        if isinstance(self.compile_backend, str):
+            known = torch._dynamo.list_backends(exclude_tags=())
+            if self.compile_backend not in known:
+                raise ConfigError(
+                    f"compile_backend: unknown torch.compile backend {self.compile_backend!r} "
+                    f"(known: {', '.join(known)})"
+                )
         if self.memory_slack < 0:
             raise ConfigError(f"memory_slack: expected a number >= 0, got {self.memory_slack!r}")
         if (self.param_dtype or self.reduce_dtype) and self.strategy != "fsdp":
@@ -159,6 +170,7 @@ def parallelize(
         process_group: FSDP1/DDP process group (default: the world).
     """
     cfg = _config(strategy, config, overrides)
+    _check_not_wrapped(model)
     _check_group(mesh, process_group)
     timing = ParallelRecord(strategy=cfg.strategy)
     start = time.perf_counter()
@@ -228,12 +240,15 @@ def parallelize(
             units or [root], backend=cfg.compile_backend, regions=[block for _, block in regions]
         )
         timing.regions = len(regions)
-    if cfg.channels_last and cfg.strategy == "ddp":
+    optimize_report = report_of(optimized)
+    fell_back = optimize_report is not None and optimize_report.fallback is not None
+    if cfg.channels_last and cfg.strategy == "ddp" and not fell_back:
         # The channels-last recipe's model.to(memory_format=...): a convolution fed NHWC returns
         # NHWC weight gradients, and DDP lays its buckets out from the parameters' strides (at
         # the first forward; compiling is lazy, so this still comes first). Contiguous weights
         # would cost a copy per gradient and DDP's "Grad strides do not match bucket view
-        # strides" warning. FSDP lays out its own shards. (Module.to documents memory_format;
+        # strides" warning. FSDP lays out its own shards. Not when optimize returned the model
+        # as written (verification refused the layout): its warning says "unoptimized". (Module.to documents memory_format;
         # its typed overloads lack it.)
         root.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     if cfg.strategy == "fsdp":
@@ -262,7 +277,31 @@ def parallelize(
     report = report_of(optimized) or OptimizeReport(model=type(model).__qualname__, tier="")
     report.parallel = timing
     attach(result, report)
+    _PARALLELIZED.add(model)
     return result
+
+
+_PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Models :func:`parallelize` was given: the wrapper it returned shares (FSDP: shards) their
+parameters, so a second wrapper of the same model would all-reduce or shard them again."""
+
+
+def _check_not_wrapped(model: nn.Module) -> None:
+    """Refuse a result of ``parallelize``, a model given to it before, or one the user already
+    wrapped with DDP (``DistributedDataParallel`` or ``replicate``) or FSDP."""
+    wrapper = None
+    if timing_of(model) is not None:
+        wrapper = f"is already wrapped by distopt.parallelize ({timing_of(model).strategy})"  # type: ignore[union-attr]
+    elif model in _PARALLELIZED:
+        wrapper = "was already given to distopt.parallelize, whose result shares its parameters"
+    elif isinstance(
+        model, (DistributedDataParallel, ReplicatedDDP, FullyShardedDataParallel, FSDPModule)
+    ):
+        wrapper = f"is already wrapped by {type(model).__name__}"
+    if wrapper is not None:
+        raise ConfigError(
+            f"parallelize: {type(model).__name__} {wrapper}: pass the model as written, once"
+        )
 
 
 def _check_group(mesh: Any, process_group: Any) -> None:

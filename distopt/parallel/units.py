@@ -13,6 +13,7 @@ in the original order::
 
 from __future__ import annotations
 
+import collections
 import copy
 import operator
 from typing import Any
@@ -69,24 +70,30 @@ def materialize_units(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     _views_where_used(work, assign)
     _boundaries_not_views(work, assign)
     split = split_module(work, work, lambda node: assign[node], keep_original_order=True)
-    original = {id(t): k for k, t in gm.state_dict(keep_vars=True).items()}
+    # A tied tensor (an LM head sharing the embedding's weight) has one key per module using it.
+    original: dict[int, list[str]] = collections.defaultdict(list)
+    for key, tensor in gm.state_dict(keep_vars=True).items():
+        original[id(tensor)].append(key)
     key_map: dict[str, str] = {}
+    unit_of_tensor: dict[int, str] = {}
     unit_names: list[str] = []
     for name, sub in split.named_children():
         unit_names.append(name)
         for local, tensor in sub.state_dict(keep_vars=True).items():
-            if id(tensor) in original:
-                key_map[f"{name}.{local}"] = original[id(tensor)]
-            else:
+            keys = original.get(id(tensor))
+            if keys is None:
                 _make_non_persistent(sub, local)  # a traced constant, not model state
+                continue
+            first = unit_of_tensor.setdefault(id(tensor), name)
+            if first != name:
+                raise ConfigError(
+                    f"parameter {keys[0]!r} is used by units {first} and {name}: a tensor must "
+                    "belong to one unit"
+                )
+            key_map[f"{name}.{local}"] = _original_key(local, keys)
     owners: dict[str, str] = {}
     for split_key, orig_key in key_map.items():
-        if orig_key in owners:
-            raise ConfigError(
-                f"parameter {orig_key!r} is used by units {owners[orig_key].split('.')[0]} and "
-                f"{split_key.split('.')[0]}: a tensor must belong to one unit"
-            )
-        owners[orig_key] = split_key
+        owners.setdefault(orig_key, split_key)
     order = list(gm.state_dict().keys())
     split.register_state_dict_post_hook(_OriginalNames(key_map, order))
     split.register_load_state_dict_pre_hook(_UnitNames(owners))
@@ -245,6 +252,13 @@ def _make_non_persistent(module: nn.Module, key: str) -> None:
     owner = module.get_submodule(owner_path) if owner_path else module
     if attr in owner._buffers:
         owner._non_persistent_buffers_set.add(attr)
+
+
+def _original_key(local: str, keys: list[str]) -> str:
+    """Which of a tensor's original keys a unit-local key stands for: the one it flattens
+    (``layers_0_ln1.weight`` for ``layers.0.ln1.weight``), else the first."""
+    flat = local.replace(".", "_")
+    return next((key for key in keys if key.replace(".", "_") == flat), keys[0])
 
 
 class _OriginalNames:
