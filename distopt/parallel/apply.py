@@ -66,8 +66,9 @@ def apply_fsdp(
     at once; torchtitan does the same for its last block). Its backward-free units (see
     :func:`backward_free_units`) are not gathered again in backward. With ``prefetch`` each unit's forward
     issues the next unit's all-gather (FSDP2 prefetches implicitly only in backward). None of this
-    changes numerics; ``mp_policy`` does (e.g. bf16 parameters for compute, fp32 gradient
-    reduction), the same policy on every unit and the root.
+    changes numerics, also when a forward no backward follows runs between ``backward()`` and
+    ``step()`` (see :func:`reshard_unreleased`); ``mp_policy`` does (e.g. bf16 parameters for
+    compute, fp32 gradient reduction), the same policy on every unit and the root.
     """
     precision: dict[str, Any] = {} if mp_policy is None else {"mp_policy": mp_policy}
 
@@ -90,7 +91,58 @@ def apply_fsdp(
     if prefetch:
         for (_, unit), (_, following) in zip(sharded, sharded[1:], strict=False):
             unit.set_modules_to_forward_prefetch([following])  # type: ignore[operator]
+    reshard_unreleased(root)
     return root
+
+
+def reshard_unreleased(root: nn.Module) -> None:
+    """Reshard the FSDP2 parameters under ``root`` that a forward gathered and no backward released.
+
+    FSDP2 leaves the root's parameters, and the units kept from forward into backward, unsharded
+    after forward: the backward that follows uses them, then reshards them. A forward that no
+    backward follows (``torch.no_grad()`` to log a metric between ``backward()`` and ``step()``,
+    or a grad-enabled one whose output is dropped) leaves them gathered; ``step()`` updates the
+    shards, and the next forward would run on the stale gathered copies (``unshard`` is a no-op
+    on gathered parameters). So ``root`` reshards them after a forward run without grad (no
+    backward can follow it; this also frees them and gives ``parameters()`` back the shards that
+    hold the gradients) and before any forward (what is still gathered then was gathered by a
+    forward whose backward never ran). In a loop of forward, backward, step both find every
+    parameter sharded and do nothing; two forwards before one backward cost an all-gather more
+    (backward gathers again what the second forward released). Parameters kept by
+    ``set_reshard_after_backward(False)`` are the user's to release, as in FSDP2.
+    """
+    modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+
+    def reshard() -> None:
+        if torch._C._current_graph_task_id() != -1:
+            return  # a forward recomputed in backward (activation checkpointing) is FSDP2's own
+        for module in modules:
+            if _holds_unreleased(module):
+                module.reshard()
+
+    def before(_module: nn.Module, _args: Any) -> None:
+        reshard()
+
+    def after(_module: nn.Module, _args: Any, _output: Any) -> None:
+        if not torch.is_grad_enabled():
+            reshard()
+
+    # Before FSDP2's own pre-hook (which would keep the stale copies); after its post-hook.
+    root.register_forward_pre_hook(torch.compiler.disable(before), prepend=True)
+    root.register_forward_hook(torch.compiler.disable(after))
+
+
+def _holds_unreleased(module: FSDPModule) -> bool:
+    """Whether ``module``'s parameters are gathered though FSDP2 reshards them after backward."""
+    state = module._get_fsdp_state()
+    # Recent torch: a list (one group per mesh); older: one group or None.
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        groups = [state._fsdp_param_group]
+    return any(
+        group is not None and group.is_unsharded and group.reshard_after_backward
+        for group in groups
+    )
 
 
 def backward_free_units(units: Sequence[nn.Module]) -> frozenset[int]:
