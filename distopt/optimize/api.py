@@ -207,7 +207,7 @@ def _capture_and_transform(
         except PassError as err:
             if strict:
                 raise
-            return _fall_back(model, report, str(err))
+            return _fall_back(model, report, _blame(model, inputs, cfg, err))
         return gm
 
     if not cfg.capture.dynamo:
@@ -238,6 +238,28 @@ def _capture_and_transform(
     if inputs is None:
         report.warnings.append("Dynamo graphs are captured on the first call (no example_inputs)")
     return compiled
+
+
+def _blame(
+    model: nn.Module, inputs: tuple[Any, ...] | None, cfg: OptimizeConfig, err: PassError
+) -> str:
+    """Why a pass failed: the pass, or the example inputs when the model as written fails on
+    them too (a wrong shape is the user's to fix, not a pass's bug). The original runs forward
+    only, its remote writes refused unsent."""
+    if inputs is None:
+        return str(err)
+    try:
+        run_reference(
+            model, inputs, dataclasses.replace(cfg.verify, check_grads=False), allow_writes=False
+        )
+    except RemoteWriteRefused:
+        return str(err)  # it runs far enough to write: the inputs are not what failed
+    except Exception as original:
+        return (
+            f"running the original model failed: {describe_failure(original)} (so did pass "
+            f"{err.pass_name!r} on the same example inputs)"
+        )
+    return str(err)
 
 
 def _measurer(cfg: OptimizeConfig) -> Measurer | None:

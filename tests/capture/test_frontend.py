@@ -1,4 +1,6 @@
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +113,43 @@ def test_the_models_own_error_is_raised_as_is() -> None:
     call = CapturedCall(broken, Branchy(), learns=False)
     with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied"):
         call(torch.randn(2, 3))
+
+
+_ITEM_MODEL = """
+import warnings
+import torch
+from torch import nn
+import distopt
+
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        s = x.abs().mean().item()  # a graph break for Dynamo; symbolic tracing fails on round()
+        return self.lin(x) / (1.0 + round(s, 3))
+
+warnings.simplefilter("error")  # a warning of distopt's would fail the run
+model = Scaled()
+x = torch.randn(4, 8)
+optimized = distopt.optimize(model, (x,))
+from distopt.report import report_of
+assert report_of(optimized).tier == "dynamo", report_of(optimized)
+torch.testing.assert_close(optimized(x), model(x))
+print("ok")
+"""
+
+
+def test_dynamo_capture_of_a_graph_break_is_quiet(tmp_path: Path) -> None:
+    """A model that calls ``.item()`` is captured by Dynamo in pieces; Dynamo's advice to users
+    of torch.compile ("Graph break from `Tensor.item()`, consider setting ...") printed 15 lines on
+    stderr of a run whose user never asked to compile (a new user's trial). Its own process: the
+    advice is printed once per process."""
+    from tests import shell
+
+    script = tmp_path / "item_model.py"
+    script.write_text(_ITEM_MODEL)
+    proc = shell.run(sys.executable, script, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+    assert proc.stderr == "", proc.stderr[-2000:]

@@ -259,3 +259,15 @@ def test_a_model_failing_on_its_example_inputs_is_returned_with_the_reason() -> 
     )
     with pytest.raises(RuntimeError, match="RPC has not been initialized"):
         distopt.optimize(model, (torch.randn(2, 3),), strict=True)
+
+
+def test_example_inputs_the_model_cannot_run_are_blamed_not_the_pass() -> None:
+    """A conv net given 8 channels where it takes 3: the first pass that runs the graph fails,
+    and so does the model as written; the reason names the inputs' failure, not a pass bug."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU()).eval()
+    with pytest.warns(DistoptFallbackWarning, match="running the original model failed"):
+        result = distopt.optimize(model, (torch.randn(1, 8, 8, 8),))
+    assert result is model
+    fallback = report_of(result).fallback
+    assert fallback is not None and "expected input[1, 8, 8, 8] to have 3 channels" in fallback
+    assert "on the same example inputs" in fallback, fallback
