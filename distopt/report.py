@@ -72,6 +72,8 @@ class ParallelRecord:
     and kept from forward into backward)."""
     regions: int = 0
     """Repeated blocks compiled as regions (one compile per distinct structure and shape)."""
+    compiled: str = ""
+    """What ``compile=True`` compiled, in words (empty: nothing)."""
     optimize_seconds: float = 0.0
     materialize_seconds: float = 0.0
     wrap_seconds: float = 0.0

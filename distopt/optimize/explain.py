@@ -171,10 +171,16 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
 
 
 def _render_parallel(record: ParallelRecord, console: Console) -> None:
-    sizes = ", ".join(f"{b / 2**20:.2f}" for b in record.unit_bytes) or "none"
-    console.print(
-        f"  parallelize: [cyan]{record.strategy}[/cyan], {record.units} units (MiB: {sizes})"
-    )
+    if record.units:
+        sizes = ", ".join(f"{b / 2**20:.2f}" for b in record.unit_bytes)
+        console.print(
+            f"  parallelize: [cyan]{record.strategy}[/cyan], {record.units} units (MiB: {sizes})"
+        )
+    else:
+        console.print(
+            f"  parallelize: [cyan]{record.strategy}[/cyan], the whole module as one "
+            + ("replica per rank" if record.strategy == "ddp" else "unit")
+        )
     schedule = record.schedule
     if schedule is not None:
         console.print(
@@ -184,9 +190,11 @@ def _render_parallel(record: ParallelRecord, console: Console) -> None:
             f"{schedule.gathered_bytes / 2**20:.1f} MiB gathered per step, "
             f"{schedule.memory_bytes / 2**20:.1f} MiB parameter peak per rank"
         )
-    if record.regions:
+    if record.compiled:
         console.print(
-            f"  regional compile: {record.regions} repeated blocks, compiled once per distinct structure"
+            f"  compile: {record.compiled}; Dynamo compiles on the first call (that step's "
+            "time, not the times below)",
+            markup=False,
         )
     console.print(
         f"  parallelize time: optimize {record.optimize_seconds * 1e3:.0f} ms, units "

@@ -31,11 +31,12 @@ from distopt.parallel.apply import (
     backward_free_units,
 )
 from distopt.parallel.fsdp_schedule import plan_fsdp_schedule
-from distopt.parallel.regions import compilable_regions
+from distopt.parallel.regions import compilable_regions, path_ranges, structure
 from distopt.parallel.units import agree_across_ranks, materialize_units, plan_of, unit_modules
 from distopt.passes import resolve_pipeline
 from distopt.passes.local.channels_last import run_channels_last
 from distopt.report import OptimizeReport, ParallelRecord, attach, report_of
+from distopt.text import plural
 
 Strategy = Literal["ddp", "fsdp", "fsdp1"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -240,6 +241,7 @@ def parallelize(
             units or [root], backend=cfg.compile_backend, regions=[block for _, block in regions]
         )
         timing.regions = len(regions)
+        timing.compiled = _what_compiled(regions, units, cfg.compile_backend)
     optimize_report = report_of(optimized)
     fell_back = optimize_report is not None and optimize_report.fallback is not None
     if cfg.channels_last and cfg.strategy == "ddp" and not fell_back:
@@ -284,6 +286,22 @@ def parallelize(
 _PARALLELIZED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Models :func:`parallelize` was given: the wrapper it returned shares (FSDP: shards) their
 parameters, so a second wrapper of the same model would all-reduce or shard them again."""
+
+
+def _what_compiled(
+    regions: list[tuple[str, nn.Module]], units: list[nn.Module], backend: str
+) -> str:
+    """``compile=True``'s work in words: the regions by path, or the units, or the module."""
+    if regions:
+        distinct = len({structure(block) for _, block in regions})
+        rest = "units holding no block compiled whole" if units else "the rest runs eager"
+        return (
+            f"{backend}, {len(regions)} repeated blocks ({path_ranges([p for p, _ in regions])}) "
+            f"as {plural(distinct, 'distinct structure')}, each compiled once; {rest}"
+        )
+    if units:
+        return f"{backend}, each of the {plural(len(units), 'unit')} whole (no repeated blocks)"
+    return f"{backend}, the whole module (no repeated blocks)"
 
 
 def _check_not_wrapped(model: nn.Module) -> None:

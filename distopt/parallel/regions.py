@@ -55,6 +55,26 @@ def _regions(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
+def path_ranges(paths: Iterable[str]) -> str:
+    """``layers.0``…``layers.3`` and ``head`` as ``layers.0-3, head``: consecutive numbered
+    siblings as one range, in order."""
+    spans: list[list[Any]] = []  # [parent, first, last] or [path]
+    for path in paths:
+        parent, _, last = path.rpartition(".")
+        if last.isdigit() and spans and len(spans[-1]) == 3 and spans[-1][0] == parent:
+            if int(last) == spans[-1][2] + 1:
+                spans[-1][2] = int(last)
+                continue
+        spans.append([parent, int(last), int(last)] if last.isdigit() else [path])
+    return ", ".join(
+        span[0]
+        if len(span) == 1
+        else f"{span[0] + '.' if span[0] else ''}{span[1]}"
+        + (f"-{span[2]}" if span[2] != span[1] else "")
+        for span in spans
+    )
+
+
 def compilable_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """:func:`repeated_blocks`, or none when a block makes remote calls (the graph passes must
     see those, so blocks cannot be traced as single nodes)."""

@@ -156,6 +156,7 @@ def _worker(rank: int, plan: StorePlan, results: Any) -> None:
                 len(graphs),
                 float(loss),
                 float(ref_loss),
+                record.compiled if record else "",
             )
         )
     finally:
@@ -169,8 +170,12 @@ def test_parallelize_compiles_each_repeated_block_once() -> None:
     results = ctx.Queue()
     with spawned_gloo() as plan:
         mp.start_processes(_worker, args=(plan, results), nprocs=1, join=True, start_method="spawn")
-    regions, block_graphs, graphs, loss, ref_loss = results.get(timeout=5)
+    regions, block_graphs, graphs, loss, ref_loss, compiled = results.get(timeout=5)
     assert regions == 4 and block_graphs == 1, (regions, block_graphs)
+    assert compiled == (
+        "distopt_test_counting, 4 repeated blocks (blocks.0-3) as 1 distinct structure, each "
+        "compiled once; units holding no block compiled whole"
+    ), compiled
     assert graphs <= 3  # the block, and the units outside the blocks (final norm, head)
     assert abs(loss - ref_loss) < 1e-5
 
