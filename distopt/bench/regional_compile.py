@@ -96,9 +96,9 @@ class RegionalCompileConfig:
     """The same wrapper for every variant (whole-model compile needs one module to compile)."""
     channels_last: bool = False
     """The conv net runs channels-last (``parallelize(channels_last=True)``)."""
-    steps: int = 4
+    steps: int = 10
     """Timed steps per run after the first (compiling) one."""
-    rounds: int = 2
+    rounds: int = 3
     """Fresh-process runs per variant, round-robin."""
     threads: int = 0
     """Intra-op threads (0: torch's default, all cores)."""
