@@ -250,8 +250,8 @@ def parallelize(
         # the first forward; compiling is lazy, so this still comes first). Contiguous weights
         # would cost a copy per gradient and DDP's "Grad strides do not match bucket view
         # strides" warning. FSDP lays out its own shards. Not when optimize returned the model
-        # as written (verification refused the layout): its warning says "unoptimized". (Module.to documents memory_format;
-        # its typed overloads lack it.)
+        # as written (verification refused the layout): its warning says "unoptimized".
+        # (Module.to documents memory_format; its typed overloads lack it.)
         root.to(memory_format=torch.channels_last)  # type: ignore[call-overload]
     if cfg.strategy == "fsdp":
         schedule = plan_fsdp_schedule(
@@ -307,19 +307,18 @@ def _what_compiled(
 def _check_not_wrapped(model: nn.Module) -> None:
     """Refuse a result of ``parallelize``, a model given to it before, or one the user already
     wrapped with DDP (``DistributedDataParallel`` or ``replicate``) or FSDP."""
-    wrapper = None
-    if timing_of(model) is not None:
-        wrapper = f"is already wrapped by distopt.parallelize ({timing_of(model).strategy})"  # type: ignore[union-attr]
+    record = timing_of(model)
+    if record is not None:
+        why = f"is already wrapped by distopt.parallelize ({record.strategy})"
     elif model in _PARALLELIZED:
-        wrapper = "was already given to distopt.parallelize, whose result shares its parameters"
+        why = "was already given to distopt.parallelize, whose result shares its parameters"
     elif isinstance(
         model, (DistributedDataParallel, ReplicatedDDP, FullyShardedDataParallel, FSDPModule)
     ):
-        wrapper = f"is already wrapped by {type(model).__name__}"
-    if wrapper is not None:
-        raise ConfigError(
-            f"parallelize: {type(model).__name__} {wrapper}: pass the model as written, once"
-        )
+        why = f"is already wrapped by {type(model).__name__}"
+    else:
+        return
+    raise ConfigError(f"parallelize: {type(model).__name__} {why}: pass the model as written, once")
 
 
 def _check_group(mesh: Any, process_group: Any) -> None:
