@@ -390,8 +390,7 @@ def bootstrap_ratio_of_medians(
     that resamples blocks of ``block`` consecutive samples (1: single samples). Either side may
     be a list of segments (the jobs of a pooled run): no block spans two of them, and the
     segments are resampled first (:func:`_resampled_medians`)."""
-    if not 0 < level < 1:
-        raise CompareError(f"--ci-level: expected a number in (0, 1), got {level}")
+    _check_level(level)
     if resamples < 1:
         raise CompareError(f"--resamples: expected an integer >= 1, got {resamples}")
     if block < 1:
@@ -406,6 +405,11 @@ def bootstrap_ratio_of_medians(
         np.concatenate(_segments(baseline))
     )
     return float(point), float(low), float(high)
+
+
+def _check_level(level: float) -> None:
+    if not 0 < level < 1:
+        raise CompareError(f"--ci-level: expected a number in (0, 1), got {level}")
 
 
 Samples = np.ndarray | Sequence[np.ndarray]
@@ -447,8 +451,7 @@ def rounds_interval(
     geometric mean and the interval a Student t interval on their logs (``len - 1`` degrees of
     freedom). Drift slower than a round cancels within it; the spread between rounds is the
     interval's."""
-    if not 0 < level < 1:
-        raise CompareError(f"--ci-level: expected a number in (0, 1), got {level}")
+    _check_level(level)
     if len(baseline) != len(candidate) or len(baseline) < 2:
         raise CompareError(
             f"rounds need two or more jobs on each side, as many of each: got {len(baseline)} "

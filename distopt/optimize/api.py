@@ -256,10 +256,15 @@ def _blame(
         return str(err)  # it runs far enough to write: the inputs are not what failed
     except Exception as original:
         return (
-            f"running the original model failed: {describe_failure(original)} (so did pass "
-            f"{err.pass_name!r} on the same example inputs)"
+            f"{_original_failed(original)} (so did pass {err.pass_name!r} on the same example "
+            "inputs)"
         )
     return str(err)
+
+
+def _original_failed(err: BaseException) -> str:
+    """The fallback reason when the model as written fails on the example inputs."""
+    return f"running the original model failed: {describe_failure(err)}"
 
 
 def _measurer(cfg: OptimizeConfig) -> Measurer | None:
@@ -323,9 +328,7 @@ def _verify_or_fall_back(
         if strict:
             raise
         # No reference to check against; e.g. a model whose remote calls have no RPC group.
-        return _fall_back(
-            model, report, f"running the original model failed: {describe_failure(err)}"
-        )
+        return _fall_back(model, report, _original_failed(err))
     else:
         report.backward_writes = [w.describe() for w in reference.recording.backward_writes]
     if not reference.check_grads:  # an inference run: the final timing check's first sample

@@ -276,7 +276,7 @@ def parallelize(
         result = apply_ddp(root, process_group=process_group)
     timing.wrap_seconds = time.perf_counter() - start
     # The optimize report travels to the wrapper, so distopt.explain(result) tells the whole story.
-    report = report_of(optimized) or OptimizeReport(model=type(model).__qualname__, tier="")
+    report = optimize_report or OptimizeReport(model=type(model).__qualname__, tier="")
     report.parallel = timing
     attach(result, report)
     _PARALLELIZED.add(model)

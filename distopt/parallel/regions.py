@@ -58,21 +58,24 @@ def _regions(module: nn.Module, prefix: str) -> list[tuple[str, nn.Module]]:
 def path_ranges(paths: Iterable[str]) -> str:
     """``layers.0``…``layers.3`` and ``head`` as ``layers.0-3, head``: consecutive numbered
     siblings as one range, in order."""
-    spans: list[list[Any]] = []  # [parent, first, last] or [path]
+    spans: list[tuple[str, int, int] | str] = []  # (parent, first, last), or a path as it is
     for path in paths:
         parent, _, last = path.rpartition(".")
-        if last.isdigit() and spans and len(spans[-1]) == 3 and spans[-1][0] == parent:
-            if int(last) == spans[-1][2] + 1:
-                spans[-1][2] = int(last)
-                continue
-        spans.append([parent, int(last), int(last)] if last.isdigit() else [path])
-    return ", ".join(
-        span[0]
-        if len(span) == 1
-        else f"{span[0] + '.' if span[0] else ''}{span[1]}"
-        + (f"-{span[2]}" if span[2] != span[1] else "")
-        for span in spans
-    )
+        if not last.isdigit():
+            spans.append(path)
+            continue
+        index = int(last)
+        previous = spans[-1] if spans else None
+        if isinstance(previous, tuple) and previous[0] == parent and previous[2] == index - 1:
+            spans[-1] = (parent, previous[1], index)
+        else:
+            spans.append((parent, index, index))
+    return ", ".join(span if isinstance(span, str) else _range_text(*span) for span in spans)
+
+
+def _range_text(parent: str, first: int, last: int) -> str:
+    prefix = f"{parent}." if parent else ""
+    return f"{prefix}{first}" + (f"-{last}" if last != first else "")
 
 
 def compilable_regions(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -215,3 +215,12 @@ def test_under_ddp_each_region_is_one_graph() -> None:
             _ddp_worker, args=(plan, results), nprocs=1, join=True, start_method="spawn"
         )
     assert results.get(timeout=5) == 1  # the block, once
+
+
+def test_path_ranges_join_consecutive_numbered_siblings() -> None:
+    from distopt.parallel.regions import path_ranges
+
+    assert path_ranges([f"blocks.{i}" for i in range(4)]) == "blocks.0-3"
+    assert path_ranges(["s.0.l.0", "s.0.l.1", "s.1.l.0", "head"]) == "s.0.l.0-1, s.1.l.0, head"
+    assert path_ranges(["a.0", "a.2", "a.3"]) == "a.0, a.2-3"
+    assert path_ranges(["0", "1", "2"]) == "0-2"
