@@ -110,6 +110,9 @@ class OptimizeReport:
     """The optimized eval model timed against the original, and what was returned."""
     original_seconds: float | None = None
     """How long the original's inference run for verification took (a timing sample)."""
+    guards: list[str] = field(default_factory=list)
+    """Branches symbolic tracing took as the example inputs take them, each guarded in the
+    graph (``file:line: `code` is True``): an input taking the other branch fails there."""
     backward_writes: list[str] = field(default_factory=list)
     """Remote writes the model's backward sends (as verification found them, described with
     their source lines): what a pipeline running reads ahead of backward cannot see."""

@@ -45,10 +45,16 @@ def _format(frame: traceback.FrameSummary) -> str:
     return f"{frame.filename}:{frame.lineno}: {(frame.line or '').strip()}"
 
 
+def user_frame_of(frame: types.FrameType | None) -> traceback.FrameSummary | None:
+    """The innermost user frame from ``frame`` outwards."""
+    frames = [f for f in traceback.extract_stack(frame) if is_user_file(f.filename)]
+    return frames[-1] if frames else None
+
+
 def user_line(frame: types.FrameType | None) -> str | None:
     """``file:line: code`` of the innermost user frame from ``frame`` outwards."""
-    frames = [f for f in traceback.extract_stack(frame) if is_user_file(f.filename)]
-    return _format(frames[-1]) if frames else None
+    summary = user_frame_of(frame)
+    return None if summary is None else _format(summary)
 
 
 def defined_at(fn: object) -> str | None:

@@ -6,6 +6,7 @@ import copy
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx
@@ -14,6 +15,7 @@ from torch import nn
 from distopt.capture.dynamo_remote import CapturedCall, polyfill_remote_calls
 from distopt.capture.tracer import DistoptTracer, check_leaves
 from distopt.config import CaptureConfig
+from distopt.errors import ConfigError
 from distopt.remote.intercept import makes_remote_calls
 from distopt.remote.local import with_remote_calls
 from distopt.remote.ops import remote_ops
@@ -57,8 +59,13 @@ def number_remote_calls(gm: torch.fx.GraphModule) -> int:
     return count
 
 
-def symbolic_capture(model: nn.Module, config: CaptureConfig) -> torch.fx.GraphModule:
+def symbolic_capture(
+    model: nn.Module, config: CaptureConfig, example_inputs: tuple[Any, ...] | None = None
+) -> torch.fx.GraphModule:
     """Tier 1: trace with :class:`DistoptTracer`; keep every parameter and buffer name of ``model``.
+
+    With ``example_inputs``, branches on shapes are taken as the inputs take them, each guarded
+    in the graph; ``gm.meta["distopt_guards"]`` lists them (:class:`DistoptTracer`).
 
     A model holding ``RemoteModule`` is traced through a view in which each is a local
     stand-in making one remote call (:func:`distopt.remote.local.with_remote_calls`); the result
@@ -67,7 +74,21 @@ def symbolic_capture(model: nn.Module, config: CaptureConfig) -> torch.fx.GraphM
     check_leaves(model, config.leaf_modules, config.leaf_functions)
     view = with_remote_calls(model)
     tracer = DistoptTracer(leaf_modules=config.leaf_modules, leaf_functions=config.leaf_functions)
-    graph = tracer.trace(view)
+    try:
+        graph = tracer.trace(view)
+    except ConfigError:
+        raise
+    except Exception:
+        if example_inputs is None:
+            raise
+        # Traced again, branches on shapes taken as the example inputs take them (guarded).
+        # A model that traces without them keeps the graph it always had.
+        tracer = DistoptTracer(
+            leaf_modules=config.leaf_modules,
+            leaf_functions=config.leaf_functions,
+            example_inputs=example_inputs,
+        )
+        graph = tracer.trace(view)
     root = tracer.root
     if tracer.function_constants:
         # A shallow view (shared parameters and submodules) carries the function constants,
@@ -77,6 +98,7 @@ def symbolic_capture(model: nn.Module, config: CaptureConfig) -> torch.fx.GraphM
     gm = torch.fx.GraphModule(root, graph, type(model).__name__)
     keep_state_names(view, gm)
     gm.meta["distopt_original_class"] = type(model).__qualname__
+    gm.meta["distopt_guards"] = list(tracer.guards)
     number_remote_calls(gm)
     return gm
 

@@ -183,7 +183,7 @@ def _capture_and_transform(
     try:
         if not cfg.capture.symbolic:
             raise _SymbolicOff()
-        gm = symbolic_capture(model, cfg.capture)
+        gm = symbolic_capture(model, cfg.capture, inputs)
     except ConfigError:
         raise
     except _SymbolicOff:
@@ -193,6 +193,7 @@ def _capture_and_transform(
     else:
         report.capture_seconds = time.perf_counter() - start
         report.tier = Tier.SYMBOLIC.value
+        report.guards = list(gm.meta["distopt_guards"])
         report.graphs.append(GraphRecord(code_before=gm.code))
         try:
             run_passes(

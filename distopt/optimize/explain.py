@@ -116,6 +116,13 @@ def render(report: OptimizeReport, *, show_code: bool = True, console: Console) 
         console.print(f"  note: {escape(report.reason)}")
     if report.fallback:
         console.print(f"  [red]fallback:[/red] {escape(report.fallback)}")
+    if report.guards:
+        console.print(
+            f"  {plural(len(report.guards), 'branch', 'branches')} taken as the example inputs "
+            "take them, each guarded (an input taking the other branch fails there):"
+        )
+        for guard in report.guards:
+            console.print(f"    {escape(guard)}")
     console.print(
         f"  capture {report.capture_seconds * 1e3:.1f} ms, total {report.total_seconds * 1e3:.1f} ms, "
         f"passes: {', '.join(report.pass_names) or 'none'}"
