@@ -14,7 +14,7 @@ import torch.fx
 from torch import nn
 
 from distopt.capture import Tier, describe_failure, dynamo_capture, symbolic_capture
-from distopt.config import OptimizeConfig, from_dict, key_text
+from distopt.config import OptimizeConfig, VerifyConfig, from_dict, key_text
 from distopt.errors import (
     CaptureError,
     ConfigError,
@@ -158,10 +158,14 @@ def optimize(
     start = time.perf_counter()
     report = OptimizeReport(model=type(model).__qualname__, tier=Tier.EAGER.value)
     report.pass_names = [spec.name for spec in pipeline]
-    optimized = _capture_and_transform(model, inputs, pipeline, cfg, strict, report)
+    optimized, reference = _capture_and_transform(
+        model, inputs, pipeline, cfg, strict, report, reference_first=verify
+    )
     if optimized is not model and verify:
         assert inputs is not None
-        optimized = _verify_or_fall_back(model, optimized, inputs, pipeline, cfg, strict, report)
+        optimized = _verify_or_fall_back(
+            model, optimized, inputs, pipeline, cfg, strict, report, reference=reference
+        )
     if optimized is not model and inputs is not None and not model.training and cfg.measure.enabled:
         optimized = _keep_if_not_slower(model, optimized, inputs, cfg, report, warm=verify)
     if optimized is not model and cfg.dump_graph and isinstance(optimized, torch.fx.GraphModule):
@@ -178,7 +182,12 @@ def _capture_and_transform(
     cfg: OptimizeConfig,
     strict: bool,
     report: OptimizeReport,
-) -> nn.Module:
+    *,
+    reference_first: bool = False,
+) -> tuple[nn.Module, Reference | None]:
+    """The captured and transformed model (or ``model`` itself, fallen back), and, with
+    ``reference_first``, the original's verification run when it was made before the passes
+    (:func:`_reference_before_passes`)."""
     start = time.perf_counter()
     try:
         if not cfg.capture.symbolic:
@@ -195,6 +204,9 @@ def _capture_and_transform(
         report.tier = Tier.SYMBOLIC.value
         report.guards = list(gm.meta["distopt_guards"])
         report.graphs.append(GraphRecord(code_before=gm.code))
+        reference = (
+            _reference_before_passes(model, gm, inputs, cfg, report) if reference_first else None
+        )
         try:
             run_passes(
                 gm,
@@ -204,17 +216,18 @@ def _capture_and_transform(
                 training=model.training,
                 record=report.graphs[0],
                 measure=_measurer(cfg),
+                captured_s=None if reference is None else reference.seconds,
             )
         except PassError as err:
             if strict:
                 raise
-            return _fall_back(model, report, _blame(model, inputs, cfg, err))
-        return gm
+            return _fall_back(model, report, _blame(model, inputs, cfg, err)), None
+        return gm, reference
 
     if not cfg.capture.dynamo:
         if strict:
             raise CaptureError(f"{report.model}: {report.reason}; Dynamo capture is disabled")
-        return _fall_back(model, report, report.reason or "capture failed")
+        return _fall_back(model, report, report.reason or "capture failed"), None
     backend = make_backend(
         pipeline,
         pass_options=cfg.pass_options,
@@ -234,11 +247,35 @@ def _capture_and_transform(
             ) from err
         return _fall_back(
             model, report, f"{report.reason}; Dynamo capture failed: {describe_failure(err)}"
-        )
+        ), None
     # Dynamo captures lazily; without inputs the graphs appear on the first call.
     if inputs is None:
         report.warnings.append("Dynamo graphs are captured on the first call (no example_inputs)")
-    return compiled
+    return compiled, None
+
+
+def _reference_before_passes(
+    model: nn.Module,
+    gm: torch.fx.GraphModule,
+    inputs: tuple[Any, ...] | None,
+    cfg: OptimizeConfig,
+    report: OptimizeReport,
+) -> Reference | None:
+    """The original's verification run, made before the passes of a traced eval graph that
+    makes no remote call, so that measured passes take it as the captured graph's first sample
+    instead of calling that graph again (as Dynamo's backend does with the run it follows).
+    None elsewhere, and when the original fails: verification then runs it as usual and
+    reports why."""
+    if inputs is None or model.training or not cfg.measure.enabled or remote_ops(gm.graph):
+        return None
+    try:
+        reference = run_reference(model, inputs, cfg.verify, allow_writes=False)
+    except Exception:
+        return None
+    if reference.recording.calls:  # a leaf module called a server: verification replays it
+        return None
+    report.original_seconds = reference.seconds
+    return reference
 
 
 def _blame(
@@ -296,7 +333,13 @@ def _verify_or_fall_back(
     cfg: OptimizeConfig,
     strict: bool,
     report: OptimizeReport,
+    *,
+    reference: Reference | None = None,
 ) -> nn.Module:
+    """Verify ``optimized`` against ``model`` (its run ``reference``, when it was made already),
+    or fall back."""
+    if reference is not None:
+        return _verified(model, optimized, inputs, pipeline, cfg, strict, report, reference)
     # Checking would apply the model's remote writes once (the original's run): not without the
     # user's say-so. Writes in a traced graph are known up front; under Dynamo, and in backward,
     # the original's run stops at the first one, before sending it.
@@ -332,6 +375,36 @@ def _verify_or_fall_back(
         return _fall_back(model, report, _original_failed(err))
     else:
         report.backward_writes = [w.describe() for w in reference.recording.backward_writes]
+    return _verified(
+        model,
+        optimized,
+        inputs,
+        pipeline,
+        cfg,
+        strict,
+        report,
+        reference,
+        verify_cfg=verify_cfg,
+        unsent=unsent,
+    )
+
+
+def _verified(
+    model: nn.Module,
+    optimized: nn.Module,
+    inputs: tuple[Any, ...],
+    pipeline: Sequence[PassSpec],
+    cfg: OptimizeConfig,
+    strict: bool,
+    report: OptimizeReport,
+    reference: Reference,
+    *,
+    verify_cfg: VerifyConfig | None = None,
+    unsent: RemoteWrite | None = None,
+) -> nn.Module:
+    """``optimized`` if it computes as ``model`` did in ``reference`` (checked with
+    ``verify_cfg``, ``cfg.verify`` by default), else ``model``, fallen back."""
+    verify_cfg = verify_cfg or cfg.verify
     if not reference.check_grads:  # an inference run: the final timing check's first sample
         report.original_seconds = reference.seconds
     dropped = _assignments_dropped(optimized, reference.rebound)
@@ -531,7 +604,7 @@ def _bisect_culprit(
         scratch = OptimizeReport(model=type(model).__qualname__, tier="")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DistoptFallbackWarning)
-            candidate = _capture_and_transform(model, inputs, pipeline[:k], quiet, True, scratch)
+            candidate, _ = _capture_and_transform(model, inputs, pipeline[:k], quiet, True, scratch)
         return compare_modules(
             model,
             candidate,

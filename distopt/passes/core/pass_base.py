@@ -48,6 +48,9 @@ class PassResult:
     modified: bool
     detail: str = ""
     """One line for the explain report, e.g. ``"split 4 remote calls"``."""
+    same_cost: bool = False
+    """The rewrite removed only calls that compute nothing (``nn.Identity``): a timing of the
+    graph before it holds for the graph after (:data:`CAPTURED` follows it)."""
 
 
 PassFn = Callable[[torch.fx.GraphModule, PassContext], PassResult]

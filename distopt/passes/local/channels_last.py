@@ -13,16 +13,18 @@ Dynamo graph they are placeholders too, and only the model's inputs are converte
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_flatten, tree_map, tree_map_only
 
 from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.passes.core.runner import REORDERS_FLOAT
-from distopt.passes.local.measured import keep_if_faster
+from distopt.passes.local.measured import CONTAINER, keep_if_faster
 from distopt.passes.local.patterns import is_convolution
 from distopt.remote.isolation import forked_rng, preserved_state
 from distopt.remote.registry import register_leaf_function
@@ -89,11 +91,13 @@ def _is_model_state(node: torch.fx.Node) -> bool:
     return "._parameters[" in name or "._buffers[" in name
 
 
-def _output_formats(
+def output_formats(
     gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...] | None
 ) -> list[str] | None:
     """Memory format of every output leaf of the unmodified graph: from Dynamo's metadata when the
-    graph has it, else from a run on the example inputs (None without them)."""
+    graph has it, else from a run on fake copies of the example inputs (strides, no data: a
+    symbolically traced ConvNeXt-T at one thread ran a second for this), else from a real run
+    (None without inputs)."""
     output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     leaves, _ = tree_flatten(output.args[0])
     values = [
@@ -105,19 +109,41 @@ def _output_formats(
         return [format_name(v) for v in tensors]
     if example_inputs is None:
         return None
-    try:
-        with preserved_state(gm), torch.no_grad(), forked_rng():
-            out = gm(*example_inputs)
-    except Exception:
-        return None
+    out = _fake_run(gm, example_inputs)
+    if out is None:
+        try:
+            with preserved_state(gm), torch.no_grad(), forked_rng():
+                out = gm(*example_inputs)
+        except Exception:
+            return None
     leaves, _ = tree_flatten(out)
     return [format_name(v) if isinstance(v, torch.Tensor) else "contiguous_format" for v in leaves]
 
 
-def convert_layout(gm: torch.fx.GraphModule, ctx: PassContext) -> tuple[int, int]:
+def _fake_run(gm: torch.fx.GraphModule, example_inputs: tuple[Any, ...]) -> Any:
+    """``gm``'s outputs on fake copies of ``example_inputs``; None when an op has no fake kernel
+    (the model's state, real, turns fake where an op meets it, and is never written). A graph
+    holding fused modules runs as a copy: they cache the weights they derive, which a fake call
+    would fill with fakes."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        if hasattr(gm, CONTAINER):
+            gm = copy.deepcopy(gm)
+        inputs = tree_map_only(torch.Tensor, mode.from_tensor, example_inputs)
+        with preserved_state(gm), torch.no_grad(), mode:
+            return gm(*inputs)
+    except Exception:
+        return None
+
+
+def convert_layout(
+    gm: torch.fx.GraphModule, ctx: PassContext, formats: list[str] | None = None
+) -> tuple[int, int]:
     """Insert the conversions: inputs to channels-last at entry, outputs to their original layout
-    at exit. Returns how many inputs were converted and outputs restored."""
-    formats = _output_formats(gm, ctx.example_inputs)
+    (``formats``, from :func:`output_formats` of the graph before any rewrite; found now when
+    not given) at exit. Returns how many inputs were converted and outputs restored."""
+    if formats is None:
+        formats = output_formats(gm, ctx.example_inputs)
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     converted = 0

@@ -27,7 +27,12 @@ from torch.fx import Node
 
 from distopt.passes.core.pass_base import PassContext, PassResult, PassSpec
 from distopt.passes.core.runner import REORDERS_FLOAT
-from distopt.passes.local.channels_last import convert_layout, has_convolutions, is_converted
+from distopt.passes.local.channels_last import (
+    convert_layout,
+    has_convolutions,
+    is_converted,
+    output_formats,
+)
 from distopt.passes.local.fused import Epilogue, FusedConv2d, FusedLinear
 from distopt.passes.local.measured import add_fused, keep_if_faster
 from distopt.passes.local.patterns import (
@@ -63,13 +68,16 @@ def mkldnn_fusion(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(modified=False, detail=unavailable)
 
     def rewrite(gm: torch.fx.GraphModule) -> tuple[bool, str]:
+        # The outputs' layouts the conversion back restores: the graph's own, before fusing.
+        convert = has_convolutions(gm) and not is_converted(gm)
+        formats = output_formats(gm, ctx.example_inputs) if convert else None
         convs = _fuse_convolutions(gm)
         linears = _fuse_linears(gm)
         if not convs and not linears:
             return False, "no convolution or linear epilogue to fuse"
         layout = ""
-        if has_convolutions(gm) and not is_converted(gm):
-            converted, restored = convert_layout(gm, ctx)
+        if convert:
+            converted, restored = convert_layout(gm, ctx, formats)
             layout = f"; channels-last: {converted} inputs converted, {restored} outputs restored"
         kinds = ", ".join(f"{n}× {k}" for k, n in sorted(convs.items()) + sorted(linears.items()))
         return True, f"oneDNN fused ops: {kinds}{layout}"

@@ -36,7 +36,9 @@ def remove_identity(gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:
         node.replace_all_uses_with(source)
         gm.graph.erase_node(node)
         removed += 1
-    return PassResult(modified=removed > 0, detail=f"removed {plural(removed, 'no-op call')}")
+    return PassResult(
+        modified=removed > 0, detail=f"removed {plural(removed, 'no-op call')}", same_cost=True
+    )
 
 
 PASS = PassSpec(

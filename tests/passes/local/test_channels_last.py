@@ -140,3 +140,30 @@ def test_hooks_run_a_module_channels_last_without_a_graph() -> None:
     assert seen == [True] and feat.is_contiguous()
     torch.testing.assert_close(feat, ref_feat, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(head, ref_head, rtol=1e-5, atol=1e-5)
+
+
+def test_output_formats_come_from_fake_tensors_and_leave_fused_modules_caches_real() -> None:
+    from distopt.passes import resolve_pipeline, run_passes
+    from distopt.passes.local.channels_last import output_formats
+
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    x = torch.randn(2, 3, 8, 8)
+    gm = torch.fx.symbolic_trace(model)
+    run_passes(gm, resolve_pipeline(["fold_conv_bn"]), example_inputs=(x,), training=False)
+    with torch.no_grad():
+        # The fused module derives and caches its folded weight on its first call: a fake call
+        # filling that cache with fakes would break the real calls after it.
+        assert output_formats(gm, (x,)) == ["contiguous_format"]
+        assert output_formats(gm, (x.to(memory_format=torch.channels_last),)) == ["channels_last"]
+        # The oneDNN rewrite takes the layouts from such a fake call, then fuses the module.
+        record = run_passes(
+            gm,
+            resolve_pipeline(["mkldnn_fusion"]),
+            example_inputs=(x,),
+            training=False,
+            pass_options={"mkldnn_fusion": {"measure": False}},
+        )
+        assert record.passes[0].modified, record.passes[0].detail
+        # Once more on the fused graph, whose modules hold oneDNN-packed weights.
+        assert output_formats(gm, (x,)) == ["contiguous_format"]
+        torch.testing.assert_close(gm(x), model(x), rtol=1e-4, atol=1e-4)

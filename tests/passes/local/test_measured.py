@@ -269,3 +269,74 @@ def test_a_call_that_draws_random_numbers_is_not_answered_from_a_timed_call() ->
         torch.random.set_rng_state(start)
         answering_first_call(gm, (x,), forward)(x)
     assert count[0] == 1 and torch.equal(torch.random.get_rng_state(), after_a_call)
+
+
+class IdentityThenConv(nn.Module):
+    """transformers' ResNet keeps ``nn.Identity`` shortcuts that remove_identity drops first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shortcut = nn.Identity()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(self.shortcut(x)))
+
+
+def test_removing_no_op_calls_keeps_the_captured_sample_and_other_rewrites_drop_it() -> None:
+    from distopt.passes import resolve_pipeline, run_passes
+
+    x = torch.randn(2, 3, 8, 8)
+    calls: list[str] = []
+    gm = torch.fx.symbolic_trace(IdentityThenConv().eval())
+    measurer = Measurer(clock=clock_of({"baseline": 1.0, "candidate": 0.5}, calls))
+    record = run_passes(
+        gm,
+        resolve_pipeline(["remove_identity", "mkldnn_fusion"]),
+        example_inputs=(x,),
+        training=False,
+        measure=measurer,
+        captured_s=1.0,
+    )
+    assert [p.name for p in record.passes if p.modified] == ["remove_identity", "mkldnn_fusion"]
+    assert calls == ["candidate"]  # "without" is the original's run: the identity costs nothing
+
+    calls.clear()
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8)).eval())
+    record = run_passes(
+        gm,
+        resolve_pipeline(["fold_conv_bn", "mkldnn_fusion"]),
+        example_inputs=(x,),
+        training=False,
+        measure=Measurer(clock=clock_of({"baseline": 1.0, "candidate": 0.5}, calls)),
+        captured_s=1.0,
+    )
+    assert [p.name for p in record.passes if p.modified] == ["fold_conv_bn", "mkldnn_fusion"]
+    # The fold changed what the graph computes: mkldnn_fusion times its own "without".
+    assert calls == ["baseline", "candidate"]
+
+
+def test_verification_of_a_kept_rewrite_takes_its_timed_run_instead_of_running_again() -> None:
+    from distopt.config import VerifyConfig
+    from distopt.optimize.verify import compare_modules, run_reference
+
+    model = ConvRelu().eval()
+    x = torch.randn(2, 3, 8, 8)
+    reference = run_reference(model, (x,), VerifyConfig())
+    gm = torch.fx.symbolic_trace(model)
+    ctx = PassContext(example_inputs=(x,), training=False, measure=_calling(1.0, 0.5))
+    assert mkldnn_fusion(gm, ctx).modified
+    gm.recompile()
+    count = [0]
+    graph_forward = gm.forward
+
+    def forward(*args: Any) -> Any:
+        count[0] += 1
+        return graph_forward(*args)
+
+    gm.forward = forward  # type: ignore[method-assign]
+    record = compare_modules(model, gm, (x,), VerifyConfig(), reference=reference)
+    assert record.passed and count == [0]
+    # A second check has no timed run to take: it runs the graph.
+    assert compare_modules(model, gm, (x,), VerifyConfig(), reference=reference).passed
+    assert count == [1]
