@@ -204,9 +204,7 @@ def _capture_and_transform(
         report.tier = Tier.SYMBOLIC.value
         report.guards = list(gm.meta["distopt_guards"])
         report.graphs.append(GraphRecord(code_before=gm.code))
-        reference = (
-            _reference_before_passes(model, gm, inputs, cfg, report) if reference_first else None
-        )
+        reference = _reference_before_passes(model, gm, inputs, cfg) if reference_first else None
         try:
             run_passes(
                 gm,
@@ -259,7 +257,6 @@ def _reference_before_passes(
     gm: torch.fx.GraphModule,
     inputs: tuple[Any, ...] | None,
     cfg: OptimizeConfig,
-    report: OptimizeReport,
 ) -> Reference | None:
     """The original's verification run, made before the passes of a traced eval graph that
     makes no remote call, so that measured passes take it as the captured graph's first sample
@@ -274,7 +271,6 @@ def _reference_before_passes(
         return None
     if reference.recording.calls:  # a leaf module called a server: verification replays it
         return None
-    report.original_seconds = reference.seconds
     return reference
 
 
