@@ -75,7 +75,6 @@ from distopt.estimate.step import (
     phase_medians,
     predict_phases,
     predict_step,
-    time_optimizer_step,
 )
 from distopt.metrics import QpsLogWriter
 from distopt.models.dlrm import (
@@ -726,13 +725,11 @@ def _point(
                 max_staleness=bench.max_staleness,
                 pushes="async",
                 baseline_pushes="blocking",
+                optimizer=lambda params: torch.optim.SGD(params, lr=bench.lr),
             )
             staleness = prediction.pipeline_staleness
             assert staleness is not None
             ps.discard_step()
-        optimizer_s = time_optimizer_step(
-            list(baseline.parameters()), lambda params: torch.optim.SGD(params, lr=bench.lr)
-        )
 
         # Each variant trains copies of its own (a cached one: one copy, of its own tables); every
         # copy is built from the config, so all start from the same dense parameters.
@@ -898,7 +895,7 @@ def _point(
     pipe_vs_net = scores.get("pipelined/no_network")
     pipe_vs_opt = scores.get("pipelined/optimized")
     forward = prediction.forward
-    predicted = _predicted_phases(prediction, optimizer_s)
+    predicted = _predicted_phases(prediction)
     predicted_s = {name: StepPrediction.total(phases) for name, phases in predicted.items()}
     point = {
         "tables": k,
@@ -1028,13 +1025,11 @@ def _pooled(per_round: list[list[float]]) -> list[float]:
     return [t for samples in per_round for t in samples]
 
 
-def _predicted_phases(
-    prediction: GainPrediction, optimizer_s: float
-) -> dict[str, dict[str, float]]:
+def _predicted_phases(prediction: GainPrediction) -> dict[str, dict[str, float]]:
     """Each rehearsed variant's step, phase by phase (:func:`distopt.optimize.gain.rehearse`:
     the baseline waits for its push, the others send it and their next reads wait for it)."""
     assert prediction.costs is not None  # DLRM's backward sends no remote write
-    costs = dataclasses.replace(prediction.costs, optimizer_s=optimizer_s)
+    costs = prediction.costs
     return {name: predict_phases(costs, name) for name in costs.rehearsed}
 
 

@@ -21,7 +21,7 @@ sides (:data:`OTHER`), so that the rows of a report add up to its step.
 :class:`StepPhases` measures them in the training loop. :func:`predict_step` predicts each for
 the model as written and as optimized, from start-up measurements of that phase (steps rehearsed
 by the job's trainers together — forward, backward with the gradient all-reduce, pushes in
-turn; an optimizer step timed on copies of the parameters) or from a model of it (data as a
+turn; the job's optimizer stepping copies of the parameters) or from a model of it (data as a
 loader that keeps up).
 """
 
@@ -209,38 +209,6 @@ def median_time(call: Callable[[], object], *, repeats: int, warmup: int = 1) ->
     return statistics.median(samples)
 
 
-def time_optimizer_step(
-    params: Sequence[nn.Parameter],
-    build: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    *,
-    repeats: int = 7,
-) -> float:
-    """Median seconds of an optimizer step (and ``zero_grad``) of the optimizer ``build`` makes,
-    run on copies of ``params`` with random gradients: the user's parameters, gradients and
-    optimizer state are untouched.
-
-    The gradients are drawn once, before the timed calls, and handed to the copies again before
-    each: timing their drawing too and taking its median off made the optimizer of ps_overlap's
-    heavy model (34M parameters; drawing them takes several times the step) anything from 0 to
-    34 ms from one point to the next."""
-    copies = [nn.Parameter(p.detach().clone()) for p in params if p.requires_grad]
-    if not copies:
-        return 0.0
-    optimizer = build(copies)
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    grads = [torch.randn(p.shape, generator=generator, dtype=p.dtype).to(p.device) for p in copies]
-    samples = []
-    for attempt in range(1 + repeats):
-        for p, grad in zip(copies, grads, strict=True):
-            p.grad = grad
-        start = now()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if attempt:  # the first builds the optimizer's state
-            samples.append(now() - start)
-    return statistics.median(samples)
-
-
 def gradient_bytes(model: nn.Module) -> int:
     """Bytes of the dense gradients DDP all-reduces (trainable parameters of ``model``)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
@@ -265,11 +233,13 @@ class StepCosts:
 
     rehearsed: Mapping[str, Mapping[str, float]]
     """Per schedule (:data:`SCHEDULES`, those rehearsed): the median ``forward``, ``waits``,
-    ``backward`` and ``pushes``, and :data:`OTHER`, of steps run at start-up on the first batch —
+    ``backward`` and ``pushes`` (``data``: taking the batch, a pipeline's prefetched one;
+    ``optimizer`` when the rehearsal was given the job's optimizer: its step on copies of the
+    parameters), and :data:`OTHER`, of steps run at start-up on the first batch —
     remote reads sent for real, distopt pushes as dry runs (the servers compute on copies and
     change nothing), a remote write of the user's own not applied but stood in for (its
     arguments sent to its server, not applied; without a stand-in, waited out at
-    :attr:`read_latency_s`), no optimizer step (:func:`distopt.optimize.gain.rehearse`)."""
+    :attr:`read_latency_s`) (:func:`distopt.optimize.gain.rehearse`)."""
     pushes: PushMode = "none"
     """How the rehearsal pushed (``in_turn``: each trainer's blocking push in its turn)."""
     trainers: int = 1
@@ -278,8 +248,8 @@ class StepCosts:
     pushes every trainer's turn and barrier (``in_turn``)."""
     all_reduce_bytes: int = 0
     """Dense gradient bytes the rehearsal all-reduced after each backward (0: none)."""
-    optimizer_s: float = 0.0
     data_s: float = 0.0
+    """Seconds the loader adds to taking a batch (0: it keeps up)."""
     writes_not_applied: int = 0
     """Remote writes per rehearsed step not applied: a stand-in sent in their place, or
     waited out."""
@@ -295,16 +265,16 @@ class StepCosts:
 def predict_phases(costs: StepCosts, schedule: str) -> dict[str, float]:
     """The reported phases (:data:`REPORTED`) of a step of ``schedule``: its rehearsed phases
     (the all-reduce and every trainer's turn to push among them when the trainers rehearsed
-    together) and the optimizer step timed on copies."""
+    together; the optimizer step when the rehearsal took it)."""
     rehearsed = costs.rehearsed[schedule]
     return {
-        "data": costs.data_s,
+        "data": costs.data_s + rehearsed.get("data", 0.0),
         "forward": rehearsed["forward"],
         "waits": rehearsed["waits"],
         "backward": rehearsed["backward"],
         "all_reduce": rehearsed.get("all_reduce", 0.0),
         "pushes": rehearsed["pushes"],
-        "optimizer": costs.optimizer_s,
+        "optimizer": rehearsed.get("optimizer", 0.0),
         OTHER: rehearsed.get(OTHER, 0.0),
     }
 
@@ -340,14 +310,19 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
             f"the trainers all-reduce {costs.all_reduce_bytes:,} dense gradient bytes in one call "
             f"after each rehearsed backward (the wait for the slower trainer in it), {rehearsed}"
         )
+    stepped = all("optimizer" in phases for phases in costs.rehearsed.values())
     return {
-        "data": "0: the loader keeps up (batches are ready when asked for)",
+        "data": "taking the batch, rehearsed (a pipeline's prefetched batch); the loader keeps up "
+        "(batches are ready when asked for)",
         "forward": rehearsed,
         "waits": f"the part of the forward blocked on remote reads, {rehearsed}",
         "backward": f"{rehearsed}{writes}, all_reduce in it",
         "all_reduce": all_reduce,
         "pushes": push_how[costs.pushes],
-        "optimizer": "median of timed optimizer steps on copies of the parameters",
+        "optimizer": f"the job's optimizer step on copies of the parameters, with each step's "
+        f"gradients, {rehearsed}"
+        if stepped
+        else "0: the rehearsal was not given the job's optimizer",
         OTHER: f"the rehearsed steps' median less the sum of their phases' medians ({rehearsed})",
     }
 

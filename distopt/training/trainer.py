@@ -35,7 +35,6 @@ from distopt.errors import CaptureError, ConfigError, DistoptFallbackWarning, Re
 from distopt.estimate.step import (
     StepPhases,
     gradient_bytes,
-    time_optimizer_step,
 )
 from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
@@ -158,6 +157,7 @@ def _prediction(
             repeats=PREDICTION_REPEATS,
             pushes="in_turn" if in_turn else "async",
             lockstep=lockstep,
+            optimizer=lambda params: build_optimizer(params, config.optim),
         )
     except CaptureError:
         return {}  # the prediction is optional: no graph, no prediction (never a failed job)
@@ -170,12 +170,7 @@ def _prediction(
     if prediction.unmeasured_step is not None:
         logger.info("prediction: no step time predicted: %s", prediction.unmeasured_step)
     header = prediction.to_header()
-    step = step_of(
-        prediction,
-        optimizer_s=time_optimizer_step(
-            list(model.parameters()), lambda params: build_optimizer(params, config.optim)
-        ),
-    )
+    step = step_of(prediction)
     if step is not None:
         header.update(step.to_header())
     return header
