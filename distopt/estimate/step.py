@@ -322,7 +322,8 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
         "optimizer": f"the job's optimizer step on copies of the parameters, with each step's "
         f"gradients, {rehearsed}"
         if stepped
-        else "0: the rehearsal was not given the job's optimizer",
+        else "0: not rehearsed (no optimizer given, or copies of the parameters would not fit "
+        "in memory)",
         OTHER: f"the rehearsed steps' median less the sum of their phases' medians ({rehearsed})",
     }
 

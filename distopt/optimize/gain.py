@@ -13,10 +13,11 @@ import contextlib
 import dataclasses
 import functools
 import itertools
+import logging
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -51,11 +52,14 @@ from distopt.pipeline.split import PrefetchSplit, prefetchable
 from distopt.pipeline.train_pipeline import check_pipelined
 from distopt.ps.client import calls as ps_calls
 from distopt.ps.client import context as ps_context
+from distopt.ps.client.cache import memory_available
 from distopt.remote import registry
 from distopt.remote.intercept import calling_through
 from distopt.remote.isolation import forked_rng, isolated, preserved_state
 from distopt.remote.local import named_local_tensors, with_remote_calls
 from distopt.remote.record import Recording, RemoteWriteRefused, recording
+
+logger = logging.getLogger(__name__)
 
 
 def predict_pipelined(
@@ -153,12 +157,7 @@ class OptimizerOnCopies:
     heavy; 5.3 against 10.2 ms at K = 16, heavy)."""
 
     def __init__(self, module: nn.Module, build: OptimizerBuilder) -> None:
-        params = {
-            id(param): param
-            for _, param in named_local_tensors(module, "_parameters")
-            if param.requires_grad
-        }
-        self._pairs = [(param, nn.Parameter(param.detach().clone())) for param in params.values()]
+        self._pairs = [(param, nn.Parameter(param.detach().clone())) for param in _trained(module)]
         self._optimizer = build([copy for _, copy in self._pairs]) if self._pairs else None
 
     def step(self) -> None:
@@ -169,6 +168,50 @@ class OptimizerOnCopies:
         self._optimizer.step()
         for _, copy in self._pairs:
             copy.grad = None  # the gradients are the step's: not held past it
+
+
+COPY_BYTES_PER_BYTE = 3
+"""Memory an optimizer on copies may take per byte of the parameters it copies: the copy and
+up to two states per parameter (Adam's moments)."""
+
+
+def _trained(module: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters held here (each once; a ``RemoteModule``'s live on its owner)."""
+    held = (param for _, param in named_local_tensors(module, "_parameters"))
+    return [cast(nn.Parameter, param) for param in held if param.requires_grad]
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return memory_available() if device.type == "cpu" else None
+
+
+def optimizers_on_copies(
+    modules: Mapping[str, nn.Module], build: OptimizerBuilder | None
+) -> dict[str, OptimizerOnCopies] | None:
+    """An :class:`OptimizerOnCopies` per rehearsed schedule, or ``None`` (no optimizer step
+    rehearsed) without ``build`` or when their copies and state could take more than half the
+    memory free on a device: a prediction must never be what runs a job out of memory."""
+    if build is None:
+        return None
+    needed: dict[torch.device, int] = {}
+    for module in modules.values():
+        for param in _trained(module):
+            nbytes = param.numel() * param.element_size() * COPY_BYTES_PER_BYTE
+            needed[param.device] = needed.get(param.device, 0) + nbytes
+    for device, nbytes in needed.items():
+        free = _free_bytes(device)
+        if free is not None and nbytes > free // 2:
+            logger.info(
+                "prediction: the optimizer step is not rehearsed: copies of the parameters and "
+                "its state could take %d MiB of the %d MiB free on %s",
+                nbytes >> 20,
+                free >> 20,
+                device,
+            )
+            return None
+    return {name: OptimizerOnCopies(module, build) for name, module in modules.items()}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -284,7 +327,8 @@ def rehearse(
     waited out at ``read_latency_s`` (:func:`recording`); one that cannot be (a write issued
     through another library's handle) raises :class:`RemoteWriteRefused` before it is sent.
     With ``optimizer``, each step ends in the job's optimizer step on copies of the parameters
-    (:class:`OptimizerOnCopies`), timed as ``optimizer``. Schedules take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps``
+    (:class:`OptimizerOnCopies`; not where they would not fit: :func:`optimizers_on_copies`),
+    timed as ``optimizer``. Schedules take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps``
     steps, the first step of each chunk not counted (a pipelined chunk runs as many steps more
     as its staleness, which are not counted either: their reads were sent before its first
     step), each chunk going on until
@@ -313,13 +357,16 @@ def rehearse(
                 f"rehearse: a pipelined schedule needs a staleness >= 1, got {pipeline_staleness!r}"
             )
         split = check_pipelined(optimized, pipeline_staleness, push=True)
-    timed = [phase for phase in REHEARSED if phase != "optimizer" or optimizer is not None]
+    stepping: Mapping[str, OptimizerOnCopies | None] = optimizers_on_copies(
+        {
+            name: split.main if name == "pipelined" and split else module
+            for name, (module, _) in runs.items()
+        },
+        optimizer,
+    ) or dict.fromkeys(runs)
+    timed = [phase for phase in REHEARSED if phase != "optimizer" or None not in stepping.values()]
     times: dict[str, dict[str, list[float]]] = {
         name: {phase: [] for phase in timed} for name in runs
-    }
-    stepping: dict[str, OptimizerOnCopies | None] = {
-        name: None if optimizer is None else OptimizerOnCopies(module, optimizer)
-        for name, (module, _) in runs.items()
     }
     all_reduce = lockstep.all_reduce if lockstep is not None else None
     not_applied = writes_waited_out = 0

@@ -162,6 +162,30 @@ def test_the_rehearsed_step_ends_in_the_jobs_optimizer_step_on_copies(monkeypatc
     assert "copies of the parameters" in step.assumptions["optimizer"]
 
 
+def test_no_optimizer_step_is_rehearsed_when_its_copies_would_not_fit(monkeypatch) -> None:
+    """Copies of the parameters and the optimizer's state must fit in half the free memory: a
+    prediction never runs a job out of memory. Without them the step has no optimizer phase."""
+    monkeypatch.setattr(gain, "REHEARSAL_CHUNK_S", 0.0)
+    monkeypatch.setattr(gain, "memory_available", lambda: 1024)
+    model, _, after, inputs = graphs()
+    STORE.reset()
+    _SlowSGD.steps = 0
+    prediction = predict_gain(
+        model,
+        after,
+        inputs,
+        latency_s=0.001,
+        measure_step=True,
+        repeats=2,
+        optimizer=lambda params: _SlowSGD(params, lr=1.0),
+    )
+    assert _SlowSGD.steps == 0 and prediction.costs is not None
+    assert "optimizer" not in prediction.costs.rehearsed["optimized"]
+    step = step_of(prediction)
+    assert step is not None and step.optimized["optimizer"] == 0.0
+    assert step.assumptions["optimizer"].startswith("0: not rehearsed")
+
+
 def test_predict_gain_sends_nothing_when_there_is_no_graph() -> None:
     model, _, _, inputs = graphs()
     STORE.reset()

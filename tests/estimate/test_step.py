@@ -146,7 +146,7 @@ def test_a_step_rehearsed_without_the_jobs_optimizer_predicts_none() -> None:
     rehearsed = {"forward": 0.01, "waits": 0.0, "backward": 0.01, "pushes": 0.0}
     step = predict_step(StepCosts(rehearsed={s: rehearsed for s in ("baseline", "optimized")}))
     assert step.baseline["optimizer"] == 0.0
-    assert step.assumptions["optimizer"].startswith("0: the rehearsal was not given")
+    assert step.assumptions["optimizer"].startswith("0: not rehearsed")
 
 
 def test_gradient_bytes_are_the_trainable_parameters() -> None:
