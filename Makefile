@@ -22,8 +22,8 @@ demo: $(STAMP)
 # tests/remote runs in its own processes: PyTorch keeps a process's RRef context bound to
 # the first RPC group that used RRefs, so it cannot follow tests that formed other groups.
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadgroup --durations=20 --ignore=tests/remote $(PYTEST_ARGS)
-	$(PY) -m pytest -n 2 --dist loadgroup tests/remote $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --durations=20 --ignore=tests/remote $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 tests/remote $(PYTEST_ARGS)
 
 # Tests that need a CUDA GPU (marked `cuda`; skipped elsewhere).
 test-gpu: $(STAMP)
