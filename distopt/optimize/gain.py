@@ -229,8 +229,8 @@ class _Step:
 
 
 def _timed_step(step: _Step, times: dict[str, list[float]]) -> None:
-    """One rehearsed step, each of :data:`REHEARSED` appended to ``times`` (``optimizer`` only
-    with an optimizer)."""
+    """One rehearsed step, each of :data:`REHEARSED` that ``times`` holds appended to it (it
+    holds ``optimizer`` only when the rehearsal steps an optimizer)."""
     step_start = now()
     batch = step.take()
     data = now() - step_start
@@ -266,9 +266,8 @@ def _timed_step(step: _Step, times: dict[str, list[float]]) -> None:
         "optimizer": optimizer,
         "step": now() - step_start,
     }
-    for name in REHEARSED:
-        if name != "optimizer" or step.optimizer is not None:
-            times[name].append(seconds[name])
+    for name, values in times.items():  # the phases this rehearsal times
+        values.append(seconds[name])
 
 
 def _clear_grads(*modules: nn.Module) -> None:

@@ -130,6 +130,18 @@ class _SlowSGD(torch.optim.SGD):
         return super().step(closure)
 
 
+def _predicted_with_slow_sgd(model, after, inputs) -> GainPrediction:
+    return predict_gain(
+        model,
+        after,
+        inputs,
+        latency_s=0.001,
+        measure_step=True,
+        repeats=2,
+        optimizer=lambda params: _SlowSGD(params, lr=1.0),
+    )
+
+
 def test_the_rehearsed_step_ends_in_the_jobs_optimizer_step_on_copies(monkeypatch) -> None:
     """Each rehearsed step steps the job's optimizer, on copies of the parameters with that
     step's gradients: its cost is in the step where the job pays it, and the model's parameters,
@@ -139,15 +151,7 @@ def test_the_rehearsed_step_ends_in_the_jobs_optimizer_step_on_copies(monkeypatc
     STORE.reset()
     before = {name: p.detach().clone() for name, p in after.named_parameters()}
     _SlowSGD.steps = 0
-    prediction = predict_gain(
-        model,
-        after,
-        inputs,
-        latency_s=0.001,
-        measure_step=True,
-        repeats=2,
-        optimizer=lambda params: _SlowSGD(params, lr=1.0),
-    )
+    prediction = _predicted_with_slow_sgd(model, after, inputs)
     assert _SlowSGD.steps == REHEARSAL_ROUNDS * 2 * 2  # 2 schedules, chunks of 2 steps
     assert prediction.costs is not None
     for schedule in ("baseline", "optimized"):
@@ -170,15 +174,7 @@ def test_no_optimizer_step_is_rehearsed_when_its_copies_would_not_fit(monkeypatc
     model, _, after, inputs = graphs()
     STORE.reset()
     _SlowSGD.steps = 0
-    prediction = predict_gain(
-        model,
-        after,
-        inputs,
-        latency_s=0.001,
-        measure_step=True,
-        repeats=2,
-        optimizer=lambda params: _SlowSGD(params, lr=1.0),
-    )
+    prediction = _predicted_with_slow_sgd(model, after, inputs)
     assert _SlowSGD.steps == 0 and prediction.costs is not None
     assert "optimizer" not in prediction.costs.rehearsed["optimized"]
     step = step_of(prediction)
