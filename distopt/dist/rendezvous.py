@@ -42,6 +42,7 @@ import dataclasses
 import datetime
 import faulthandler
 import gc
+import hashlib
 import ipaddress
 import os
 import re
@@ -537,7 +538,12 @@ def _interface_key(interface: str) -> str:
 
 
 def _not_here(host: str, err: OSError) -> str:
-    """Why a store cannot listen on ``host``, when it is no address of this host."""
+    """Why a store cannot listen on ``host``: no address of this host, or its port taken."""
+    if err.errno == errno.EADDRINUSE:
+        return (
+            " (another process listens there, perhaps another job: launch this one with "
+            "--arg master_port=P, P and P + 1 free on that host)"
+        )
     if err.errno != errno.EADDRNOTAVAIL:
         return ""
     return (
@@ -573,6 +579,19 @@ def free_port(host: str = "127.0.0.1", *, consecutive: int = 1) -> int:
                 continue
             return port
     raise RuntimeError(f"no {consecutive} consecutive free ports on {host}")
+
+
+RUN_PORTS = range(20000, 32768, 2)
+"""Where :func:`run_port` picks: below Linux's default ephemeral range (32768–60999), from
+which outgoing connections take their ports, and in steps of two (a job takes P and P + 1)."""
+
+
+def run_port(run_id: str) -> int:
+    """A port ``P`` of run ``run_id``'s own (it uses ``P`` and ``P + 1``), the same wherever it is
+    computed: for a job whose first host is not known when it is submitted (Slurm, Ray), where
+    :func:`free_port` cannot look. Two runs at once share one with probability 1/6384."""
+    digest = hashlib.sha256(run_id.encode()).digest()
+    return RUN_PORTS[int.from_bytes(digest[:8], "big") % len(RUN_PORTS)]
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -47,7 +47,7 @@ from torchx.specs import AppState
 
 from distopt.config import load_config, to_dict
 from distopt.data import build_data
-from distopt.dist.rendezvous import free_port
+from distopt.dist.rendezvous import free_port, run_port
 from distopt.errors import ConfigError
 from distopt.torchx import preflight, watch
 from distopt.torchx.schedulers import apply_torchxconfig, distopt_schedulers, get_runner
@@ -290,6 +290,22 @@ def launch(
     kind = "ps" if num_ps else "spmd"
     component = COMPONENTS[kind]
     extra = dict(component_args or {})
+    if (
+        kind == "ps"
+        and scheduler != "local_docker"
+        and "master_port" not in extra
+        and "master_port" not in torchx_config.get_configs("component", component, [os.getcwd()])
+    ):
+        # Two jobs at once must not both take the default 29500: the second job's server failed
+        # to host its store (two Slurm jobs on one node; on local_cwd a baseline and an optimized
+        # run), and on one host its trainers joined the first job's. Every replica of a local_cwd
+        # job runs here: two ports free now. Elsewhere the first server's host is not known
+        # here: two ports of this run's own (rendezvous.run_port). A port the user chose
+        # (--arg, or the .torchxconfig's [component:distopt.ps_job]) stays.
+        if scheduler != "local_cwd":
+            extra["master_port"] = run_port(run_id)
+        elif not dryrun:
+            extra["master_port"] = free_port(consecutive=2)
     env = dict(extra.get("env") or {})
     if checked.python_path:
         # The job's own code imports in the replicas from where it imported here.
@@ -301,18 +317,6 @@ def launch(
         env["DISTOPT_LAUNCH_RUN_DIR"] = str(run_dir.resolve())
     if env:
         extra["env"] = env
-    if (
-        scheduler == "local_cwd"
-        and kind == "ps"
-        and not dryrun
-        and "master_port" not in extra
-        and "master_port" not in torchx_config.get_configs("component", component, [os.getcwd()])
-    ):
-        # Every replica runs on this host: free ports, so that two jobs launched at once (a
-        # baseline and an optimized run) do not both take the default 29500 (the second job's
-        # server had failed to host its store, and its trainers joined the first job's). A port
-        # the user chose (--arg, or the .torchxconfig's [component:distopt.ps_job]) stays.
-        extra["master_port"] = free_port(consecutive=2)
     # A dry run leaves nothing behind: the component reads the config (it checks it), so it is
     # written where the job would read it, then removed with the folders made for it (or an
     # earlier run's config put back).

@@ -11,6 +11,7 @@ import torch
 import distopt
 from distopt.cli import main as cli
 from distopt.data.generate import write_criteo
+from distopt.dist.rendezvous import run_port
 from distopt.errors import ConfigError
 from distopt.torchx.submit import COMPONENTS, Launched
 from distopt.training.device import NO_GPU
@@ -149,8 +150,16 @@ def test_device_cuda_asks_the_scheduler_for_one_gpu_per_trainer(
     with _launch(
         tmp_path, f"data.path={clicks}", "device=cuda", scheduler="slurm", dryrun=True
     ) as job:
-        # Last, the run dir the replicas write to where they see it (tests/user_jobs/test_ray_runs).
-        assert job.args[-4:] == ["--gpu", "1", "--env", _launch_run_dir(job)]
+        # Last, the run's own ports and the run dir the replicas write to where they see it
+        # (tests/user_jobs/test_ray_runs).
+        assert job.args[-6:] == [
+            "--gpu",
+            "1",
+            "--master_port",
+            str(run_port("r")),
+            "--env",
+            _launch_run_dir(job),
+        ]
         roles = {role.name: role for role in dryrun_app(job.dryrun).roles}
         assert (roles["ps"].resource.gpu, roles["trainer"].resource.gpu) == (0, 1)
     config = ROOT / "configs" / "jobs" / "gpt_tokens.yaml"
@@ -162,6 +171,27 @@ def test_device_cuda_asks_the_scheduler_for_one_gpu_per_trainer(
         config, "slurm", overrides=sets, component_args={"h": "gpu.small"}, dryrun=True
     ) as job:
         assert "--gpu" not in job.args and dryrun_app(job.dryrun).roles[0].resource.gpu == 1
+
+
+def test_two_runs_on_a_cluster_take_ports_of_their_own(tmp_path: Path, clicks: Path) -> None:
+    """Slurm and Ray place the first server where this host cannot look: each run takes ports
+    of its own (two Slurm jobs on one node both took 29500, and the second job's server failed);
+    a port the user chose stays."""
+    ports = []
+    for run_id in ("a", "b"):
+        sets = [f"output_dir={tmp_path / 'runs'}", f"data.path={clicks}"]
+        with distopt.launch(DLRM, "slurm", overrides=sets, run_id=run_id, dryrun=True) as job:
+            envs = [role.env for role in dryrun_app(job.dryrun).roles]
+        assert {env["MASTER_PORT"] for env in envs} == {str(run_port(run_id))}
+        assert {env["DISTOPT_DDP_PORT"] for env in envs} == {str(run_port(run_id) + 1)}
+        ports.append(run_port(run_id))
+    assert ports[0] != ports[1]
+    chosen = {"master_port": 4100}
+    sets = [f"output_dir={tmp_path / 'runs'}", f"data.path={clicks}"]
+    with distopt.launch(
+        DLRM, "slurm", overrides=sets, run_id="a", component_args=chosen, dryrun=True
+    ) as job:
+        assert {role.env["MASTER_PORT"] for role in dryrun_app(job.dryrun).roles} == {"4100"}
 
 
 def _launch_run_dir(job: Launched) -> str:
