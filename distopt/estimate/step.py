@@ -260,6 +260,9 @@ class StepCosts:
     """The model's median remote read (what a write not sent costs)."""
     pipeline_depth: int | None = None
     """The staleness the rehearsed pipeline ended at (it deepens while its reads arrive late)."""
+    rounds: int = 0
+    """Rounds the rehearsal ran, each a chunk of steps of every schedule in turn (more while a
+    gain was not yet known within ±5%: :func:`distopt.optimize.gain.rehearse`)."""
 
 
 def predict_phases(costs: StepCosts, schedule: str) -> dict[str, float]:
@@ -293,6 +296,11 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
                 f"({costs.read_latency_s * 1e3:.2f} ms)"
             )
     rehearsed = "median of steps rehearsed at start-up on the first batch (reads sent)"
+    if costs.rounds:
+        rehearsed = (
+            f"median of steps rehearsed at start-up on the first batch (reads sent), every "
+            f"schedule in each of {costs.rounds} rounds"
+        )
     if costs.trainers > 1:
         rehearsed = f"{rehearsed}, the {costs.trainers} trainers in step"
     push_how = {

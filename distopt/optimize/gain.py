@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
+from distopt.bench.rounds import round_interval
 from distopt.errors import ConfigError
 from distopt.estimate.ab import now
 from distopt.estimate.predict import (
@@ -71,8 +72,23 @@ def predict_pipelined(
 
 
 REHEARSAL_ROUNDS = 3
-"""Rounds of the rehearsal: each runs a chunk of steps of every schedule in turn, so that a
-host getting faster or slower during it favours none."""
+"""Rounds of the rehearsal, at least: each runs a chunk of steps of every schedule in turn, so
+that a host getting faster or slower during it favours none."""
+
+REHEARSAL_MAX_ROUNDS = 12
+"""Rounds of a settling rehearsal (``settle=True``), at most: after :data:`REHEARSAL_ROUNDS` it
+goes on while a schedule's gain over the first is not known within :data:`REHEARSAL_SPREAD`. A
+pipelined step on a shared 2-core host is slow or fast for seconds at a time (K = 1, 1 ms, light:
+round medians of 3.0 to 6.4 ms for one schedule, minutes apart): three rounds predicted its gain
+with a spread of 11% against a run's minutes (issue 24's sweeps), where the interleaved
+optimized schedule, whose steps vary less, had 5%."""
+
+REHEARSAL_SPREAD = 0.05
+"""A settling rehearsal ends once each gain's 90% interval over rounds (a bootstrap over whole
+rounds: :func:`distopt.bench.rounds.round_interval`) lies within ±5% of its middle."""
+
+REHEARSAL_MAX_S = 30.0
+"""Seconds a settling rehearsal adds rounds for, at most (the job waits for it at start-up)."""
 
 REHEARSAL_CHUNK_S = 0.5
 """Counted seconds per chunk, at least (and at least the chunk's steps): a step of a few
@@ -312,6 +328,7 @@ def rehearse(
     scope: StepScope = local_backward,
     lockstep: Lockstep | None = None,
     optimizer: OptimizerBuilder | None = None,
+    settle: bool = False,
 ) -> StepCosts:
     """Rehearse steps of ``model`` and ``optimized`` (and of ``optimized`` in a pipeline with
     ``pipeline_staleness``) on ``example_inputs``, and return their phases' medians
@@ -331,7 +348,9 @@ def rehearse(
     steps, the first step of each chunk not counted (a pipelined chunk runs as many steps more
     as its staleness, which are not counted either: their reads were sent before its first
     step), each chunk going on until
-    its counted steps took :data:`REHEARSAL_CHUNK_S`; the backward, which the passes do not
+    its counted steps took :data:`REHEARSAL_CHUNK_S`; with ``settle``, more rounds follow while
+    the gain of a schedule over the first is not yet known within :data:`REHEARSAL_SPREAD`
+    (:func:`_settled`). The backward, which the passes do not
     change, is the median over every schedule's steps, and so are the pushes of schedules that
     push alike; each schedule's :data:`~distopt.estimate.step.OTHER` is its own steps' median
     less the sum of its own phases' medians (phases vary together: at K = 1, 5 ms, light, a
@@ -371,6 +390,9 @@ def rehearse(
     not_applied = writes_waited_out = 0
     baseline_wrote: bool | None = None  # unknown until the model as written was rehearsed
     depth = pipeline_staleness or 0
+    # Each round's counted step times of each schedule: the units a gain's interval draws.
+    rounds: dict[str, list[list[float]]] = {name: [] for name in runs}
+    started = now()
     with (
         preserved_state(model, optimized),
         isolated(),
@@ -378,7 +400,7 @@ def rehearse(
     ):
         # Restored on exit; None now so that backward does not accumulate into the user's grads.
         _clear_grads(model, optimized)
-        for _ in range(REHEARSAL_ROUNDS):
+        while not _settled(rounds, settle=settle, started=started, lockstep=lockstep):
             for name, (module, push_mode) in runs.items():
                 view = with_remote_calls(module)
                 chunk_times: dict[str, list[float]] = {phase: [] for phase in times[name]}
@@ -425,6 +447,7 @@ def rehearse(
                     )
                 for phase, values in chunk_times.items():
                     times[name][phase].extend(values[1:])
+                rounds[name].append(chunk_times["step"][1:])
     # Before the pooling below: each schedule's own phases.
     other = {name: left_over(phases) for name, phases in times.items()}
     # The passes change the forward alone: each schedule's backward (and all-reduce), and its
@@ -458,6 +481,7 @@ def rehearse(
         writes_waited_out=writes_waited_out,
         read_latency_s=read_latency_s,
         pipeline_depth=depth if split is not None else None,
+        rounds=len(next(iter(rounds.values()))),
     )
 
 
@@ -479,6 +503,46 @@ def _rehearsal_recording(
     if not isinstance(module, torch.fx.GraphModule) and baseline_wrote is False:
         return contextlib.nullcontext(Recording())
     return recording(view, allow_writes=False, write_cost_s=read_latency_s)
+
+
+def _settled(
+    rounds: Mapping[str, Sequence[Sequence[float]]],
+    *,
+    settle: bool,
+    started: float,
+    lockstep: Lockstep | None = None,
+) -> bool:
+    """Whether a rehearsal has run its rounds (``rounds[name][r]``: schedule ``name``'s counted
+    step times in round ``r``): :data:`REHEARSAL_ROUNDS`; with ``settle``, more until the gain of
+    every schedule over the first has a 90% interval within :data:`REHEARSAL_SPREAD` of its
+    middle, at most :data:`REHEARSAL_MAX_ROUNDS` rounds or :data:`REHEARSAL_MAX_S` seconds (with
+    ``lockstep``: on every trainer, which all decide alike)."""
+    done = min(map(len, rounds.values()))
+    if done < REHEARSAL_ROUNDS:
+        return False
+    if not settle or done >= REHEARSAL_MAX_ROUNDS:
+        return True
+    first, *others = rounds
+    settled = now() - started >= REHEARSAL_MAX_S or all(
+        _within_spread(
+            round_interval(
+                {first: rounds[first], name: rounds[name]},
+                functools.partial(_gain, first, name),
+            )
+        )
+        for name in others
+    )
+    return settled if lockstep is None else lockstep.agree(settled)
+
+
+def _gain(before: str, after: str, medians: Mapping[str, Any]) -> Any:
+    return medians[before] / medians[after]
+
+
+def _within_spread(interval: tuple[float, float]) -> bool:
+    low, high = interval
+    middle = (low + high) / 2
+    return high - low <= 2 * REHEARSAL_SPREAD * middle
 
 
 def _chunk_done(
@@ -643,7 +707,9 @@ def predict_gain(
     )
     if measure_step:
         try:
-            costs = rehearsal()
+            # A pipeline's rehearsal below settles every schedule's step; this one then only
+            # sizes the pipeline.
+            costs = rehearsal(settle=pipeline_staleness is None)
         except RemoteWriteRefused as err:
             unmeasured = f"the step sends a remote write ({err.write.describe()})"
         else:
@@ -660,19 +726,20 @@ def predict_gain(
         piped = None
         if costs is not None and pipeline_staleness >= 1:
             try:
+                # Every schedule again, in the same rounds as the pipeline: its gain is a ratio
+                # of steps rehearsed side by side, not of two rehearsals seconds apart (before,
+                # the pipelined step's error went with the baseline's at a correlation of 0.67,
+                # the optimized one's, interleaved, at 0.92).
                 piped = rehearsal(
-                    schedules=("pipelined",),
+                    schedules=("baseline", "optimized", "pipelined"),
                     pipeline_staleness=pipeline_staleness,
                     max_staleness=max_staleness if automatic else None,
+                    settle=True,
                 )
             except ConfigError:
                 pass  # a pipeline could not run this model (TrainPipeline says why): no rehearsal
         if costs is not None and piped is not None:
-            costs = dataclasses.replace(
-                costs,
-                rehearsed={**costs.rehearsed, **piped.rehearsed},
-                pipeline_depth=piped.pipeline_depth,
-            )
+            costs = piped
             depth = piped.pipeline_depth
             if automatic and depth is not None and depth != pipeline_staleness:
                 # The rehearsal's reads came back late: start where it ended, as a run would.

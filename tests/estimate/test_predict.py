@@ -102,8 +102,10 @@ def test_gain_takes_the_forward_saving_off_the_measured_step() -> None:
 
 
 def test_predict_gain_leaves_the_model_as_it_was(monkeypatch) -> None:
-    # Chunks of their minimum steps, so that the requests can be counted.
+    # Chunks of their minimum steps and no rounds past the first three (a settling rehearsal
+    # goes on while the gain moves between rounds), so that the requests can be counted.
     monkeypatch.setattr(gain, "REHEARSAL_CHUNK_S", 0.0)
+    monkeypatch.setattr(gain, "REHEARSAL_MAX_ROUNDS", REHEARSAL_ROUNDS)
     model, _, after, inputs = graphs()
     STORE.reset()
     rng = torch.random.get_rng_state()
@@ -147,6 +149,7 @@ def test_the_rehearsed_step_ends_in_the_jobs_optimizer_step_on_copies(monkeypatc
     step's gradients: its cost is in the step where the job pays it, and the model's parameters,
     grads and optimizer state are as they were."""
     monkeypatch.setattr(gain, "REHEARSAL_CHUNK_S", 0.0)
+    monkeypatch.setattr(gain, "REHEARSAL_MAX_ROUNDS", REHEARSAL_ROUNDS)
     model, _, after, inputs = graphs()
     STORE.reset()
     before = {name: p.detach().clone() for name, p in after.named_parameters()}
@@ -281,3 +284,52 @@ def test_predict_gain_reports_the_staleness_it_chose() -> None:
     )
     assert prediction.pipeline_staleness in (1, 2, 3)
     assert prediction.to_header()["predicted_pipeline_staleness"] == prediction.pipeline_staleness
+
+
+def _rounds(*gains: float) -> dict[str, list[list[float]]]:
+    """Rehearsal rounds whose baseline steps take 10 ms and whose optimized steps give ``gains``."""
+    return {
+        "baseline": [[0.010] * 5 for _ in gains],
+        "optimized": [[0.010 / g] * 5 for g in gains],
+    }
+
+
+def test_a_settling_rehearsal_runs_rounds_until_the_gain_is_known() -> None:
+    started = gain.now()
+    assert not gain._settled(_rounds(2.0, 2.0), settle=True, started=started)  # 3 at least
+    assert gain._settled(_rounds(2.0, 2.0, 2.0), settle=True, started=started)
+    assert gain._settled(_rounds(2.0, 1.7, 2.0), settle=False, started=started)
+    # Gains of 1.7 to 2.3 from round to round: not known within ±5% after three rounds.
+    assert not gain._settled(_rounds(2.0, 1.7, 2.3), settle=True, started=started)
+    moving = _rounds(*[2.0, 1.7, 2.3] * 2)
+    assert not gain._settled(moving, settle=True, started=started)
+    # More rounds of the same spread narrow it: a 90% interval of about ±3% of the middle.
+    assert gain._settled(_rounds(*[2.0, 1.96, 2.04] * 3), settle=True, started=started)
+    # Never more than REHEARSAL_MAX_ROUNDS rounds or REHEARSAL_MAX_S seconds.
+    many = _rounds(*[2.0, 1.7, 2.3] * gain.REHEARSAL_MAX_ROUNDS)
+    assert gain._settled(many, settle=True, started=started)
+    late = started - gain.REHEARSAL_MAX_S
+    assert gain._settled(moving, settle=True, started=late)
+
+
+def test_a_pipeline_is_rehearsed_in_the_same_rounds_as_the_model(monkeypatch) -> None:
+    """Its gain is a ratio of steps rehearsed side by side, every schedule in every round."""
+    orders = []
+    rehearse = gain.rehearse
+
+    def recorded(*args, **kwargs):
+        orders.append((kwargs.get("schedules", ("baseline", "optimized")), kwargs.get("settle")))
+        return rehearse(*args, **kwargs)
+
+    monkeypatch.setattr(gain, "rehearse", recorded)
+    model, _, after, inputs = graphs()
+    predict_gain(
+        model, after, inputs, latency_s=0.004, measure_step=True, repeats=2, pipeline_staleness=1
+    )
+    # A pipeline cannot count this model's reads as stale (not distopt.ps reads): its rehearsal
+    # ends in a ConfigError
+    # (the three schedules' rehearsal of a DLRM: tests/ps/test_ray_backend.py).
+    assert orders == [
+        (("baseline", "optimized"), False),  # sizes the pipeline only
+        (("baseline", "optimized", "pipelined"), True),
+    ]
