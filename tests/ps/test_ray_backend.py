@@ -266,6 +266,9 @@ def test_the_cost_model_rehearses_every_schedule_on_the_ray_backend(ray_cluster)
     assert rehearsed["baseline"]["pushes"] >= 0.002
     assert rehearsed["baseline"]["pushes"] > rehearsed["optimized"]["pushes"]
     assert stats["push_dry_run"] > 0 and stats.get("push_many", 0) == 0
+    # One backward, measured in both models' steps; the pipeline's runs beside its prefetches.
+    assert rehearsed["baseline"]["backward"] == rehearsed["optimized"]["backward"]
+    assert rehearsed["pipelined"]["backward"] != rehearsed["baseline"]["backward"]
     assert all(torch.equal(before[t], after[t]) for t in before)
 
 
