@@ -450,6 +450,7 @@ def rehearse(
                 rounds[name].append(chunk_times["step"][1:])
     # Before the pooling below: each schedule's own phases.
     other = {name: left_over(phases) for name, phases in times.items()}
+
     # The passes change the forward alone: each schedule's backward (and all-reduce), and its
     # pushes where it pushes as another does, are one cost measured several times, taken together.
     # Not a pipeline's: its backward and pushes run while the next batches' reads are answered

@@ -342,6 +342,20 @@ def test_jobs_of_one_variant_are_pooled(write_run: WriteRun) -> None:
         compare_runs([mixed, fast], labels=["b", "f"])
 
 
+def test_the_predicted_gain_of_several_jobs_is_their_geometric_mean(write_run: WriteRun) -> None:
+    """As the measured gain is of their rounds: one job's prediction alone moved between runs."""
+    base = [load_run(write_run(f"b{i}", 1000.0, seed=i)) for i in range(2)]
+    fast = [
+        load_run(write_run(f"f{i}", 1600.0, variant="optimized", seed=5 + i, extra=extra))
+        for i, extra in enumerate(({"predicted_gain": 1.6}, {"predicted_gain": 1.8}))
+    ]
+    (gain,) = compare_runs([base, fast], labels=["b", "f"]).gains
+    assert gain.predicted == pytest.approx((1.6 * 1.8) ** 0.5)
+    # A job without a prediction leaves the others' to say it.
+    fast[1] = load_run(write_run("f2", 1600.0, variant="optimized", seed=7))
+    assert compare_runs([base, fast], labels=["b", "f"]).gains[0].predicted == 1.6
+
+
 def test_an_interval_over_jobs_holds_their_spread() -> None:
     """Two jobs per variant whose gains differ (1.08× and 1.12×, each tight within its steps):
     the two-stage interval holds both jobs' gains; resampling the pooled steps alone gives a
