@@ -34,11 +34,11 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 import distopt
 from distopt.bench import median
-from distopt.bench.rounds import Target, round_interval, undecided
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist.rendezvous import run_spawned
 from distopt.errors import ConfigError
+from distopt.estimate.rounds import Target, round_interval, undecided
 from distopt.models.gpt import GPT
 from distopt.parallel.fsdp_schedule import peak_param_bytes
 from distopt.training import device as job_device
@@ -63,7 +63,7 @@ class FsdpPartitionConfig:
     """Fresh-process runs per variant, round-robin."""
     undecided_factor: float = 2.0
     """While distopt's step time against the per-block policy's is undecided (its 90% interval
-    over the rounds, :mod:`distopt.bench.rounds`, holds 1.0), more rounds, up to this × ``rounds``
+    over the rounds, :mod:`distopt.estimate.rounds`, holds 1.0), more rounds, up to this × ``rounds``
     (1: none). The step times of all rounds are pooled in the score."""
     world_size: int = 2
     threads: int = 1

@@ -61,7 +61,6 @@ import distopt
 import distopt.ps as ps
 from distopt.bench import median, quantile
 from distopt.bench.order import balanced_orders
-from distopt.bench.rounds import Target, round_interval, undecided
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
 from distopt.dist import netns
@@ -69,6 +68,7 @@ from distopt.dist.netns import LinkShape, Network, NetworkError
 from distopt.errors import ConfigError
 from distopt.estimate import GainPrediction
 from distopt.estimate.ab import now
+from distopt.estimate.rounds import Target, round_interval, undecided
 from distopt.estimate.step import (
     StepPhases,
     StepPrediction,
@@ -123,7 +123,7 @@ class PSOverlapConfig:
     max_rounds: int = 64
     undecided_factor: float = 1.0
     """While a scored ratio's 90% interval over the rounds still holds its target
-    (:mod:`distopt.bench.rounds`), more rounds, up to this × the rounds already run (1: none).
+    (:mod:`distopt.estimate.rounds`), more rounds, up to this × the rounds already run (1: none).
     Scored as before, on the pooled median of every round."""
     steps: int = 12
     warmup: int = 2

@@ -24,7 +24,6 @@ import torch.distributed as dist
 import torch.fx
 from torch import nn
 
-from distopt.bench.rounds import round_interval
 from distopt.errors import ConfigError
 from distopt.estimate.ab import now
 from distopt.estimate.predict import (
@@ -36,6 +35,7 @@ from distopt.estimate.predict import (
     predict,
     staleness_to_hide,
 )
+from distopt.estimate.rounds import round_interval
 from distopt.estimate.step import (
     LOGGED,
     OTHER,
@@ -85,7 +85,7 @@ optimized schedule, whose steps vary less, had 5%."""
 
 REHEARSAL_SPREAD = 0.05
 """A settling rehearsal ends once each gain's 90% interval over rounds (a bootstrap over whole
-rounds: :func:`distopt.bench.rounds.round_interval`) lies within ±5% of its middle."""
+rounds: :func:`distopt.estimate.rounds.round_interval`) lies within ±5% of its middle."""
 
 REHEARSAL_MAX_S = 30.0
 """Seconds a settling rehearsal adds rounds for, at most (the job waits for it at start-up)."""

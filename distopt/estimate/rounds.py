@@ -1,4 +1,6 @@
-"""Whether an interleaved benchmark's target is decided yet, from the spread between its rounds.
+"""Whether an interleaved benchmark's target is decided yet, from the spread between its rounds
+(and, through :func:`round_interval`, whether the cost model's rehearsal knows its gains yet:
+:func:`distopt.optimize.gain.rehearse`).
 
 A target such as "optimized ≥ 0.98× hand" compares two medians measured in the same rounds. Where
 the true ratio sits within a few percent of the target, a fixed number of rounds decides it by

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distopt.bench.rounds import Target, round_interval, undecided
+from distopt.estimate.rounds import Target, round_interval, undecided
 
 
 def _rounds(ratio: float, rounds: int, *, drift: float, noise: float, seed: int = 0):
