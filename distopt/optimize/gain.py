@@ -351,8 +351,8 @@ def rehearse(
     its counted steps took :data:`REHEARSAL_CHUNK_S`; with ``settle``, more rounds follow while
     the gain of a schedule over the first is not yet known within :data:`REHEARSAL_SPREAD`
     (:func:`_settled`). The backward, which the passes do not
-    change, is the median over every schedule's steps, and so are the pushes of schedules that
-    push alike; each schedule's :data:`~distopt.estimate.step.OTHER` is its own steps' median
+    change, is the median over every schedule's steps but a pipeline's, and so are the pushes of
+    schedules that push alike (a pipeline's backward and pushes are its own); each schedule's :data:`~distopt.estimate.step.OTHER` is its own steps' median
     less the sum of its own phases' medians (phases vary together: at K = 1, 5 ms, light, a
     pipelined step's median was 2 ms over the sum, 30%). The pipeline deepens as in a run when
     its reads arrive late, up to ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where
