@@ -18,7 +18,6 @@ from pathlib import Path
 import distopt
 from distopt.cli import main as distopt_cli
 from distopt.data.generate import write_criteo
-from distopt.dist.rendezvous import free_port
 from distopt.metrics import load_run
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "jobs" / "dlrm_criteo.yaml"
@@ -34,13 +33,14 @@ def run(samples: int, steps: int, out: Path) -> dict[str, float]:
             overrides=[f"data.path={clicks}", f"output_dir={out}", f"variant={variant}",
                        f"steps={steps}", f"eval.every={steps // 2}"],
             run_id=f"dlrm-{variant}", num_trainers=2, num_ps=1,
-            component_args={"master_port": free_port()}, log_dir=str(out / "torchx"),
+            log_dir=str(out / "torchx"),
         )  # fmt: skip
         with job:
             status = job.wait()
-        print(f"{variant}: {job.handle} {status.state}", flush=True)
-        if status.state.name != "SUCCEEDED":
-            sys.exit(f"the {variant} job failed; logs under {out / 'torchx'}")
+            print(f"{variant}: {job.handle} {status.state}", flush=True)
+            report = job.failure_report(status)  # which process failed first, and its error
+        if report is not None:
+            sys.exit(f"{report}\nlogs under {out / 'torchx'}")
         evaluation = load_run(job.run_dir).ranks[0].evals[-1]
         auc[variant] = evaluation.metrics["eval_auc"]
         print(f"{variant}: held-out AUC {auc[variant]:.4f} after {evaluation.step} steps")

@@ -33,9 +33,10 @@ def run(num_tokens: int, steps: int, out: Path) -> tuple[float, float]:
     )  # fmt: skip
     with job:
         status = job.wait()
-    print(f"{job.handle} {status.state}", flush=True)
-    if status.state.name != "SUCCEEDED":
-        sys.exit(f"the job failed; logs under {out / 'torchx'}")
+        print(f"{job.handle} {status.state}", flush=True)
+        report = job.failure_report(status)  # which process failed first, and its error
+    if report is not None:
+        sys.exit(f"{report}\nlogs under {out / 'torchx'}")
     loss = load_run(job.run_dir).ranks[0].evals[-1].metrics["eval_loss"]
     print(f"held-out loss {loss:.3f} nats vs unigram entropy {entropy:.3f} nats")
     return loss, entropy

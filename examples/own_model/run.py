@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import distopt
-from distopt.dist.rendezvous import free_port
 from distopt.metrics import load_run
 
 CONFIG = Path(__file__).resolve().with_name("job.yaml")
@@ -26,13 +25,14 @@ def run(steps: int, out: Path, variant: str = "baseline") -> float:
         CONFIG, "local_cwd",
         overrides=[f"output_dir={out}", f"steps={steps}", f"eval.every={steps}", f"variant={variant}"],
         run_id=f"own-{variant}", num_trainers=2, num_ps=1,
-        component_args={"master_port": free_port()}, log_dir=str(out / "torchx"),
+        log_dir=str(out / "torchx"),
     )  # fmt: skip
     with job:
         status = job.wait()
-    print(f"{job.handle} {status.state}", flush=True)
-    if status.state.name != "SUCCEEDED":
-        sys.exit(f"the job failed; logs under {out / 'torchx'}")
+        print(f"{job.handle} {status.state}", flush=True)
+        report = job.failure_report(status)  # which process failed first, and its error
+    if report is not None:
+        sys.exit(f"{report}\nlogs under {out / 'torchx'}")
     auc = load_run(job.run_dir).ranks[0].evals[-1].metrics["eval_auc"]
     print(f"held-out AUC {auc:.4f}")
     return auc
