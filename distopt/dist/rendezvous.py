@@ -45,6 +45,7 @@ import gc
 import hashlib
 import ipaddress
 import os
+import random
 import re
 import socket
 import sys
@@ -561,29 +562,55 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def free_port(host: str = "127.0.0.1", *, consecutive: int = 1) -> int:
-    """A port ``p`` on ``host`` with ``p .. p + consecutive - 1`` free right now.
+LISTEN_PORTS = range(20000, 32768)
+"""Where :func:`free_port` and :func:`run_port` pick the ports a job listens on: below Linux's
+default ephemeral range (32768–60999), from which outgoing connections take their source ports.
+A port in that range that nothing listens on yet can be taken by a client connecting to it: a
+TCPStore client that retries while its server starts can connect to itself (same source and
+destination port), fail the store's ping ("invalid value returned from server") and hold the
+port the server then cannot bind (the suite's Ray job on port 42129, 2026-11-29)."""
+RUN_PORTS = LISTEN_PORTS[::2]
+"""Where :func:`run_port` picks: :data:`LISTEN_PORTS` in steps of two (a job takes P and P + 1)."""
 
-    Binding port 0 and releasing it is racy by nature (another process may take the port before
+
+def ephemeral_ports() -> range:
+    """This host's ephemeral port range (``net.ipv4.ip_local_port_range``; Linux's default
+    where it cannot be read)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = map(int, f.read().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
+def free_port(host: str = "127.0.0.1", *, consecutive: int = 1) -> int:
+    """A port ``p`` on ``host`` with ``p .. p + consecutive - 1`` free right now, outside the
+    host's ephemeral range (:data:`LISTEN_PORTS`, else above the ephemeral range).
+
+    Checking and releasing a port is racy by nature (another process may take the port before
     the caller binds it); callers that can host on port 0 (:func:`host_stores`) should.
     """
-    for _ in range(100):
-        with _bind(host, 0) as first:
-            port = int(first.getsockname()[1])
-            if port + consecutive > 65536:
-                continue
-            try:
-                for offset in range(1, consecutive):
-                    _bind(host, port + offset).close()
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no {consecutive} consecutive free ports on {host}")
-
-
-RUN_PORTS = range(20000, 32768, 2)
-"""Where :func:`run_port` picks: below Linux's default ephemeral range (32768–60999), from
-which outgoing connections take their ports, and in steps of two (a job takes P and P + 1)."""
+    ephemeral = ephemeral_ports()
+    candidates = [
+        port
+        for port in (*LISTEN_PORTS, *range(ephemeral.stop, 65536))
+        if port + consecutive <= 65536
+        and port not in ephemeral
+        and port + consecutive - 1 not in ephemeral
+    ]
+    rng = random.Random()  # not the job's seeded generator: two processes must not pick alike
+    for port in rng.sample(candidates, min(200, len(candidates))):
+        try:
+            for offset in range(consecutive):
+                _bind(host, port + offset).close()
+        except OSError:
+            continue
+        return port
+    raise RuntimeError(
+        f"no {consecutive} consecutive free ports on {host} outside its ephemeral range "
+        f"({ephemeral.start}–{ephemeral.stop - 1})"
+    )
 
 
 def run_port(run_id: str) -> int:

@@ -107,6 +107,18 @@ def test_a_runs_port_is_its_own_and_the_same_wherever_computed() -> None:
     assert int(out) == rendezvous.run_port("r")
 
 
+def test_a_free_port_is_outside_the_ephemeral_range_and_its_neighbours_free_too() -> None:
+    """A listening port in the ephemeral range can be taken by a client that connects to it
+    before its server listens (a TCPStore client connected to itself: the suite's Ray job)."""
+    ephemeral = rendezvous.ephemeral_ports()
+    ports = [rendezvous.free_port(consecutive=2) for _ in range(50)]
+    assert not any(p in ephemeral or p + 1 in ephemeral for p in ports)
+    assert len(set(ports)) > 40  # two processes asking at once do not get the same one
+    for port in ports:  # each pair was free, and nothing took it since
+        for offset in (0, 1):
+            socket.create_server(("127.0.0.1", port + offset)).close()
+
+
 def test_a_plan_port_is_checked_on_load() -> None:
     with pytest.raises(
         Exception, match=r"rendezvous.gloo_port: expected a port in 0..65535, got 70000"
