@@ -70,10 +70,8 @@ from distopt.estimate import GainPrediction
 from distopt.estimate.ab import now
 from distopt.estimate.rounds import Target, round_interval, undecided
 from distopt.estimate.step import (
-    StepCosts,
     StepPhases,
     StepPrediction,
-    mean_costs,
     phase_medians,
     predict_phases,
     predict_step,
@@ -89,7 +87,7 @@ from distopt.models.dlrm import (
     make_batch,
 )
 from distopt.models.ids import static_optimal_hit_rate
-from distopt.optimize.gain import predict_gain, rehearse
+from distopt.optimize.gain import predict_gain
 from distopt.pipeline import TrainPipeline
 from distopt.ps.client import calls as ps_calls
 from distopt.ps.client.cache import TableCache, build_caches, check_caches, memory_available
@@ -100,8 +98,6 @@ DEFAULT_VARIANTS = ("baseline", "optimized", "hand", "pipelined", "no_network")
 CACHED_VARIANTS = ("cached", "pipelined+cached")
 VARIANTS = DEFAULT_VARIANTS + CACHED_VARIANTS
 PIPELINED = ("pipelined", "pipelined+cached")
-REHEARSED_STEPS = 5
-"""Steps of each schedule per rehearsal round (at least; each round runs for 0.5 s or more)."""
 LINK_HOST = "ps"
 """The host (network namespace) the servers run on with ``link``."""
 
@@ -168,13 +164,6 @@ class PSOverlapConfig:
     """Target: the cost model's predicted gain over the baseline (its steps predicted from
     start-up measurements, :func:`distopt.estimate.step.predict_phases`) within this fraction of
     the measured gain, for ``optimized`` and ``pipelined`` (issue 24)."""
-    refine_every_s: float = 60.0
-    """Seconds of timed rounds between rehearsals of the cost model: each rehearses every
-    schedule again (:func:`~distopt.optimize.gain.rehearse`, on the next copy of the models,
-    the pipeline at its depth then), and the point's prediction is the mean of the start-up
-    rehearsal's phases and theirs (:func:`~distopt.estimate.step.mean_costs`), so that it sees
-    the host the rounds saw rather than the host of its first seconds (0: the start-up
-    rehearsal alone). The start-up prediction is reported beside it, not scored."""
     batching_fetches: int = 16
     """Concurrent fetches to one server in the batching check (0 skips it)."""
     batching_latency_ms: float = 5.0
@@ -257,12 +246,6 @@ class PSOverlapConfig:
             self.warmup_rounds,
         )
         check(self.copies >= 1, "copies", "an integer >= 1", self.copies)
-        check(
-            self.refine_every_s >= 0,
-            "refine_every_s",
-            "a number of seconds >= 0",
-            self.refine_every_s,
-        )
         check(
             self.steps > self.warmup >= 0,
             "steps",
@@ -742,7 +725,6 @@ def _point(
                 max_staleness=bench.max_staleness,
                 pushes="async",
                 baseline_pushes="blocking",
-                repeats=REHEARSED_STEPS,
                 optimizer=lambda params: torch.optim.SGD(params, lr=bench.lr),
             )
             staleness = prediction.pipeline_staleness
@@ -832,8 +814,7 @@ def _point(
         step_phases: dict[str, list[dict[str, float]]] = {name: [] for name in variants}
         round_index = 0
         planned_rounds: int | None = None  # set when the planned rounds are done
-        started = rehearsed_at = time.perf_counter()
-        refined: list[StepCosts] = []  # the rehearsals among the rounds (refine_every_s)
+        started = time.perf_counter()
         while True:
             if planned_rounds is None and not (
                 round_index < bench.rounds
@@ -856,21 +837,6 @@ def _point(
                     if t.name in still
                 )
                 console.print(f"  undecided: {held}; one more round (≤{cap})")
-            if bench.refine_every_s and time.perf_counter() - rehearsed_at >= bench.refine_every_s:
-                refined.append(
-                    _rehearse_again(
-                        bench, models, len(refined) + 1, example, prediction, depth, adapt_to
-                    )
-                )
-                rehearsed_at = time.perf_counter()
-                console.print(
-                    f"  rehearsal {len(refined) + 1} (copy {len(refined) % bench.copies}): "
-                    + ", ".join(
-                        f"{name} {StepPrediction.total(predict_phases(refined[-1], name)) * 1e3:.1f}"
-                        for name in refined[-1].rehearsed
-                    )
-                    + " ms per step predicted"
-                )
             if cached and round_index:  # fresh batches: the run's ids outgrow the cache
                 start = first + round_index * bench.steps
                 batches = [draw(start + step) for step in range(bench.steps)]
@@ -928,12 +894,6 @@ def _point(
             cached_vs_net = median_s["no_network"] / median_s["pipelined+cached"]
     pipe_vs_net = scores.get("pipelined/no_network")
     pipe_vs_opt = scores.get("pipelined/optimized")
-    at_start = {
-        name: StepPrediction.total(phases) for name, phases in _predicted_phases(prediction).items()
-    }
-    if refined:
-        assert prediction.costs is not None
-        prediction = dataclasses.replace(prediction, costs=mean_costs([prediction.costs, *refined]))
     forward = prediction.forward
     predicted = _predicted_phases(prediction)
     predicted_s = {name: StepPrediction.total(phases) for name, phases in predicted.items()}
@@ -979,9 +939,6 @@ def _point(
         },
         "predicted_step_s": predicted_s,
         "prediction": _prediction_scores(predicted_s, median_s),
-        "rehearsals": 1 + len(refined),
-        "predicted_step_s_at_start": at_start,
-        "prediction_at_start": _prediction_scores(at_start, median_s),
         "pipelined_memory": memory["pipelined"]
         if "inflight_bytes_max" in memory["pipelined"]
         else None,
@@ -1005,40 +962,6 @@ def _point(
         "link": _wire_report(bench, cfg, wire) if link is not None else None,
     }
     return point, prediction, step_phases
-
-
-def _rehearse_again(
-    bench: PSOverlapConfig,
-    models: dict[str, list[torch.nn.Module]],
-    rehearsal: int,
-    example: tuple[torch.Tensor, torch.Tensor],
-    prediction: GainPrediction,
-    depth: dict[str, int],
-    adapt_to: int | None,
-) -> StepCosts:
-    """Rehearsal number ``rehearsal`` (the start-up one is 0) of every schedule the start-up
-    one rehearsed, on copy ``rehearsal mod copies`` of the baseline and optimized models (the
-    start-up one rehearsed copy 0: each copy's memory layout costs its own few percent), the
-    pipeline at the depth it runs at now. Its steps, like the start-up ones, push dry runs and
-    restore every parameter they touched: the rounds train on as if it had not run."""
-    assert prediction.costs is not None
-    copy_index = rehearsal % bench.copies
-    piped = "pipelined" in prediction.costs.rehearsed
-    costs = rehearse(
-        models["baseline"][copy_index % len(models["baseline"])],
-        models["optimized"][copy_index % len(models["optimized"])],  # type: ignore[arg-type]
-        example,
-        pushes="async",
-        baseline_pushes="blocking",
-        pipeline_staleness=depth.get("pipelined", prediction.pipeline_staleness) if piped else None,
-        max_staleness=adapt_to,
-        schedules=tuple(prediction.costs.rehearsed),
-        steps=REHEARSED_STEPS,
-        read_latency_s=prediction.rpc_latency_s,
-        optimizer=lambda params: torch.optim.SGD(params, lr=bench.lr),
-    )
-    ps.discard_step()
-    return costs
 
 
 def _hand_faster_rounds(round_medians: dict[str, list[float]]) -> int:
@@ -1497,20 +1420,6 @@ def _verdicts(points: list[dict], bench: PSOverlapConfig) -> tuple[list[str], bo
             f"predicted {name} gain within ±{tolerance:.0%} of the measured at {met}/{len(errors)} "
             f"points (worst {worst:+.0%})"
         )
-    if any(p["rehearsals"] > 1 for p in points):
-        for name in ("optimized", "pipelined"):
-            errors = [
-                p["prediction_at_start"][name]["error"]
-                for p in points
-                if name in p["prediction_at_start"]
-            ]
-            if errors:
-                met = sum(abs(error) <= tolerance for error in errors)
-                worst = max(errors, key=abs)
-                lines.append(
-                    f"  (not scored) from the start-up rehearsal alone: {name} within "
-                    f"±{tolerance:.0%} at {met}/{len(errors)} points (worst {worst:+.0%})"
-                )
     for scored, what in _cache_scores(points, bench):
         if not scored:
             continue

@@ -263,42 +263,6 @@ class StepCosts:
     rounds: int = 0
     """Rounds the rehearsal ran, each a chunk of steps of every schedule in turn (more while a
     gain was not yet known within ±5%: :func:`distopt.optimize.gain.rehearse`)."""
-    rehearsals: int = 1
-    """Rehearsals these costs are the mean of (:func:`mean_costs`; more than one where a
-    benchmark rehearsed again among its timed rounds)."""
-
-
-def mean_costs(costs: Sequence[StepCosts]) -> StepCosts:
-    """One :class:`StepCosts` from rehearsals of the same schedules made at different times:
-    each phase of each schedule the mean over them, their rounds added up (the last one's
-    pipeline depth: the pipeline as it ran last). A rehearsal of a few seconds sees the host of
-    those seconds; rehearsals spread over a run of minutes see the host the run's steps saw
-    (docs/cost_model.md, "Rehearsals spread over the run")."""
-    if not costs:
-        raise ValueError("mean_costs: no rehearsals")
-    first, last = costs[0], costs[-1]
-    for other in costs[1:]:
-        if other.rehearsed.keys() != first.rehearsed.keys() or other.pushes != first.pushes:
-            raise ValueError(
-                "mean_costs: the rehearsals differ in what they rehearsed: "
-                f"{sorted(first.rehearsed)} ({first.pushes}) vs "
-                f"{sorted(other.rehearsed)} ({other.pushes})"
-            )
-    rehearsed = {
-        schedule: {
-            phase: statistics.fmean(c.rehearsed[schedule][phase] for c in costs)
-            for phase in phases
-            if all(phase in c.rehearsed[schedule] for c in costs)
-        }
-        for schedule, phases in first.rehearsed.items()
-    }
-    return dataclasses.replace(
-        first,
-        rehearsed=rehearsed,
-        pipeline_depth=last.pipeline_depth,
-        rounds=sum(c.rounds for c in costs),
-        rehearsals=sum(c.rehearsals for c in costs),
-    )
 
 
 def predict_phases(costs: StepCosts, schedule: str) -> dict[str, float]:
@@ -336,12 +300,6 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
         rehearsed = (
             f"median of steps rehearsed at start-up on the first batch (reads sent), every "
             f"schedule in each of {costs.rounds} rounds"
-        )
-    if costs.rehearsals > 1:
-        rehearsed = (
-            f"mean over {costs.rehearsals} rehearsals, at start-up and among the run's rounds, "
-            f"of the median of steps rehearsed on the first batch (reads sent), every schedule "
-            f"in each of {costs.rounds} rounds in all"
         )
     if costs.trainers > 1:
         rehearsed = f"{rehearsed}, the {costs.trainers} trainers in step"

@@ -19,7 +19,6 @@ from distopt.estimate.step import (
     StepPhases,
     StepPrediction,
     gradient_bytes,
-    mean_costs,
     predict_phases,
     predict_step,
 )
@@ -133,43 +132,6 @@ def test_predict_phases_of_a_schedule_not_rehearsed_is_an_error() -> None:
     assert predict_phases(costs, "baseline")["forward"] == 0.03
     with pytest.raises(KeyError):
         predict_phases(costs, "pipelined")
-
-
-def test_rehearsals_at_different_times_average_phase_by_phase() -> None:
-    early = StepCosts(
-        rehearsed={
-            "baseline": _rehearsed(0.030, 0.028, 0.013),
-            "pipelined": _rehearsed(0.010, 0, 0.002),
-        },
-        pushes="async",
-        pipeline_depth=2,
-        rounds=3,
-    )
-    late = dataclasses.replace(
-        early,
-        rehearsed={
-            "baseline": _rehearsed(0.034, 0.028, 0.015),
-            "pipelined": _rehearsed(0.014, 0, 0.002),
-        },
-        pipeline_depth=3,
-        rounds=4,
-    )
-    both = mean_costs([early, late])
-    assert both.rehearsed["baseline"]["forward"] == pytest.approx(0.032)
-    assert both.rehearsed["baseline"]["pushes"] == pytest.approx(0.014)
-    assert both.rehearsed["pipelined"]["forward"] == pytest.approx(0.012)
-    # The pipeline as it ran last; every round counted once.
-    assert (both.pipeline_depth, both.rounds, both.rehearsals) == (3, 7, 2)
-    assert (
-        "mean over 2 rehearsals" in predict_step(both, optimized="pipelined").assumptions["forward"]
-    )
-    assert mean_costs([early]) == early
-    with pytest.raises(ValueError, match="differ in what they rehearsed"):
-        mean_costs(
-            [early, dataclasses.replace(early, rehearsed={"baseline": early.rehearsed["baseline"]})]
-        )
-    with pytest.raises(ValueError, match="no rehearsals"):
-        mean_costs([])
 
 
 def test_step_total_is_the_disjoint_phases_and_other() -> None:
