@@ -256,3 +256,30 @@ def test_rowwise_adagrad_state_round_trip_and_mismatch() -> None:
     sgd = ShardTable(TableSpec(name="t", num_rows=6, dim=3), shard=0, num_shards=2)
     with pytest.raises(ConfigError, match="optimizer state none does not match"):
         b.load_state_dict(sgd.state_dict())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+def test_a_dry_run_push_holds_the_lock_as_long_as_a_push_and_changes_nothing(
+    optimizer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fetch waits behind a push's update math; it must wait as long behind a dry run's, or a
+    rehearsed pipeline takes its prefetched batches sooner than the job does."""
+    from distopt.ps.server import table as table_module
+
+    spec = TableSpec(name="t", num_rows=8, dim=2, optimizer=optimizer)
+    shard = ShardTable(spec, shard=0, num_shards=1, seed=3)
+    before = shard.state_dict()
+    held = []
+    step_rows = table_module.step_rows
+
+    def watched(*args, **kwargs):
+        held.append(shard.lock.locked())
+        return step_rows(*args, **kwargs)
+
+    monkeypatch.setattr(table_module, "step_rows", watched)
+    ids, grads = torch.tensor([1, 5, 1]), torch.ones(3, 2)
+    shard.rehearse(*shard.checked(ids, grads), lr=0.1)
+    after = shard.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items() if isinstance(v, torch.Tensor))
+    shard.push(ids, grads, lr=0.1)
+    assert held == [True, True]  # the dry run's math, then the push's, each under the lock

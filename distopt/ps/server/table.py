@@ -327,7 +327,13 @@ class ShardTable:
 
     def rehearse(self, local: torch.Tensor, grads: torch.Tensor, lr: float) -> None:
         """The work of :meth:`apply` on copies of the rows it would update, which are then
-        dropped: the shard is left as it was (the cost model times a push this way)."""
+        dropped: the shard is left as it was (the cost model times a push this way).
+
+        Under the lock, as :meth:`apply` holds it: the fetches a real push keeps waiting (a
+        pipeline's next reads, sent while it pushes) wait as long for a dry run. With the math
+        outside the lock they ran beside it, and a rehearsed pipeline took its prefetched
+        batches sooner than the job does (ps_overlap K = 16, 1 ms, light: ``data`` 2.7 ms
+        rehearsed, 5.2 ms measured)."""
         if local.numel() == 0:
             return
         rows, summed = accumulate(local, grads.to(self.weight.dtype))
@@ -335,8 +341,8 @@ class ShardTable:
             weight = self.weight.index_select(0, rows)
             accum = None if self.accum is None else self.accum.index_select(0, rows)
             version = self.version.index_select(0, rows)
-        step_rows(self.spec, weight, accum, torch.arange(len(rows)), summed, lr)
-        version.add_(1)
+            step_rows(self.spec, weight, accum, torch.arange(len(rows)), summed, lr)
+            version.add_(1)
 
     def state_dict(self) -> dict[str, Any]:
         """Copies of this shard's tensors plus where it sits, for checkpoints."""
