@@ -592,13 +592,14 @@ def free_port(host: str = "127.0.0.1", *, consecutive: int = 1) -> int:
     the caller binds it); callers that can host on port 0 (:func:`host_stores`) should.
     """
     ephemeral = ephemeral_ports()
-    candidates = [
-        port
-        for port in (*LISTEN_PORTS, *range(ephemeral.stop, 65536))
-        if port + consecutive <= 65536
-        and port not in ephemeral
-        and port + consecutive - 1 not in ephemeral
-    ]
+
+    def outside(ports: range) -> list[int]:
+        last = consecutive - 1
+        return [
+            p for p in ports if p + last < 65536 and p not in ephemeral and p + last not in ephemeral
+        ]
+
+    candidates = outside(LISTEN_PORTS) or outside(range(ephemeral.stop, 65536))
     rng = random.Random()  # not the job's seeded generator: two processes must not pick alike
     for port in rng.sample(candidates, min(200, len(candidates))):
         try:

@@ -345,21 +345,21 @@ def rehearse(
     With ``optimizer``, each step ends in the job's optimizer step on copies of the parameters
     (:class:`OptimizerOnCopies`; not where they would not fit: :func:`optimizers_on_copies`),
     timed as ``optimizer``. Schedules take turns in :data:`REHEARSAL_ROUNDS` chunks of ``steps``
-    steps, the first step of each chunk not counted (a pipelined chunk runs as many steps more
-    as its staleness, which are not counted either: their reads were sent before its first
-    step), each chunk going on until
-    its counted steps took :data:`REHEARSAL_CHUNK_S`; with ``settle``, more rounds follow while
-    the gain of a schedule over the first is not yet known within :data:`REHEARSAL_SPREAD`
-    (:func:`_settled`). The backward, which the passes do not
-    change, is the median over every schedule's steps but a pipeline's, and so are the pushes of
-    schedules that push alike (a pipeline's backward and pushes are its own); each schedule's :data:`~distopt.estimate.step.OTHER` is its own steps' median
-    less the sum of its own phases' medians (phases vary together: at K = 1, 5 ms, light, a
-    pipelined step's median was 2 ms over the sum, 30%). The pipeline deepens as in a run when
-    its reads arrive late, up to ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where
-    it ended). Grads, buffers, the RNG stream and remote state such as fetched-row records are
-    as they were afterwards. ``scope`` says how the model's backward runs (:data:`StepScope`;
-    the pipeline's rehearsal always runs ``loss.backward()``). With ``lockstep`` every trainer of
-    a job rehearses at once, each step ending as the job's does (:class:`Lockstep`).
+    steps, the first step of each chunk not counted (a pipelined chunk runs as many steps more as
+    its staleness, which are not counted either: their reads were sent before its first step), each
+    chunk going on until its counted steps took :data:`REHEARSAL_CHUNK_S`; with ``settle``, more
+    rounds follow while the gain of a schedule over the first is not yet known within
+    :data:`REHEARSAL_SPREAD` (:func:`_settled`). The backward, which the passes do not change, is
+    the median over every schedule's steps but a pipeline's, and so are the pushes of schedules
+    that push alike (a pipeline's backward and pushes are its own); each schedule's
+    :data:`~distopt.estimate.step.OTHER` is its own steps' median less the sum of its own phases'
+    medians (phases vary together: at K = 1, 5 ms, light, a pipelined step's median was 2 ms over
+    the sum, 30%). The pipeline deepens as in a run when its reads arrive late, up to
+    ``max_staleness`` (:attr:`StepCosts.pipeline_depth` is where it ended). Grads, buffers, the RNG
+    stream and remote state such as fetched-row records are as they were afterwards. ``scope`` says
+    how the model's backward runs (:data:`StepScope`; the pipeline's rehearsal always runs
+    ``loss.backward()``). With ``lockstep`` every trainer of a job rehearses at once, each step
+    ending as the job's does (:class:`Lockstep`).
     """
     chunk = max(2, -(-steps // REHEARSAL_ROUNDS) + 1)
     known: dict[str, tuple[nn.Module, PushMode]] = {
