@@ -726,6 +726,7 @@ def _point(
                 pushes="async",
                 baseline_pushes="blocking",
                 optimizer=lambda params: torch.optim.SGD(params, lr=bench.lr),
+                batches=[(batch.dense, batch.sparse) for batch in batches],  # the rounds' own
             )
             staleness = prediction.pipeline_staleness
             assert staleness is not None

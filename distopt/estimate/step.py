@@ -235,7 +235,7 @@ class StepCosts:
     """Per schedule (:data:`SCHEDULES`, those rehearsed): the median ``forward``, ``waits``,
     ``backward`` and ``pushes`` (``data``: taking the batch, a pipeline's prefetched one;
     ``optimizer`` when the rehearsal was given the job's optimizer: its step on copies of the
-    parameters), and :data:`OTHER`, of steps run at start-up on the first batch —
+    parameters), and :data:`OTHER`, of steps run at start-up on the job's first batches in turn —
     remote reads sent for real, distopt pushes as dry runs (the servers compute on copies and
     change nothing), a remote write of the user's own not applied but stood in for (its
     arguments sent to its server, not applied; without a stand-in, waited out at
@@ -295,10 +295,12 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
                 f", {costs.writes_waited_out} waited out at the model's median read "
                 f"({costs.read_latency_s * 1e3:.2f} ms)"
             )
-    rehearsed = "median of steps rehearsed at start-up on the first batch (reads sent)"
+    rehearsed = (
+        "median of steps rehearsed at start-up on the job's first batches in turn (reads sent)"
+    )
     if costs.rounds:
         rehearsed = (
-            f"median of steps rehearsed at start-up on the first batch (reads sent), every "
+            f"median of steps rehearsed at start-up on the job's first batches in turn (reads sent), every "
             f"schedule in each of {costs.rounds} rounds"
         )
     if costs.trainers > 1:

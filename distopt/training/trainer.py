@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 import distopt.ps as ps
 from distopt import models
@@ -40,7 +41,7 @@ from distopt.metrics.qps_log import QpsLogWriter
 from distopt.metrics.records import log_path
 from distopt.optimize import optimize
 from distopt.optimize.explain import summary
-from distopt.optimize.gain import Lockstep, predict_gain, step_of
+from distopt.optimize.gain import Lockstep, predict_gain, read_ahead, step_of
 from distopt.parallel import apply_fsdp, parallelize
 from distopt.pipeline import Prefetcher, check_pipelined, provided
 from distopt.ps.client import calls as ps_calls
@@ -119,10 +120,14 @@ def _optimize(model: nn.Module, example: tuple[Any, ...], config: JobConfig) -> 
         return optimize(model, example, config=config.optimize_config or None)
 
 
+def _batch_bytes(batch: Batch) -> int:
+    return sum(t.nbytes for t in tree_leaves(batch.inputs) if isinstance(t, torch.Tensor))
+
+
 def _prediction(
     model: nn.Module,
     optimized: nn.Module,
-    example: tuple[Any, ...],
+    batches: list[tuple[Any, ...]],
     staleness: int | None,
     *,
     config: JobConfig,
@@ -131,8 +136,8 @@ def _prediction(
 
     Only for models captured as a graph that makes remote calls, whatever serves them (distopt's
     tables, the user's own functions, RRefs, Ray actors); see
-    :func:`distopt.optimize.gain.predict_gain`: steps of both models rehearsed on the first batch
-    by every trainer together, each step ending as the job's do (the DDP all-reduce; pushes in
+    :func:`distopt.optimize.gain.predict_gain`: steps of both models rehearsed on the job's first
+    ``batches`` (inputs on the device; the first is the example) by every trainer together, each step ending as the job's do (the DDP all-reduce; pushes in
     turn in deterministic jobs), and the whole step phase by phase (:mod:`distopt.estimate.step`).
     Every trainer calls this.
     """
@@ -151,19 +156,20 @@ def _prediction(
         prediction = predict_gain(
             model,
             optimized,
-            example,
+            batches[0],
             measure_step=True,
             pipeline_staleness=staleness,
             repeats=PREDICTION_REPEATS,
             pushes="in_turn" if in_turn else "async",
             lockstep=lockstep,
             optimizer=lambda params: build_optimizer(params, config.optim),
+            batches=batches,
         )
     except CaptureError:
         return {}  # the prediction is optional: no graph, no prediction (never a failed job)
     except Exception as err:  # the user's model or servers failed before any training step
         raise RuntimeError(
-            "the optimized variant's start-up rehearsal (training steps on the first batch, "
+            "the optimized variant's start-up rehearsal (training steps on the first batches, "
             "timed to predict the gain: docs/cost_model.md) failed: "
             f"{type(err).__name__}: {err}"
         ) from err
@@ -320,8 +326,16 @@ def train(
     )
     stream = (to_batch(b) for b in loader.batches(start * accumulate))
     first = next(stream)
-    batches: Iterator[Batch] = itertools.chain([first], stream)
     example = job_device.to_device(first, device, keep=keep).inputs
+    ahead: list[Batch] = []
+    rehearsed: list[tuple[Any, ...]] = []
+    if config.runs_optimize and config.parallel != "fsdp":
+        # The cost model's rehearsal takes the job's first batches in turn, as its steps will.
+        ahead, fit = read_ahead(stream, _batch_bytes)
+        rehearsed = [example] + [
+            job_device.to_device(batch, device, keep=keep).inputs for batch in ahead[:fit]
+        ]
+    batches: Iterator[Batch] = itertools.chain([first], ahead, stream)
 
     header = dict(header_extra or {})
     trained: nn.Module = model
@@ -329,7 +343,8 @@ def train(
     if config.runs_optimize and config.parallel != "fsdp":
         trained = optimized = _optimize(model, example, config)
         staleness = config.pipeline.staleness if config.pipeline.enabled else None
-        header.update(_prediction(model, trained, example, staleness, config=config))
+        header.update(_prediction(model, trained, rehearsed, staleness, config=config))
+        rehearsed.clear()  # the device copies of the batches read ahead
     prefetcher = None
     if config.pipeline.enabled:
         # Split before DDP wraps it: DDP runs the main stage, which shares the parameters. The
