@@ -282,7 +282,7 @@ def test_a_failure_in_the_rehearsal_says_so(tmp_path: Path) -> None:
     assert rc == 1
     assert (
         "RuntimeError: the optimized variant's start-up rehearsal (training steps "
-        "on the first batch, timed to predict the gain: docs/cost_model.md) failed: RuntimeError: "
+        "on the first batches, timed to predict the gain: docs/cost_model.md) failed: RuntimeError: "
         "injected failure in forward call 31"
     ) in out, out[-3000:]
 
