@@ -300,8 +300,8 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
     )
     if costs.rounds:
         rehearsed = (
-            f"median of steps rehearsed at start-up on the job's first batches in turn (reads sent), every "
-            f"schedule in each of {costs.rounds} rounds"
+            "median of steps rehearsed at start-up on the job's first batches in turn (reads "
+            f"sent), every schedule in each of {costs.rounds} rounds"
         )
     if costs.trainers > 1:
         rehearsed = f"{rehearsed}, the {costs.trainers} trainers in step"

@@ -137,8 +137,9 @@ def _prediction(
     Only for models captured as a graph that makes remote calls, whatever serves them (distopt's
     tables, the user's own functions, RRefs, Ray actors); see
     :func:`distopt.optimize.gain.predict_gain`: steps of both models rehearsed on the job's first
-    ``batches`` (inputs on the device; the first is the example) by every trainer together, each step ending as the job's do (the DDP all-reduce; pushes in
-    turn in deterministic jobs), and the whole step phase by phase (:mod:`distopt.estimate.step`).
+    ``batches`` in turn (inputs on the device; the first is the example) by every trainer
+    together, each step ending as the job's do (the DDP all-reduce; pushes in turn in
+    deterministic jobs), and the whole step phase by phase (:mod:`distopt.estimate.step`).
     Every trainer calls this.
     """
     remote = isinstance(optimized, torch.fx.GraphModule) and bool(remote_ops(optimized.graph))

@@ -98,3 +98,42 @@ def test_a_cache_of_a_table_the_job_lacks_is_refused_before_servers_start() -> N
     with pytest.raises(ConfigError, match=r"^ps\.cache\.nope: the model has no table 'nope'"):
         with ps.local_job(TABLES, options):
             pass
+
+
+def test_the_cost_models_rehearsal_leaves_the_jobs_caches_as_they_were() -> None:
+    """The rehearsal fetches through empty caches of its own: the job's caches hold afterwards
+    what they held before (filled with the rehearsal's rows, a staleness-1 cache served stale
+    rows from the job's first step on)."""
+    import copy
+
+    import distopt
+    from distopt.models.dlrm import DLRM, DLRMConfig, dlrm_tables, make_batch
+    from distopt.optimize.gain import predict_gain
+    from distopt.ps.client import calls as ps_calls
+
+    cfg = DLRMConfig(num_tables=2, compute="light", batch_size=8, num_rows=200, embedding_dim=4)
+    caches = {t.name: CacheConfig(capacity_rows=100) for t in dlrm_tables(cfg)}
+    options = ServerOptions(
+        num_servers=1, seed=5, rpc_timeout_s=20.0, start_timeout_s=30.0, cache=caches
+    )
+    batches = [make_batch(cfg, step) for step in range(4)]
+    with ps.local_job(dlrm_tables(cfg), options):
+        model = DLRM(cfg)
+        example = (batches[0].dense, batches[0].sparse)
+        optimized = distopt.optimize(copy.deepcopy(model), example, strict=True)
+        ps.discard_step()
+        held = ps_calls.current().caches
+        before = {name: cache.held_ids().clone() for name, cache in held.items()}
+        assert any(len(ids) for ids in before.values())  # optimize's verification fetched
+        predict_gain(
+            model,
+            optimized,
+            example,
+            latency_s=0.001,
+            measure_step=True,
+            repeats=2,
+            batches=[(b.dense, b.sparse) for b in batches],
+        )
+        assert ps_calls.current().caches is held
+        for name, cache in held.items():
+            assert torch.equal(cache.held_ids(), before[name]), name
