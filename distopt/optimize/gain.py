@@ -318,9 +318,10 @@ def _timed_step(step: _Step, times: dict[str, list[float]]) -> None:
 def _rehearsal_caches() -> Iterator[None]:
     """The job's row caches (``ps.cache``) are not the rehearsal's to fill: its steps fetch
     through empty caches of the same configuration (none where a second set would not fit in
-    half the free memory), and the job's hold afterwards what they held before. Filled with the
-    rows of the rehearsal's batches, a job's staleness-1 caches served more stale rows from its
-    first step on (tests/ps/test_cache_job.py: held-out AUC 0.0026 and 0.0034 off, against 0.002)."""
+    half the free memory), and the job's caches hold afterwards what they held before. Filled
+    with the rows of the rehearsal's batches, a job's staleness-1 caches served more stale rows
+    from its first step on (tests/ps/test_cache_job.py: held-out AUC 0.0026 and 0.0034 off the
+    exact cache's, against 0.002)."""
     if not ps_calls.is_connected() or not ps_calls.current().caches:
         yield
         return
