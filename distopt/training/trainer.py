@@ -329,14 +329,6 @@ def train(
     first = next(stream)
     example = job_device.to_device(first, device, keep=keep).inputs
     ahead: list[Batch] = []
-    rehearsed: list[tuple[Any, ...]] = []
-    if config.runs_optimize and config.parallel != "fsdp":
-        # The cost model's rehearsal takes the job's first batches in turn, as its steps will.
-        ahead, fit = read_ahead(stream, _batch_bytes)
-        rehearsed = [example] + [
-            job_device.to_device(batch, device, keep=keep).inputs for batch in ahead[:fit]
-        ]
-    batches: Iterator[Batch] = itertools.chain([first], ahead, stream)
 
     header = dict(header_extra or {})
     trained: nn.Module = model
@@ -344,8 +336,15 @@ def train(
     if config.runs_optimize and config.parallel != "fsdp":
         trained = optimized = _optimize(model, example, config)
         staleness = config.pipeline.staleness if config.pipeline.enabled else None
+        # The cost model's rehearsal takes the job's first batches in turn, as its steps will;
+        # their device copies are dropped with it.
+        ahead, fit = read_ahead(stream, _batch_bytes)
+        rehearsed = [example] + [
+            job_device.to_device(batch, device, keep=keep).inputs for batch in ahead[:fit]
+        ]
         header.update(_prediction(model, trained, rehearsed, staleness, config=config))
-        rehearsed.clear()  # the device copies of the batches read ahead
+        del rehearsed
+    batches: Iterator[Batch] = itertools.chain([first], ahead, stream)
     prefetcher = None
     if config.pipeline.enabled:
         # Split before DDP wraps it: DDP runs the main stage, which shares the parameters. The
