@@ -8,8 +8,10 @@ rewritten by ``distopt.optimize`` (``variant=optimized``), in ``--rounds`` alter
 machine, and alternating shorter jobs keeps the drift from favouring either variant. It prints
 the held-out AUC and loss each reached (deterministic jobs: the same for both), then the
 ``distopt compare`` table of the pooled jobs (its gain and interval over the rounds: the jobs of
-one run differ by more than their steps say, and a round is the unit that repeats) with the cost model's per-phase prediction beside the measured phases, and writes the plot
-(with matplotlib: ``pip install 'distopt[plot]'``).
+one run differ by more than their steps say, and a round is the unit that repeats) with the cost
+model's per-phase prediction beside the measured phases, and writes the plot (with matplotlib:
+``pip install 'distopt[plot]'``). A job whose timed steps would last under ``--min-timed-s`` is
+measured on longer jobs: its first baseline job is a pilot that sizes them (:func:`sized_steps`).
 Runs from any directory: the config is read relative to it, else from the copy shipped with
 distopt; logs go under ``--out`` there.
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 import time
 from pathlib import Path
@@ -28,7 +31,7 @@ from distopt.data.generate import write_criteo
 from distopt.dist.rendezvous import free_port
 from distopt.errors import ConfigError, DistoptError
 from distopt.metrics import load_run
-from distopt.metrics.compare import DEFAULT_WARMUP
+from distopt.metrics.compare import DEFAULT_WARMUP, summarize
 from distopt.torchx.submit import launch
 from distopt.training.config import JobConfig
 
@@ -43,6 +46,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=4,
         help="alternated rounds of one baseline and one optimized job (default 4, ABBA order: "
         "the gain's interval is over rounds, and two rounds give it one degree of freedom)",
+    )
+    parser.add_argument(
+        "--min-timed-s",
+        type=float,
+        default=MIN_TIMED_S,
+        help=f"seconds each job's timed steps (after the warm-up) last at least (default "
+        f"{MIN_TIMED_S:g}): when the first baseline job's were shorter, it was a pilot, not a "
+        f"round, and every job of the rounds runs as many more steps as that takes (at most "
+        f"{MAX_STEPS_FACTOR}x --steps); 0: no pilot",
     )
     parser.add_argument("--out", default="runs/demo", help="where logs and the plot go")
     parser.add_argument(
@@ -74,6 +86,28 @@ def _launch(config: Path, overrides: list[str], variant: str, run_id: str) -> No
     print(f"{variant} job finished in {time.perf_counter() - start:.0f} s", flush=True)
 
 
+MIN_TIMED_S = 4.0
+"""Seconds of timed steps per job, at least. A job's step time moves between regimes that last
+seconds on a shared host (examples/own_model, 2 trainers and a server on 2 cores: medians of 20
+steps between 4 and 7.5 ms, holding for a second or more), so a job timed for under a second
+measures one regime: its 120-step rounds' gains were 1.59, 1.12, 1.02 and 1.37 for two variants
+computing the same model. Its 600-step jobs (about 4 s timed) measured 1.03 [0.94, 1.11]."""
+
+MAX_STEPS_FACTOR = 20
+"""A pilot lengthens the jobs by this factor at most (a step of microseconds must not make the
+demo run for hours)."""
+
+
+def sized_steps(steps: int, warmup: int, median_step_s: float, min_timed_s: float) -> int:
+    """Steps per job for the timed ones (after ``warmup``) to last ``min_timed_s`` at
+    ``median_step_s`` a step: ``steps`` when they already do, at most ``MAX_STEPS_FACTOR`` times
+    it."""
+    if (steps - warmup) * median_step_s >= min_timed_s:
+        return steps
+    needed = warmup + math.ceil(min_timed_s / median_step_s)
+    return min(needed, MAX_STEPS_FACTOR * steps)
+
+
 CLICKS = 12_000
 """Lines of the demo's click log (a quarter held out)."""
 
@@ -97,6 +131,25 @@ def _learned(run_dir: Path) -> str:
     return f"held-out {held} after {last.step} steps" + (f"; {final}" if final else "")
 
 
+def _warmup(steps: int) -> int:
+    """Steps of each job not timed: short runs (``--steps 3`` in tests) still leave some."""
+    return min(DEFAULT_WARMUP, steps // 2)
+
+
+def _sized_by_pilot(pilot: Path, steps: int, min_timed_s: float) -> int:
+    """The rounds' steps per job (:func:`sized_steps`) from the pilot job's median step, said."""
+    warmup = _warmup(steps)
+    step_s = summarize(load_run(pilot), label=pilot.name, warmup=warmup).median_step_time_s
+    sized = sized_steps(steps, warmup, step_s, min_timed_s)
+    print(
+        f"pilot: {steps - warmup} timed steps of {step_s * 1e3:.2f} ms (median) take "
+        f"{(steps - warmup) * step_s:.1f} s (--min-timed-s {min_timed_s:g}): every job of the "
+        f"rounds runs {sized} steps",
+        flush=True,
+    )
+    return sized
+
+
 def alternated(rounds: int) -> list[str]:
     """The variants' job order: each round one of each, every other round the other first
     (ABBA...), so that a host getting steadily faster or slower favours neither."""
@@ -109,6 +162,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--steps: expected an integer >= 1, got {args.steps}")
     if args.rounds < 1:
         raise ConfigError(f"--rounds: expected an integer >= 1, got {args.rounds}")
+    if not args.min_timed_s >= 0:
+        raise ConfigError(f"--min-timed-s: expected seconds >= 0, got {args.min_timed_s}")
     if args.assert_prediction is not None and not args.assert_prediction >= 0:
         raise ConfigError(
             f"--assert-prediction: expected a fraction >= 0, got {args.assert_prediction}"
@@ -117,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     if not config.is_file():
         raise ConfigError(f"--config: config file not found: {args.config}")
     out = Path(args.out).resolve()
-    overrides = [f"steps={args.steps}", f"output_dir={out}"]
+    overrides = [f"output_dir={out}"]
     if load_config(JobConfig, config).data.source == "criteo":
         clicks = out / "clicks.tsv"
         if not clicks.is_file():
@@ -125,15 +180,19 @@ def run(args: argparse.Namespace) -> int:
             write_criteo(clicks, num_samples=CLICKS, seed=0)
         overrides.append(f"data.path={clicks}")
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    steps = args.steps
+    if args.min_timed_s > 0:
+        pilot = f"demo-{stamp}-pilot"
+        _launch(config.resolve(), [*overrides, f"steps={steps}"], "baseline", pilot)
+        steps = _sized_by_pilot(out / pilot, steps, args.min_timed_s)
     runs: dict[str, list[str]] = {"baseline": [], "optimized": []}
     for variant in alternated(args.rounds):
         run_id = f"demo-{stamp}-{variant}" + (f"-{len(runs[variant])}" if args.rounds > 1 else "")
-        _launch(config.resolve(), overrides, variant, run_id)
+        _launch(config.resolve(), [*overrides, f"steps={steps}"], variant, run_id)
         runs[variant].append(str(out / run_id))
         print(f"{variant}: {_learned(out / run_id)}", flush=True)
-    # Short runs (--steps 3 in tests) still leave steps to compare after the warm-up.
     compare = [",".join(jobs) for jobs in runs.values()]
-    compare += ["--warmup", str(min(DEFAULT_WARMUP, args.steps // 2))]
+    compare += ["--warmup", str(_warmup(steps))]
     if args.assert_prediction is not None:
         compare += ["--assert-prediction", str(args.assert_prediction)]
     if importlib.util.find_spec("matplotlib") is not None:

@@ -249,7 +249,9 @@ class StepCosts:
     all_reduce_bytes: int = 0
     """Dense gradient bytes the rehearsal all-reduced after each backward (0: none)."""
     data_s: float = 0.0
-    """Seconds the loader adds to taking a batch (0: it keeps up)."""
+    """Seconds the loader adds to taking a batch: a loader without workers reads each batch in
+    the trainer's step, timed over the batches the trainer read ahead at start-up (0: its
+    workers keep up)."""
     writes_not_applied: int = 0
     """Remote writes per rehearsed step not applied: a stand-in sent in their place, or
     waited out."""
@@ -321,9 +323,16 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
             f"after each rehearsed backward (the wait for the slower trainer in it), {rehearsed}"
         )
     stepped = all("optimizer" in phases for phases in costs.rehearsed.values())
+    data = (
+        f"taking the batch, rehearsed (a pipeline's prefetched batch), and "
+        f"{costs.data_s * 1e3:.2f} ms of reading it: the loader reads in the trainer's process "
+        "(no workers), the median over the batches read ahead at start-up"
+        if costs.data_s
+        else "taking the batch, rehearsed (a pipeline's prefetched batch); the loader keeps up "
+        "(batches are ready when asked for)"
+    )
     return {
-        "data": "taking the batch, rehearsed (a pipeline's prefetched batch); the loader keeps up "
-        "(batches are ready when asked for)",
+        "data": data,
         "forward": rehearsed,
         "waits": f"the part of the forward blocked on remote reads, {rehearsed}",
         "backward": f"{rehearsed}{writes}, all_reduce in it",

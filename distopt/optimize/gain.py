@@ -713,6 +713,7 @@ def predict_gain(
     lockstep: Lockstep | None = None,
     optimizer: OptimizerBuilder | None = None,
     batches: Sequence[Any] = (),
+    data_s: float = 0.0,
 ) -> GainPrediction:
     """Predict the gain of ``optimized`` (a torch.fx graph distopt made) over ``model``.
 
@@ -738,12 +739,16 @@ def predict_gain(
             parameters (:class:`OptimizerOnCopies`); without it the step's ``optimizer`` is 0.
         batches: the positional inputs of the job's first batches (:func:`read_ahead`),
             which the rehearsed steps take in turn; none: ``example_inputs`` every step.
+        data_s: seconds the job's loader takes to hand over a batch, beyond the rehearsed
+            steps' own (``data`` of every schedule: :attr:`StepCosts.data_s`).
 
     A model or optimized model without a graph is a one-line :class:`CaptureError`, raised
     before any request is sent.
     """
     if latency_s is not None and not latency_s >= 0:
         raise ConfigError(f"latency_s: expected seconds >= 0, got {latency_s!r}")
+    if not data_s >= 0:
+        raise ConfigError(f"data_s: expected seconds >= 0, got {data_s!r}")
     if not (
         pipeline_staleness in (None, "auto")
         or (isinstance(pipeline_staleness, int) and pipeline_staleness >= 0)
@@ -812,6 +817,8 @@ def predict_gain(
                 pipeline_staleness = depth
                 window = pipeline_window_s(forward, step, pipeline_staleness)
                 pipelined = predict_pipelined(optimized, forward, window)  # type: ignore[arg-type]
+    if costs is not None and data_s:
+        costs = dataclasses.replace(costs, data_s=data_s)
     return GainPrediction(
         forward=forward,
         measured_step_s=step,

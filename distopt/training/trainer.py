@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 import secrets
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -131,6 +132,7 @@ def _prediction(
     staleness: int | None,
     *,
     config: JobConfig,
+    data_s: float = 0.0,
 ) -> dict[str, Any]:
     """The cost model's predicted gain of ``optimized`` over ``model``, as QPS-log header keys.
 
@@ -139,8 +141,8 @@ def _prediction(
     :func:`distopt.optimize.gain.predict_gain`: steps of both models rehearsed on the job's first
     ``batches`` in turn (inputs on the device; the first is the example) by every trainer
     together, each step ending as the job's do (the DDP all-reduce; pushes in turn in
-    deterministic jobs), and the whole step phase by phase (:mod:`distopt.estimate.step`).
-    Every trainer calls this.
+    deterministic jobs), and the whole step phase by phase (:mod:`distopt.estimate.step`);
+    ``data_s``: the loader's part of taking a batch. Every trainer calls this.
     """
     remote = isinstance(optimized, torch.fx.GraphModule) and bool(remote_ops(optimized.graph))
     lockstep = None
@@ -165,6 +167,7 @@ def _prediction(
             lockstep=lockstep,
             optimizer=lambda params: build_optimizer(params, config.optim),
             batches=batches,
+            data_s=data_s,
         )
     except CaptureError:
         return {}  # the prediction is optional: no graph, no prediction (never a failed job)
@@ -181,6 +184,18 @@ def _prediction(
     if step is not None:
         header.update(step.to_header())
     return header
+
+
+def _timed(stream: Iterator[Batch], seconds: list[float]) -> Iterator[Batch]:
+    """``stream``, appending the seconds each item took to read to ``seconds``."""
+    while True:
+        start_s = time.perf_counter()
+        try:
+            item = next(stream)
+        except StopIteration:
+            return
+        seconds.append(time.perf_counter() - start_s)
+        yield item
 
 
 PREDICTION_REPEATS = 15
@@ -338,11 +353,20 @@ def train(
         staleness = config.pipeline.staleness if config.pipeline.enabled else None
         # The cost model's rehearsal takes the job's first batches in turn, as its steps will;
         # their device copies are dropped with it.
-        ahead, fit = read_ahead(stream, _batch_bytes)
-        rehearsed = [example] + [
-            job_device.to_device(batch, device, keep=keep).inputs for batch in ahead[:fit]
-        ]
-        header.update(_prediction(model, trained, rehearsed, staleness, config=config))
+        reads: list[float] = []
+        ahead, fit = read_ahead(_timed(stream, reads), _batch_bytes)
+        rehearsed = [example]
+        for i, batch in enumerate(ahead[:fit]):
+            start_s = time.perf_counter()
+            rehearsed.append(job_device.to_device(batch, device, keep=keep).inputs)
+            reads[i] += time.perf_counter() - start_s
+        # A loader without workers reads each batch inside the step; workers read ahead of it.
+        data_s = statistics.median(reads[:fit]) * accumulate if reads[:fit] else 0.0
+        if config.data.num_workers:
+            data_s = 0.0
+        header.update(
+            _prediction(model, trained, rehearsed, staleness, config=config, data_s=data_s)
+        )
         del rehearsed
     batches: Iterator[Batch] = itertools.chain([first], ahead, stream)
     prefetcher = None

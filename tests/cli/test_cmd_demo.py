@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from distopt.cli import main
-from distopt.cli.cmd_demo import alternated
+from distopt.cli.cmd_demo import MAX_STEPS_FACTOR, alternated, sized_steps
 
 
 @pytest.mark.parametrize(
@@ -18,6 +18,7 @@ from distopt.cli.cmd_demo import alternated
          "--config: config file not found: configs/jobs/nope.yaml"),
         (["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
         (["--rounds", "0"], "--rounds: expected an integer >= 1, got 0"),
+        (["--min-timed-s", "-1"], "--min-timed-s: expected seconds >= 0, got -1.0"),
         (["--assert-prediction", "-0.1"], "--assert-prediction: expected a fraction >= 0, got -0.1"),
     ],
 )  # fmt: skip
@@ -37,6 +38,15 @@ def test_rounds_alternate_which_variant_goes_first() -> None:
     assert alternated(3) == first + second + first
 
 
+def test_a_pilot_lengthens_jobs_whose_timed_steps_are_too_short() -> None:
+    # 95 timed steps of 50 ms are 4.75 s: long enough.
+    assert sized_steps(100, 5, 0.050, 4.0) == 100
+    # 95 of 6 ms are 0.57 s: 667 timed steps make 4 s, plus the warm-up.
+    assert sized_steps(100, 5, 0.006, 4.0) == 5 + 667
+    # A step of microseconds lengthens the jobs by MAX_STEPS_FACTOR at most.
+    assert sized_steps(100, 5, 1e-6, 4.0) == MAX_STEPS_FACTOR * 100
+
+
 @pytest.mark.slow
 def test_the_demo_learns_the_click_log_the_same_in_both_variants(tmp_path: Path) -> None:
     """``distopt demo`` trains on data with a signal: it prints a held-out AUC well above 0.5
@@ -50,7 +60,9 @@ def test_the_demo_learns_the_click_log_the_same_in_both_variants(tmp_path: Path)
         "distopt",
         "demo",
         "--steps",
-        "60",
+        "40",
+        "--min-timed-s",
+        "2.5",
         "--rounds",
         "2",
         "--out",
@@ -59,8 +71,18 @@ def test_the_demo_learns_the_click_log_the_same_in_both_variants(tmp_path: Path)
         timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    # 35 timed steps of the demo's job take about 1.6 s here: a pilot sizes longer jobs.
+    pilot = re.search(
+        r"^pilot: 35 timed steps of ([\d.]+) ms \(median\) take ([\d.]+) s \(--min-timed-s 2.5\): "
+        r"every job of the rounds runs (\d+) steps$",
+        proc.stdout,
+        re.M,
+    )
+    assert pilot, proc.stdout
+    steps = int(pilot[3])
+    assert steps == sized_steps(40, 5, float(pilot[1]) / 1e3, 2.5), pilot[0]
     found = re.findall(
-        r"^(baseline|optimized): held-out (auc [\d.]+, loss [\d.]+) after 60 steps",
+        rf"^(baseline|optimized): held-out (auc [\d.]+, loss [\d.]+) after {steps} steps",
         proc.stdout,
         re.M,
     )

@@ -149,6 +149,18 @@ def test_a_step_rehearsed_without_the_jobs_optimizer_predicts_none() -> None:
     assert step.assumptions["optimizer"].startswith("0: not rehearsed")
 
 
+def test_a_loader_without_workers_adds_its_reads_to_every_schedules_data() -> None:
+    rehearsed = {"forward": 0.01, "waits": 0.0, "backward": 0.01, "pushes": 0.0}
+    costs = StepCosts(rehearsed={s: rehearsed for s in ("baseline", "optimized")})
+    kept_up = predict_step(costs)
+    assert kept_up.baseline["data"] == kept_up.optimized["data"] == 0.0
+    assert "the loader keeps up" in kept_up.assumptions["data"]
+    read = predict_step(dataclasses.replace(costs, data_s=0.0025))
+    assert read.baseline["data"] == read.optimized["data"] == 0.0025
+    assert read.baseline_s == kept_up.baseline_s + 0.0025
+    assert "2.50 ms of reading it" in read.assumptions["data"]
+
+
 def test_gradient_bytes_are_the_trainable_parameters() -> None:
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 1))
     model[1].bias.requires_grad_(False)
