@@ -128,21 +128,21 @@ def _batch_bytes(batch: Batch) -> int:
 def _prediction(
     model: nn.Module,
     optimized: nn.Module,
-    batches: list[tuple[Any, ...]],
+    batches_of: Callable[[], tuple[list[tuple[Any, ...]], float]],
     staleness: int | None,
     *,
     config: JobConfig,
-    data_s: float = 0.0,
 ) -> dict[str, Any]:
     """The cost model's predicted gain of ``optimized`` over ``model``, as QPS-log header keys.
 
     Only for models captured as a graph that makes remote calls, whatever serves them (distopt's
     tables, the user's own functions, RRefs, Ray actors); see
     :func:`distopt.optimize.gain.predict_gain`: steps of both models rehearsed on the job's first
-    ``batches`` in turn (inputs on the device; the first is the example) by every trainer
+    batches in turn (``batches_of()``: inputs on the device, the first is the example, and the
+    loader's part of taking a batch; read only when the prediction rehearses) by every trainer
     together, each step ending as the job's do (the DDP all-reduce; pushes in turn in
-    deterministic jobs), and the whole step phase by phase (:mod:`distopt.estimate.step`);
-    ``data_s``: the loader's part of taking a batch. Every trainer calls this.
+    deterministic jobs), and the whole step phase by phase (:mod:`distopt.estimate.step`).
+    Every trainer calls this.
     """
     remote = isinstance(optimized, torch.fx.GraphModule) and bool(remote_ops(optimized.graph))
     lockstep = None
@@ -154,6 +154,7 @@ def _prediction(
         remote = lockstep.agree(remote)
     if not remote:
         return {}
+    batches, data_s = batches_of()
     in_turn = config.deterministic and ps_calls.is_connected()
     try:
         prediction = predict_gain(
@@ -351,23 +352,23 @@ def train(
     if config.runs_optimize and config.parallel != "fsdp":
         trained = optimized = _optimize(model, example, config)
         staleness = config.pipeline.staleness if config.pipeline.enabled else None
-        # The cost model's rehearsal takes the job's first batches in turn, as its steps will;
-        # their device copies are dropped with it.
-        reads: list[float] = []
-        ahead, fit = read_ahead(_timed(stream, reads), _batch_bytes)
-        rehearsed = [example]
-        for i, batch in enumerate(ahead[:fit]):
-            start_s = time.perf_counter()
-            rehearsed.append(job_device.to_device(batch, device, keep=keep).inputs)
-            reads[i] += time.perf_counter() - start_s
-        # A loader without workers reads each batch inside the step; workers read ahead of it.
-        data_s = statistics.median(reads[:fit]) * accumulate if reads[:fit] else 0.0
-        if config.data.num_workers:
-            data_s = 0.0
-        header.update(
-            _prediction(model, trained, rehearsed, staleness, config=config, data_s=data_s)
-        )
-        del rehearsed
+
+        def rehearsal_batches() -> tuple[list[tuple[Any, ...]], float]:
+            """The cost model's rehearsal takes the job's first batches in turn, as its steps
+            will (their device copies are dropped with it), and the loader's part of taking
+            one: read only for a rehearsal."""
+            reads: list[float] = []
+            ahead[:], fit = read_ahead(_timed(stream, reads), _batch_bytes)
+            rehearsed = [example]
+            for i, batch in enumerate(ahead[:fit]):
+                start_s = time.perf_counter()
+                rehearsed.append(job_device.to_device(batch, device, keep=keep).inputs)
+                reads[i] += time.perf_counter() - start_s
+            # A loader without workers reads each batch inside the step; workers read ahead.
+            no_workers = fit > 0 and config.data.num_workers == 0
+            return rehearsed, statistics.median(reads[:fit]) * accumulate if no_workers else 0.0
+
+        header.update(_prediction(model, trained, rehearsal_batches, staleness, config=config))
     batches: Iterator[Batch] = itertools.chain([first], ahead, stream)
     prefetcher = None
     if config.pipeline.enabled:
