@@ -10,8 +10,8 @@ the held-out AUC and loss each reached (deterministic jobs: the same for both), 
 ``distopt compare`` table of the pooled jobs (its gain and interval over the rounds: the jobs of
 one run differ by more than their steps say, and a round is the unit that repeats) with the cost
 model's per-phase prediction beside the measured phases, and writes the plot (with matplotlib:
-``pip install 'distopt[plot]'``). A job whose timed steps would last under ``--min-timed-s`` is
-measured on longer jobs: its first baseline job is a pilot that sizes them (:func:`sized_steps`).
+``pip install 'distopt[plot]'``). A pilot baseline job runs first: a job whose timed steps would
+last under ``--min-timed-s`` is measured on longer jobs, sized from it (:func:`sized_steps`).
 Runs from any directory: the config is read relative to it, else from the copy shipped with
 distopt; logs go under ``--out`` there.
 """
@@ -52,9 +52,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=float,
         default=MIN_TIMED_S,
         help=f"seconds each job's timed steps (after the warm-up) last at least (default "
-        f"{MIN_TIMED_S:g}): when the first baseline job's were shorter, it was a pilot, not a "
-        f"round, and every job of the rounds runs as many more steps as that takes (at most "
-        f"{MAX_STEPS_FACTOR}x --steps); 0: no pilot",
+        f"{MIN_TIMED_S:g}): a pilot baseline job, not one of the rounds, runs first, and when its "
+        f"timed steps were shorter every job of the rounds runs as many more steps as that takes "
+        f"(at most {MAX_STEPS_FACTOR}x --steps); 0: no pilot",
     )
     parser.add_argument("--out", default="runs/demo", help="where logs and the plot go")
     parser.add_argument(
