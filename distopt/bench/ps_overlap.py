@@ -47,7 +47,7 @@ import math
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal, NamedTuple
@@ -100,6 +100,9 @@ VARIANTS = DEFAULT_VARIANTS + CACHED_VARIANTS
 PIPELINED = ("pipelined", "pipelined+cached")
 LINK_HOST = "ps"
 """The host (network namespace) the servers run on with ``link``."""
+MAX_CHUNK_STEPS = 500
+"""Steps of a chunk ``chunk_s`` lengthens, at most (a step of microseconds must not make one
+chunk of thousands)."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True)
@@ -126,8 +129,17 @@ class PSOverlapConfig:
     (:mod:`distopt.estimate.rounds`), more rounds, up to this × the rounds already run (1: none).
     Scored as before, on the pooled median of every round."""
     steps: int = 12
+    """Steps of each variant's chunk, at least (and the batches the cost model rehearses on)."""
     warmup: int = 2
     """Steps discarded at the start of each variant's chunk."""
+    chunk_s: float = 0.0
+    """Seconds of counted steps each variant's chunk lasts, at least: a variant whose warm-up
+    steps were short runs as many more than ``steps`` as that takes (at most
+    :data:`MAX_CHUNK_STEPS`), as the cost model's rehearsal runs chunks of
+    :data:`~distopt.optimize.gain.REHEARSAL_CHUNK_S`. A pipeline restarts at every chunk, and its
+    steps ran slower for a few dozen steps after each start: at K = 1, 1 ms, light the pipelined
+    gain measured 1.64–1.75× in six runs of 30-step chunks and 1.79–1.95× in three of 120
+    (docs/cost_model.md). 0: every chunk runs ``steps``."""
     copies: int = 3
     """Copies of each uncached variant's model, built alike; round r trains copy r mod copies.
     Two copies of one model differed by up to 6–9% per step within a process at K = 1 (issue 23's
@@ -246,6 +258,7 @@ class PSOverlapConfig:
             self.warmup_rounds,
         )
         check(self.copies >= 1, "copies", "an integer >= 1", self.copies)
+        check(self.chunk_s >= 0, "chunk_s", "a number of seconds >= 0", self.chunk_s)
         check(
             self.steps > self.warmup >= 0,
             "steps",
@@ -497,14 +510,17 @@ def _warm_up(
     chunk_steps: int,
     train: Callable[[str, list], _Trained],
     console: Console,
-) -> None:
+) -> list[float]:
     """Variant ``name`` trains on ``batches``, ``chunk_steps`` at a time, untimed; says how far
-    it got every :data:`PROGRESS_EVERY_S` seconds."""
+    it got every :data:`PROGRESS_EVERY_S` seconds. Returns its last chunk's step times."""
     started = last = time.perf_counter()
     console.print(f"  warm-up of {name}'s caches: {len(batches)} steps…")
     done = _Fetched()
+    step_s: list[float] = []
     for offset in range(0, len(batches), chunk_steps):
-        done.merge(train(name, batches[offset : offset + chunk_steps]).fetched)
+        trained = train(name, batches[offset : offset + chunk_steps])
+        done.merge(trained.fetched)
+        step_s = trained.step_s
         now = time.perf_counter()
         if now - last >= PROGRESS_EVERY_S or done.steps == len(batches):
             last = now
@@ -513,6 +529,18 @@ def _warm_up(
                 f"  warm-up of {name}: {done.steps}/{len(batches)} steps ({now - started:.0f} s), "
                 f"hit rate so far {hit}"
             )
+    return step_s
+
+
+def _chunk_steps(bench: PSOverlapConfig, warm_step_s: Sequence[float]) -> int:
+    """Steps of each timed chunk of a variant whose untimed chunk's steps took ``warm_step_s``:
+    ``bench.steps``, or more where ``bench.chunk_s`` of its counted steps take more (at most
+    :data:`MAX_CHUNK_STEPS`); ``bench.steps`` without a warm-up to time."""
+    counted = list(warm_step_s[bench.warmup :])
+    if not bench.chunk_s or not counted:
+        return bench.steps
+    needed = bench.warmup + math.ceil(bench.chunk_s / median(counted))
+    return max(bench.steps, min(MAX_CHUNK_STEPS, needed))
 
 
 def _own_tables(cfg: DLRMConfig, variant: str) -> DLRMConfig:
@@ -795,8 +823,9 @@ def _point(
             fetched[name].merge(took)
             return _Trained(chunk, chunk_phases, took)
 
+        warm_step_s: dict[str, list[float]] = {}  # each variant's last untimed chunk's steps
         for name in cached if warm_batches else ():
-            _warm_up(name, warm_batches, bench.steps, train, console)
+            warm_step_s[name] = _warm_up(name, warm_batches, bench.steps, train, console)
         # Cached variants learn from every batch they see: without a warm-up of their own they
         # skip these rounds rather than see round 1's batches twice.
         unwarmed = [name for name in variants if name not in cached]
@@ -804,8 +833,20 @@ def _point(
             shift = warmup_round % len(unwarmed)
             for name in unwarmed[shift:] + unwarmed[:shift]:
                 for turn in range(len(models[name])):  # every copy pays its first-use costs here
-                    train(name, batches, turn)
+                    warm_step_s[name] = train(name, batches, turn).step_s
             console.print(f"  warm-up round {warmup_round + 1}/{bench.warmup_rounds} (untimed)")
+        # Chunks of about equal time: a round gives each variant as much of the host's time.
+        chunk_steps = {name: _chunk_steps(bench, warm_step_s.get(name, ())) for name in variants}
+        round_steps = max(chunk_steps.values())
+        if round_steps > len(batches):
+            more = [draw(first + step) for step in range(len(batches), round_steps)]
+            batches = batches + more
+            drawn.extend(more)
+        if round_steps > bench.steps:
+            console.print(
+                f"  chunks of ≥ {bench.chunk_s:g} s: "
+                + ", ".join(f"{name} {steps} steps" for name, steps in chunk_steps.items())
+            )
         # Each variant follows each other about equally often (distopt.bench.order).
         planned = max(bench.rounds, bench.max_rounds)
         orders = balanced_orders(
@@ -839,12 +880,12 @@ def _point(
                 )
                 console.print(f"  undecided: {held}; one more round (≤{cap})")
             if cached and round_index:  # fresh batches: the run's ids outgrow the cache
-                start = first + round_index * bench.steps
-                batches = [draw(start + step) for step in range(bench.steps)]
+                start = first + round_index * round_steps
+                batches = [draw(start + step) for step in range(round_steps)]
                 drawn.extend(batches)
             for name in orders[round_index]:
                 before = netns.link_bytes(link, LINK_HOST) if link is not None else (0, 0)
-                chunk, chunk_phases, took = train(name, batches, round_index)
+                chunk, chunk_phases, took = train(name, batches[: chunk_steps[name]], round_index)
                 if link is not None:
                     after = netns.link_bytes(link, LINK_HOST)
                     wire[name][0] += after[0] - before[0]
@@ -904,6 +945,7 @@ def _point(
         "compute": compute,
         "rounds": round_index,
         "planned_rounds": planned_rounds,
+        "chunk_steps": chunk_steps,
         "intervals": {name: list(bounds) for name, bounds in intervals.items()},
         "hand_faster_rounds": hand_faster,
         "variants": {
@@ -1502,7 +1544,9 @@ def run(config: dict, args: argparse.Namespace) -> int:
             where = "" if net is None else (" over the link" if over_link else " on loopback")
             console.print(
                 f"[{index}/{len(runs)}] K={k} latency={latency:g} ms compute={compute}{where}: "
-                f"{bench.rounds} rounds × {bench.steps} steps × {len(bench.variants)} variants"
+                f"{bench.rounds} rounds × {bench.steps} steps"
+                + (f" (or ≥ {bench.chunk_s:g} s)" if bench.chunk_s else "")
+                + f" × {len(bench.variants)} variants"
                 + (
                     f", after {bench.cache_warmup_steps} warm-up steps of each cached variant"
                     if bench.cache_warmup_steps

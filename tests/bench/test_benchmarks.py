@@ -88,7 +88,7 @@ def test_ps_overlap_adds_rounds_until_each_variant_has_its_seconds(tmp_path, cap
     config.write_text(  # 30 s per variant is out of reach: the rounds stop at max_rounds
         "kind: ps_overlap\ntables: [1]\nlatency_ms: [1.0]\ncompute: [light]\nrounds: 1\nsteps: 3\n"
         "warmup: 1\nmin_variant_s: 30\nmax_rounds: 3\nvariants: [baseline, optimized, hand]\n"
-        f"warmup_rounds: 2\nbatching_fetches: 0\noutput_dir: {tmp_path / 'runs'}\n"
+        f"warmup_rounds: 2\nchunk_s: 0.04\nbatching_fetches: 0\noutput_dir: {tmp_path / 'runs'}\n"
     )
     out = tmp_path / "out.json"
     main(["bench", str(config), "--json", str(out)])
@@ -97,7 +97,11 @@ def test_ps_overlap_adds_rounds_until_each_variant_has_its_seconds(tmp_path, cap
     printed = capsys.readouterr().out
     assert printed.index("warm-up round 2/2 (untimed)") < printed.index("round 1/1")
     assert point["rounds"] == 3
-    assert all(v["steps"] == 3 * 2 for v in point["variants"].values())
+    # Steps of a few ms: each chunk ran as many more than 3 as 0.04 s takes, as printed.
+    chunks = point["chunk_steps"]
+    assert all(3 < steps <= 1 + 40 for steps in chunks.values()), chunks
+    assert f"chunks of ≥ 0.04 s: baseline {chunks['baseline']} steps" in printed
+    assert all(v["steps"] == 3 * (chunks[n] - 1) for n, v in point["variants"].items())
     assert 0 <= point["hand_faster_rounds"] <= 3
     if (
         point["hidden_fraction"] is not None
@@ -148,6 +152,20 @@ def test_ps_overlap_config_errors_name_the_key() -> None:
         from_dict(PSOverlapConfig, {"undecided_factor": 0.5})
     with pytest.raises(ConfigError, match=r"copies: expected an integer >= 1, got 0"):
         from_dict(PSOverlapConfig, {"copies": 0})
+    with pytest.raises(ConfigError, match=r"chunk_s: expected a number of seconds >= 0, got -1"):
+        from_dict(PSOverlapConfig, {"chunk_s": -1})
+
+
+def test_ps_overlap_chunk_steps_last_chunk_s_within_bounds() -> None:
+    from distopt.bench.ps_overlap import MAX_CHUNK_STEPS, PSOverlapConfig, _chunk_steps
+
+    bench = PSOverlapConfig(steps=30, warmup=3, chunk_s=0.5)
+    warm = [0.5] * 3 + [0.004] * 27  # the warm-up steps are not what a chunk's steps take
+    assert _chunk_steps(bench, warm) == 3 + 125  # 0.5 s of 4 ms steps after the warm-up
+    assert _chunk_steps(bench, [0.1] * 30) == 30  # long steps: never fewer than `steps`
+    assert _chunk_steps(bench, [1e-6] * 30) == MAX_CHUNK_STEPS
+    assert _chunk_steps(bench, []) == 30  # nothing timed: `steps`
+    assert _chunk_steps(PSOverlapConfig(steps=30, warmup=3), warm) == 30  # chunk_s 0: off
 
 
 @pytest.mark.slow
