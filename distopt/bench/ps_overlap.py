@@ -87,7 +87,7 @@ from distopt.models.dlrm import (
     make_batch,
 )
 from distopt.models.ids import static_optimal_hit_rate
-from distopt.optimize.gain import predict_gain
+from distopt.optimize.gain import REHEARSAL_BATCHES, predict_gain
 from distopt.pipeline import TrainPipeline
 from distopt.ps.client import calls as ps_calls
 from distopt.ps.client.cache import TableCache, build_caches, check_caches, memory_available
@@ -129,7 +129,7 @@ class PSOverlapConfig:
     (:mod:`distopt.estimate.rounds`), more rounds, up to this × the rounds already run (1: none).
     Scored as before, on the pooled median of every round."""
     steps: int = 12
-    """Steps of each variant's chunk, at least (and the batches the cost model rehearses on)."""
+    """Steps of each variant's chunk, at least."""
     warmup: int = 2
     """Steps discarded at the start of each variant's chunk."""
     chunk_s: float = 0.0
@@ -709,7 +709,9 @@ def _point(
 
     warm_batches = [draw(step) for step in range(bench.cache_warmup_steps)]
     first = len(warm_batches)
-    batches = [draw(first + step) for step in range(bench.steps)]
+    # The rounds' batches; the cost model rehearses on the first of them, as a job's rehearsal
+    # takes its first batches (at most REHEARSAL_BATCHES: rows as varied as the run's).
+    batches = [draw(first + step) for step in range(max(bench.steps, REHEARSAL_BATCHES))]
     # Each cached variant trains tables of its own (same sizes and ids): sharing the others'
     # tables, an exact cache would fetch again every hot row their chunks pushed, as if two
     # more trainers wrote the job's hot rows at full speed, which a one-trainer job never sees.
@@ -730,7 +732,7 @@ def _point(
     room = memory_available()
     for configs in cache_configs.values():  # every cached variant's caches, all on this host
         check_caches(configs, job_tables, available=None if room is None else room // len(cached))
-    drawn = warm_batches + batches
+    drawn = list(warm_batches)  # every batch the variants train on, the rounds' added below
     fetched = {name: _Fetched() for name in bench.variants}
     timed = {name: _Fetched() for name in bench.variants}  # the rounds' alone, after warm-ups
     # Bytes the servers' host received and sent during each variant's chunks, and their steps.
@@ -754,7 +756,7 @@ def _point(
                 pushes="async",
                 baseline_pushes="blocking",
                 optimizer=lambda params: torch.optim.SGD(params, lr=bench.lr),
-                batches=[(batch.dense, batch.sparse) for batch in batches],  # the rounds' own
+                batches=[(batch.dense, batch.sparse) for batch in batches[:REHEARSAL_BATCHES]],
             )
             staleness = prediction.pipeline_staleness
             assert staleness is not None
@@ -833,15 +835,16 @@ def _point(
             shift = warmup_round % len(unwarmed)
             for name in unwarmed[shift:] + unwarmed[:shift]:
                 for turn in range(len(models[name])):  # every copy pays its first-use costs here
-                    warm_step_s[name] = train(name, batches, turn).step_s
+                    warm_step_s[name] = train(name, batches[: bench.steps], turn).step_s
             console.print(f"  warm-up round {warmup_round + 1}/{bench.warmup_rounds} (untimed)")
         # Chunks of about equal time: a round gives each variant as much of the host's time.
         chunk_steps = {name: _chunk_steps(bench, warm_step_s.get(name, ())) for name in variants}
         round_steps = max(chunk_steps.values())
-        if round_steps > len(batches):
-            more = [draw(first + step) for step in range(len(batches), round_steps)]
-            batches = batches + more
-            drawn.extend(more)
+        # The rounds' batches: as many as the longest chunk (the rehearsal may have had more).
+        batches = batches[:round_steps] + [
+            draw(first + step) for step in range(len(batches), round_steps)
+        ]
+        drawn.extend(batches)
         if round_steps > bench.steps:
             console.print(
                 f"  chunks of ≥ {bench.chunk_s:g} s: "

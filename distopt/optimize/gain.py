@@ -103,25 +103,31 @@ light, staleness 4): 2 counted pipelined steps per round predicted an 18 ms step
 REHEARSAL_MAX_STEPS = 500
 """Counted steps per chunk, at most (a step of microseconds must not rehearse forever)."""
 
-REHEARSAL_BATCHES = 16
+REHEARSAL_BATCHES = 256
 """Batches a job rehearses on, at most (its first ones; :data:`REHEARSAL_BATCHES_BYTES` at
-most): each step takes the next, as the job's steps do. On one batch repeated, a pipelined step
-was 7–17% shorter than on 30 distinct ones, in one process, interleaved (ps_overlap K = 4, 1 ms,
-light; 4 distinct ones were as short as one), and its gain over-predicted by as much."""
+most): each step takes the next, as the job's steps do. Steps that take few batches over and
+over touch few rows, which stay in the caches of the trainer's and the servers' CPUs, and run
+short: on one batch repeated a pipelined step was 7–17% shorter than on 30 distinct ones
+(ps_overlap K = 4, 1 ms, light; 4 distinct ones were as short as one), and on 30 its steps were
+still rehearsed 26–40% shorter than ps_overlap's run of 40–250-step chunks timed them (K = 16,
+1 ms, light: optimized 11.4 against 14.3 ms, pipelined 9.9 against 13.9); on 256, 14.0 against
+14.8 and 13.4 against 13.4 (docs/cost_model.md)."""
 
 REHEARSAL_BATCHES_BYTES = 64 << 20
 """Bytes of tensors in the rehearsal's batches, at most, beyond the first batch: they are held
 on the trainer's device while it rehearses."""
 
 
-def read_ahead(stream: Iterator[T], nbytes: Callable[[T], int]) -> tuple[list[T], int]:
-    """The batches a job rehearses on after its first: up to :data:`REHEARSAL_BATCHES` − 1 read
-    from ``stream``, and how many of them, in order, fit :data:`REHEARSAL_BATCHES_BYTES`
-    (``nbytes`` of each; the last one read may not: reading it told). The caller trains on every
-    one read."""
+def read_ahead(
+    stream: Iterator[T], nbytes: Callable[[T], int], *, most: int = REHEARSAL_BATCHES - 1
+) -> tuple[list[T], int]:
+    """The batches a job rehearses on after its first: up to ``most`` (at most
+    :data:`REHEARSAL_BATCHES` − 1) read from ``stream``, and how many of them, in order, fit
+    :data:`REHEARSAL_BATCHES_BYTES` (``nbytes`` of each; the last one read may not: reading it
+    told). The caller trains on every one read, so a job passes no more than it will take."""
     ahead: list[T] = []
     fit = held = 0
-    for batch in itertools.islice(stream, REHEARSAL_BATCHES - 1):
+    for batch in itertools.islice(stream, max(0, min(most, REHEARSAL_BATCHES - 1))):
         ahead.append(batch)
         held += nbytes(batch)
         if held > REHEARSAL_BATCHES_BYTES:

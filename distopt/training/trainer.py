@@ -358,7 +358,9 @@ def train(
             will (their device copies are dropped with it), and the loader's part of taking
             one: read only for a rehearsal."""
             reads: list[float] = []
-            ahead[:], fit = read_ahead(_timed(stream, reads), _batch_bytes)
+            # No more than the job's own steps take after the first batch.
+            left = (config.steps - start) * accumulate - 1
+            ahead[:], fit = read_ahead(_timed(stream, reads), _batch_bytes, most=left)
             rehearsed = [example]
             for i, batch in enumerate(ahead[:fit]):
                 start_s = time.perf_counter()

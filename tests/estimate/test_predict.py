@@ -368,12 +368,16 @@ def test_rehearsed_steps_take_the_jobs_batches_in_turn(monkeypatch) -> None:
 def test_a_job_reads_ahead_what_its_rehearsal_holds_and_trains_on_every_batch(
     monkeypatch,
 ) -> None:
-    """Up to REHEARSAL_BATCHES batches, the first included, while their bytes fit; every batch
-    read is handed back, in order."""
-    stream = iter(range(100))
+    """Up to REHEARSAL_BATCHES batches, the first included, while their bytes fit, and no more
+    than the job takes; every batch read is handed back, in order."""
+    stream = iter(range(1000))
     ahead, fit = gain.read_ahead(stream, lambda batch: 1)
     assert ahead == list(range(gain.REHEARSAL_BATCHES - 1)) and fit == len(ahead)
     assert next(stream) == gain.REHEARSAL_BATCHES - 1  # nothing read past them
+    stream = iter(range(1000))
+    assert gain.read_ahead(stream, lambda batch: 1, most=3) == ([0, 1, 2], 3)  # a short job
+    assert next(stream) == 3
+    assert gain.read_ahead(iter(range(10)), lambda batch: 1, most=-1) == ([], 0)
     monkeypatch.setattr(gain, "REHEARSAL_BATCHES_BYTES", 25)
     stream = iter(range(100))
     ahead, fit = gain.read_ahead(stream, lambda batch: 10)
