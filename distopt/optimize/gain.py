@@ -106,7 +106,7 @@ REHEARSAL_MAX_STEPS = 500
 REHEARSAL_BATCHES = 256
 """Batches a job rehearses on, at most (its first ones; :data:`REHEARSAL_BATCHES_BYTES` at
 most): each step takes the next, as the job's steps do. Steps that take few batches over and
-over touch few rows, which stay in the caches of the trainer's and the servers' CPUs, and run
+over touch few rows (which likely stay in the trainer's and the servers' CPU caches) and run
 short: on one batch repeated a pipelined step was 7–17% shorter than on 30 distinct ones
 (ps_overlap K = 4, 1 ms, light; 4 distinct ones were as short as one), and on 30 its steps were
 still rehearsed 26–40% shorter than ps_overlap's run of 40–250-step chunks timed them (K = 16,
