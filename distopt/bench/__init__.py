@@ -12,6 +12,7 @@ reports quote medians and ratios. Benchmarks with a ``device`` key run on ``cpu`
 from __future__ import annotations
 
 import importlib
+import math
 import pkgutil
 import statistics
 from collections.abc import Sequence
@@ -44,3 +45,12 @@ def quantile(values: Sequence[float], q: float) -> float:
 
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
+
+
+def steps_lasting(steps: int, warmup: int, median_step_s: float, seconds: float, most: int) -> int:
+    """Steps of a job or chunk whose steps after ``warmup`` last ``seconds`` at ``median_step_s``
+    a step: ``steps`` when they already do, else as many more as it takes, at most ``most``."""
+    if (steps - warmup) * median_step_s >= seconds:
+        return steps
+    needed = warmup + math.ceil(seconds / median_step_s)
+    return max(steps, min(needed, most))

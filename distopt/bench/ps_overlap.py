@@ -59,7 +59,7 @@ from rich.table import Table
 
 import distopt
 import distopt.ps as ps
-from distopt.bench import median, quantile
+from distopt.bench import median, quantile, steps_lasting
 from distopt.bench.order import balanced_orders
 from distopt.config import check, from_dict, to_dict
 from distopt.console import console as make_console
@@ -539,8 +539,7 @@ def _chunk_steps(bench: PSOverlapConfig, warm_step_s: Sequence[float]) -> int:
     counted = list(warm_step_s[bench.warmup :])
     if not bench.chunk_s or not counted:
         return bench.steps
-    needed = bench.warmup + math.ceil(bench.chunk_s / median(counted))
-    return max(bench.steps, min(MAX_CHUNK_STEPS, needed))
+    return steps_lasting(bench.steps, bench.warmup, median(counted), bench.chunk_s, MAX_CHUNK_STEPS)
 
 
 def _own_tables(cfg: DLRMConfig, variant: str) -> DLRMConfig:

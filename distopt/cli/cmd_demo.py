@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import math
 import sys
 import time
 from pathlib import Path
 
+from distopt.bench import steps_lasting
 from distopt.cli import main as distopt_main
 from distopt.config import find_config_file, load_config
 from distopt.data.generate import write_criteo
@@ -102,10 +102,7 @@ def sized_steps(steps: int, warmup: int, median_step_s: float, min_timed_s: floa
     """Steps per job for the timed ones (after ``warmup``) to last ``min_timed_s`` at
     ``median_step_s`` a step: ``steps`` when they already do, at most ``MAX_STEPS_FACTOR`` times
     it."""
-    if (steps - warmup) * median_step_s >= min_timed_s:
-        return steps
-    needed = warmup + math.ceil(min_timed_s / median_step_s)
-    return min(needed, MAX_STEPS_FACTOR * steps)
+    return steps_lasting(steps, warmup, median_step_s, min_timed_s, MAX_STEPS_FACTOR * steps)
 
 
 CLICKS = 12_000
