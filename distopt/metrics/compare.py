@@ -83,12 +83,14 @@ class RunSummary:
     predicted_step_time_s: float | None
     predicted_gain: float | None
     predicted_saving_s: float | None
-    """The cost model's per-step saving over the unoptimized model, when the header has one."""
+    """The cost model's per-step saving over the unoptimized model, when the header has one (the
+    jobs' mean, as ``predicted_step_time_s`` is, for several)."""
     phases: dict[str, float] | None = None
     """Median seconds of each measured step phase after warm-up (over every rank's steps), when
     the steps record them."""
     predicted_phases: dict[str, dict[str, float]] | None = None
-    """The header's per-phase prediction: ``{"baseline": {...}, "optimized": {...}}``."""
+    """The headers' per-phase prediction: ``{"baseline": {...}, "optimized": {...}}`` (each
+    phase averaged over the jobs, for several)."""
     segments: tuple[tuple[float, ...], ...] = ()
     """QPS after warm-up of each job pooled into this run (one for a single job)."""
     jobs: int = 1
@@ -336,12 +338,16 @@ def summarize(run: Jobs, *, label: str, warmup: int = DEFAULT_WARMUP) -> RunSumm
         segments=tuple(segments),
         jobs=len(jobs),
         median_step_time_s=median_step_s,
-        predicted_step_time_s=_optional_float(run.header, "predicted_step_time_s"),
+        predicted_step_time_s=_jobs_mean(
+            [_optional_float(job.header, "predicted_step_time_s") for job in jobs]
+        ),
         predicted_gain=_jobs_gain(jobs),
         # A saving below 0 is a prediction too: the rewrite predicted to cost time.
-        predicted_saving_s=_optional_float(run.header, "predicted_saving_s", positive=False),
+        predicted_saving_s=_jobs_mean(
+            [_optional_float(job.header, "predicted_saving_s", positive=False) for job in jobs]
+        ),
         phases=phases,
-        predicted_phases=_predicted_phases(run.header),
+        predicted_phases=_jobs_phases(jobs),
         fetches=_fetches(fetching),
     )
 
@@ -356,6 +362,28 @@ def _jobs_gain(jobs: Sequence[RunLog]) -> float | None:
     if not known:
         return None
     return float(np.exp(np.mean(np.log(known))))
+
+
+def _jobs_mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the jobs' predicted seconds that their headers have (``None``: none has)."""
+    known = [value for value in values if value is not None]
+    return float(np.mean(known)) if known else None
+
+
+def _jobs_phases(jobs: Sequence[RunLog]) -> dict[str, dict[str, float]] | None:
+    """The per-phase prediction of a run of several jobs: each phase's seconds averaged over the
+    jobs whose headers predict phases, so that the predicted step (the phases' sum) is the mean
+    of theirs; the first job's alone put one job's guess beside the measured medians of all."""
+    predicted = [p for p in (_predicted_phases(job.header) for job in jobs) if p is not None]
+    if not predicted:
+        return None
+    return {
+        variant: {
+            name: float(np.mean([p[variant].get(name, 0.0) for p in predicted]))
+            for name in dict.fromkeys(n for p in predicted for n in p[variant])
+        }
+        for variant in ("baseline", "optimized")
+    }
 
 
 def _fetches(steps: Sequence[StepRecord]) -> dict[str, float] | None:

@@ -482,3 +482,40 @@ def test_a_run_that_did_not_finish_is_refused_unless_forced(
     assert (
         f"--force: did not finish: {died}: rank 0 failed after 39 of 60" in capsys.readouterr().out
     )
+
+
+def test_the_predicted_phases_of_several_jobs_are_their_mean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each job predicts its own phases: the report puts their mean beside the measured medians
+    of all the jobs (it showed the first job's), and prints the pooled jobs in brace form."""
+    measured = {"data": 0.0, "forward": 0.010, "waits": 0.008, "backward": 0.002}
+    measured |= {"all_reduce": 0.0, "pushes": 0.003, "optimizer": 0.001}
+    base = [_phased_run(tmp_path, f"demo-baseline-{i}", "baseline", measured) for i in range(2)]
+    opt = [
+        _phased_run(
+            tmp_path,
+            f"demo-optimized-{i}",
+            "optimized",
+            measured,
+            predicted_phases={
+                "baseline": {**measured, "forward": forward + 0.01},
+                "optimized": {**measured, "forward": forward},
+            },
+            predicted_gain=gain,
+            predicted_step_time_s=0.001 * (i + 1),
+        )
+        for i, (forward, gain) in enumerate(((0.010, 1.5), (0.014, 1.3)))
+    ]
+    result = compare_runs([[load_run(p) for p in base], [load_run(p) for p in opt]], warmup=3)
+    rows = {row.phase: row for row in result.phases}
+    assert rows["forward"].predicted == pytest.approx(0.012)
+    assert rows["forward"].baseline_predicted == pytest.approx(0.022)
+    assert rows["pushes"].predicted == pytest.approx(0.003)
+    assert rows["step"].predicted == pytest.approx(0.012 + 0.002 + 0.003 + 0.001)
+    assert result.runs[1].predicted_step_time_s == pytest.approx(0.0015)
+    labels = [",".join(str(p) for p in run) for run in (base, opt)]
+    assert main(["compare", *labels, "--warmup", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "demo-optimized-{0,1}" in out
+    assert "demo-optimized-0,demo-optimized-1" not in out
