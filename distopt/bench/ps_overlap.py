@@ -225,6 +225,13 @@ class PSOverlapConfig:
     device: Device = "cpu"
     """Where the trainer's dense layers compute (``cuda``: GPU 0; ids stay on the host and fetched
     rows are copied to the GPU, as in a job with ``device: cuda``)."""
+    threads: int = 1
+    """The trainer's torch intra-op threads (its servers run one each, on the same host, as a
+    job's trainers run ``num_threads: 1`` beside theirs). With torch's default of one per core,
+    the trainer's idle OpenMP worker spun between its parallel ops, using 93% of one of the two
+    cores that its servers and the pipeline's answers needed: at K = 4, 1 ms, light the pipelined
+    step was 4.8 ms against 3.1 ms with one thread, and its predicted gain 12% high against 2%
+    (docs/cost_model.md, *The trainer's idle thread*)."""
 
     def __post_init__(self) -> None:
         check(all(k >= 1 for k in self.tables), "tables", "counts >= 1", self.tables)
@@ -258,6 +265,7 @@ class PSOverlapConfig:
             self.warmup_rounds,
         )
         check(self.copies >= 1, "copies", "an integer >= 1", self.copies)
+        check(self.threads >= 1, "threads", "an integer >= 1", self.threads)
         check(self.chunk_s >= 0, "chunk_s", "a number of seconds >= 0", self.chunk_s)
         check(
             self.steps > self.warmup >= 0,
@@ -1523,10 +1531,24 @@ def _cache_scores(points: list[dict], bench: PSOverlapConfig) -> list[tuple[list
 
 def run(config: dict, args: argparse.Namespace) -> int:
     bench = from_dict(PSOverlapConfig, config)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(bench.threads)
+    try:
+        return _sweep(bench, args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _sweep(bench: PSOverlapConfig, args: argparse.Namespace) -> int:
+    """The sweep, its tables and verdicts (and ``--json``); 0 when every target holds."""
     device = job_device.resolve_device(bench.device)
     console = make_console()
     if device.type == "cuda":
         console.print(f"trainer on {job_device.device_name(device)}; servers on the host")
+    console.print(
+        f"trainer: {bench.threads} torch thread{'s' if bench.threads > 1 else ''} "
+        "(threads; each server runs 1)"
+    )
     run_stamp = time.strftime("%Y%m%d-%H%M%S")
     points = []
     sweep = list(itertools.product(bench.tables, bench.latency_ms, bench.compute))
@@ -1610,6 +1632,7 @@ def run(config: dict, args: argparse.Namespace) -> int:
                     "kind": "ps_overlap",
                     "config": to_dict(bench),
                     "device_name": job_device.device_name(device),
+                    "trainer_threads": torch.get_num_threads(),
                     "points": points,
                     "link_cost": costs,
                     "batching": batching,

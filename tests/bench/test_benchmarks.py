@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from distopt.cli import main
 from tests.noise import noise
@@ -34,8 +35,16 @@ def test_ps_overlap_runs_and_logs(tmp_path) -> None:
         f"warmup: 1\nbatching_fetches: 4\noutput_dir: {tmp_path / 'runs'}\n"
     )
     out = tmp_path / "out.json"
-    main(["bench", str(config), "--json", str(out)])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        main(["bench", str(config), "--json", str(out)])
+        # The trainer ran on one thread (config threads: 1) and the caller's count is back.
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     result = json.loads(out.read_text())
+    assert result["config"]["threads"] == 1 and result["trainer_threads"] == 1
     point = result["points"][0]
     variants = ["baseline", "hand", "no_network", "optimized", "pipelined"]
     assert sorted(point["variants"]) == variants
@@ -154,6 +163,8 @@ def test_ps_overlap_config_errors_name_the_key() -> None:
         from_dict(PSOverlapConfig, {"copies": 0})
     with pytest.raises(ConfigError, match=r"chunk_s: expected a number of seconds >= 0, got -1"):
         from_dict(PSOverlapConfig, {"chunk_s": -1})
+    with pytest.raises(ConfigError, match=r"threads: expected an integer >= 1, got 0"):
+        from_dict(PSOverlapConfig, {"threads": 0})
 
 
 def test_ps_overlap_chunk_steps_last_chunk_s_within_bounds() -> None:
