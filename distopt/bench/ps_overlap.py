@@ -1545,15 +1545,15 @@ def _sweep(bench: PSOverlapConfig, args: argparse.Namespace) -> int:
     console = make_console()
     if device.type == "cuda":
         console.print(f"trainer on {job_device.device_name(device)}; servers on the host")
-    console.print(
-        f"trainer: {bench.threads} torch thread{'s' if bench.threads > 1 else ''} "
-        "(threads; each server runs 1)"
-    )
     run_stamp = time.strftime("%Y%m%d-%H%M%S")
     points = []
     sweep = list(itertools.product(bench.tables, bench.latency_ms, bench.compute))
     batching = None
-    with _link(bench) as net:
+    with _link(bench) as net:  # a link that cannot be made fails here, before any output
+        console.print(
+            f"trainer: {bench.threads} torch thread{'s' if bench.threads > 1 else ''} "
+            "(threads; each server runs 1)"
+        )
         if net is not None:
             assert bench.link is not None
             console.print(

@@ -198,7 +198,7 @@ def _shown_label(label: str, *, short: bool = False) -> str:
 
 
 def _short(label: str) -> str:
-    """A run's label without its directories (each job's, for pooled jobs)."""
+    """A run's label without its directories (each job's, in brace form, for pooled jobs)."""
     return _shown_label(label, short=True)
 
 
