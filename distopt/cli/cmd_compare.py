@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from distopt.metrics.compare import (
     compare_runs,
     failed_gains,
     mispredicted,
+    shown_label,
 )
 from distopt.metrics.plot import plot_comparison
 from distopt.metrics.qps_log import load_run
@@ -111,7 +111,7 @@ def render(comparison: Comparison, console: Console) -> None:
     level = f"{comparison.level:.0%}"
     table = Table(
         title=f"QPS after {comparison.warmup} warm-up steps "
-        f"(baseline: {_shown_label(comparison.runs[0].label)})"
+        f"(baseline: {shown_label(comparison.runs[0].label)})"
     )
     for name, justify in (
         ("run", "left"),
@@ -134,7 +134,7 @@ def render(comparison: Comparison, console: Console) -> None:
             gain_text = f"{gain.median:.3f}× [{gain.ci_low:.3f}, {gain.ci_high:.3f}]"
             predicted = "-" if gain.predicted is None else f"{gain.predicted:.3f}×"
         table.add_row(
-            _shown_label(run.label),
+            shown_label(run.label),
             run.variant,
             str(run.world_size),
             str(run.steps),
@@ -184,22 +184,9 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.2f}"
 
 
-def _shown_label(label: str, *, short: bool = False) -> str:
-    """A run's label as printed: pooled jobs' paths in brace form, ``dir/demo-baseline-{0,1,2}``
-    (what a shell would expand back to them), rather than every path in full; ``short``: without
-    directories."""
-    parts = label.split(",")
-    if short:
-        parts = [Path(part).name for part in parts]
-    if len(parts) == 1:
-        return parts[0]
-    prefix = os.path.commonprefix(parts)
-    return prefix + "{" + ",".join(part[len(prefix) :] for part in parts) + "}"
-
-
 def _short(label: str) -> str:
     """A run's label without its directories (each job's, in brace form, for pooled jobs)."""
-    return _shown_label(label, short=True)
+    return shown_label(label, short=True)
 
 
 def render_phases(comparison: Comparison, console: Console) -> None:

@@ -29,7 +29,9 @@ comparison also puts each phase's prediction beside its measured median (:class:
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -364,6 +366,19 @@ def _jobs_gain(jobs: Sequence[RunLog]) -> float | None:
     return float(np.exp(np.mean(np.log(known))))
 
 
+def shown_label(label: str, *, short: bool = False) -> str:
+    """A run's label as printed: pooled jobs' paths (comma-joined) in brace form,
+    ``dir/demo-baseline-{0,1,2}`` (what a shell would expand back to them), rather than every path
+    in full; ``short``: without directories."""
+    parts = label.split(",")
+    if short:
+        parts = [Path(part).name for part in parts]
+    if len(parts) == 1:
+        return parts[0]
+    prefix = os.path.commonprefix(parts)
+    return prefix + "{" + ",".join(part[len(prefix) :] for part in parts) + "}"
+
+
 def _jobs_mean(values: Sequence[float | None]) -> float | None:
     """The mean of the jobs' predicted seconds that their headers have (``None``: none has)."""
     known = [value for value in values if value is not None]
@@ -372,14 +387,15 @@ def _jobs_mean(values: Sequence[float | None]) -> float | None:
 
 def _jobs_phases(jobs: Sequence[RunLog]) -> dict[str, dict[str, float]] | None:
     """The per-phase prediction of a run of several jobs: each phase's seconds averaged over the
-    jobs whose headers predict phases, so that the predicted step (the phases' sum) is the mean
-    of theirs; the first job's alone put one job's guess beside the measured medians of all."""
+    jobs whose headers predict it (as :func:`_jobs_mean` leaves out a job without a value), so
+    that with the same phases in every header the predicted step (the phases' sum) is the mean of
+    theirs; the first job's alone put one job's guess beside the measured medians of all."""
     predicted = [p for p in (_predicted_phases(job.header) for job in jobs) if p is not None]
     if not predicted:
         return None
     return {
         variant: {
-            name: float(np.mean([p[variant].get(name, 0.0) for p in predicted]))
+            name: float(np.mean([p[variant][name] for p in predicted if name in p[variant]]))
             for name in dict.fromkeys(n for p in predicted for n in p[variant])
         }
         for variant in ("baseline", "optimized")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from distopt.errors import DistoptError
-from distopt.metrics.compare import Comparison
+from distopt.metrics.compare import Comparison, shown_label
 
 
 def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
@@ -22,7 +22,8 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
     fig = Figure(figsize=(12, 4.5), constrained_layout=True)
     ax_line, ax_box = fig.subplots(1, 2, gridspec_kw={"width_ratios": [2, 1]})
     names = [
-        f"{i + 1}: {run.variant} ({Path(run.label).name})" for i, run in enumerate(comparison.runs)
+        f"{i + 1}: {run.variant} ({shown_label(run.label, short=True)})"
+        for i, run in enumerate(comparison.runs)
     ]
     for run, name in zip(comparison.runs, names, strict=True):
         ax_line.plot(run.step_numbers, run.qps, label=name, linewidth=1.2)

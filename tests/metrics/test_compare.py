@@ -17,6 +17,7 @@ from distopt.metrics.compare import (
     failed_gains,
     mispredicted,
     rounds_interval,
+    shown_label,
     summarize,
 )
 from distopt.metrics.qps_log import QpsLogWriter, load_run
@@ -519,3 +520,25 @@ def test_the_predicted_phases_of_several_jobs_are_their_mean(
     out = capsys.readouterr().out
     assert "demo-optimized-{0,1}" in out
     assert "demo-optimized-0,demo-optimized-1" not in out
+
+
+def test_a_phase_missing_from_one_jobs_header_is_averaged_over_the_others(tmp_path: Path) -> None:
+    """As a job without a predicted gain is left out of the jobs' gain, not counted as 1."""
+    measured = {"data": 0.0, "forward": 0.010, "backward": 0.002, "pushes": 0.003}
+    older = {"baseline": dict(measured), "optimized": dict(measured)}
+    newer = {name: {**phases, "other": 0.002} for name, phases in older.items()}
+    runs = [
+        load_run(_phased_run(tmp_path, f"o{i}", "optimized", measured, predicted_phases=header))
+        for i, header in enumerate((older, newer))
+    ]
+    summary = summarize(runs, label="o", warmup=3)
+    assert summary.predicted_phases is not None
+    assert summary.predicted_phases["optimized"]["other"] == pytest.approx(0.002)
+    assert summary.predicted_phases["optimized"]["forward"] == pytest.approx(0.010)
+
+
+def test_pooled_labels_print_in_brace_form() -> None:
+    assert shown_label("/r/demo-b-0,/r/demo-b-1") == "/r/demo-b-{0,1}"
+    assert shown_label("/r/demo-b-0,/r/demo-b-1", short=True) == "demo-b-{0,1}"
+    assert shown_label("/r/one-run") == "/r/one-run"
+    assert shown_label("/r/one-run", short=True) == "one-run"
