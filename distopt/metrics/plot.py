@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from distopt.errors import DistoptError
 from distopt.metrics.compare import Comparison, shown_label
+
+
+def jobs_apart(steps: Sequence[int], qps: Sequence[float]) -> tuple[list[float], list[float]]:
+    """A pooled run's steps and QPS with a gap (NaN, where matplotlib breaks a line) wherever
+    the step number does not increase: each job's line ends at its last step instead of being
+    drawn back to the next job's first."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for i, (step, value) in enumerate(zip(steps, qps, strict=True)):
+        if i and step <= steps[i - 1]:
+            xs.append(math.nan)
+            ys.append(math.nan)
+        xs.append(step)
+        ys.append(value)
+    return xs, ys
 
 
 def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
@@ -26,7 +43,7 @@ def plot_comparison(comparison: Comparison, path: str | Path) -> Path:
         for i, run in enumerate(comparison.runs)
     ]
     for run, name in zip(comparison.runs, names, strict=True):
-        ax_line.plot(run.step_numbers, run.qps, label=name, linewidth=1.2)
+        ax_line.plot(*jobs_apart(run.step_numbers, run.qps), label=name, linewidth=1.2)
     if comparison.warmup:
         # Shade up to halfway to the first measured step so the boundary is unambiguous.
         ax_line.axvspan(

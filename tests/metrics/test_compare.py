@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from distopt.metrics.compare import (
     shown_label,
     summarize,
 )
+from distopt.metrics.plot import jobs_apart
 from distopt.metrics.qps_log import QpsLogWriter, load_run
 from tests.metrics.synthetic import CONFIG, WriteRun
 
@@ -542,3 +544,11 @@ def test_pooled_labels_print_in_brace_form() -> None:
     assert shown_label("/r/demo-b-0,/r/demo-b-1", short=True) == "demo-b-{0,1}"
     assert shown_label("/r/one-run") == "/r/one-run"
     assert shown_label("/r/one-run", short=True) == "one-run"
+
+
+def test_the_plot_draws_each_pooled_job_as_its_own_line() -> None:
+    """Two jobs of steps 0–2: a gap between them, not a line from step 2 back to step 0."""
+    xs, ys = jobs_apart((0, 1, 2, 0, 1, 2), (1.0, 2.0, 3.0, 4.0, 5.0, 6.0))
+    assert xs[:3] == [0, 1, 2] and xs[4:] == [0, 1, 2] and math.isnan(xs[3])
+    assert ys[:3] == [1.0, 2.0, 3.0] and ys[4:] == [4.0, 5.0, 6.0] and math.isnan(ys[3])
+    assert jobs_apart((0, 1, 2), (1.0, 2.0, 3.0)) == ([0, 1, 2], [1.0, 2.0, 3.0])
