@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from distopt.errors import ConfigError
@@ -283,3 +285,43 @@ def test_a_dry_run_push_holds_the_lock_as_long_as_a_push_and_changes_nothing(
     assert all(torch.equal(after[k], v) for k, v in before.items() if isinstance(v, torch.Tensor))
     shard.push(ids, grads, lr=0.1)
     assert held == [True, True]  # the dry run's math, then the push's, each under the lock
+
+
+_SPECIAL = [-0.0, 0.0, float("nan"), float("inf"), -float("inf"), 1e-45, -1e-45, 3.0e38]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    optimizer=st.sampled_from(["sgd", "adagrad", "rowwise_adagrad"]),
+    lr=st.one_of(st.sampled_from([0.0, -0.0, 0.1, -0.1]), st.floats(-10, 10)),
+    grad=st.one_of(st.sampled_from(_SPECIAL), st.floats(-1e3, 1e3)),
+    ids=st.lists(st.integers(0, 11), min_size=1, max_size=20),
+)
+def test_a_dry_run_push_runs_a_pushs_kernels_on_the_shard_and_leaves_every_bit(
+    optimizer: str, lr: float, grad: float, ids: list[int]
+) -> None:
+    """A dry run updates the shard's own rows as a push does (the cost of writing rows spread over
+    tables larger than the CPU's caches is the cost of a push) and leaves the shard bitwise as it
+    was: signed zeros, NaN and infinities in the rows, any learning rate, any gradient."""
+    from unittest import mock
+
+    from distopt.ps.server import table as table_module
+
+    shard = ShardTable(
+        TableSpec(name="t", num_rows=12, dim=2, optimizer=optimizer), shard=0, num_shards=1
+    )
+    shard.weight[: len(_SPECIAL), 0] = torch.tensor(_SPECIAL)
+    if shard.accum is not None:
+        shard.accum.view(-1)[:3] = torch.tensor([-0.0, 1e-45, 0.5])
+    before = {k: v.clone() for k, v in shard.state_dict().items() if isinstance(v, torch.Tensor)}
+    version = shard.version.clone()
+    grads = torch.full((len(ids), 2), grad)
+    with mock.patch.object(table_module, "step_rows", wraps=table_module.step_rows) as step:
+        shard.rehearse(*shard.checked(torch.tensor(ids), grads), lr=lr)
+    ((args, kwargs),) = step.call_args_list
+    assert args[1] is shard.weight and args[2] is shard.accum and kwargs == {"dry": True}
+    assert torch.equal(args[3], torch.tensor(sorted(set(ids))))  # the rows a push updates
+    after = shard.state_dict()
+    for key, value in before.items():
+        assert torch.equal(after[key].view(torch.int32), value.view(torch.int32)), key
+    assert torch.equal(shard.version, version)
