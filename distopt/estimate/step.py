@@ -236,8 +236,8 @@ class StepCosts:
     ``backward`` and ``pushes`` (``data``: taking the batch, a pipeline's prefetched one;
     ``optimizer`` when the rehearsal was given the job's optimizer: its step on copies of the
     parameters), and :data:`OTHER`, of steps run at start-up on the job's first batches in turn —
-    remote reads sent for real, distopt pushes as dry runs (the servers compute on copies and
-    change nothing), a remote write of the user's own not applied but stood in for (its
+    remote reads sent for real, distopt pushes as dry runs (the servers run the update's kernels
+    on the same rows, writing back what was there), a remote write of the user's own not applied but stood in for (its
     arguments sent to its server, not applied; without a stand-in, waited out at
     :attr:`read_latency_s`) (:func:`distopt.optimize.gain.rehearse`)."""
     pushes: PushMode = "none"
@@ -309,8 +309,8 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
         rehearsed = f"{rehearsed}, the {costs.trainers} trainers in step"
     push_how = {
         "none": "0: the step pushes nothing to distopt's parameter servers",
-        "async": f"sending the push, {rehearsed} with dry-run pushes (computed by the servers "
-        "on copies of the rows); the rest of its round trip is waited for by the next step's "
+        "async": f"sending the push, {rehearsed} with dry-run pushes (the servers run the "
+        "update's kernels on the rows and write back what was there); the rest of its round trip is waited for by the next step's "
         "reads, in forward and waits",
         "blocking": f"a dry-run push's round trip, {rehearsed}",
         "in_turn": f"the trainers push one after the other, each turn a dry-run push's round trip "

@@ -396,7 +396,7 @@ def rehearse(
     A rehearsed step is a forward (grad mode; remote reads sent for real, the time blocked on
     them counted), its backward, and the step's push to distopt's servers as a dry run, sent as
     ``pushes`` says (``baseline_pushes`` for the model as written, when it pushes otherwise): the
-    servers compute the update on copies of the rows and change nothing, and the next step's
+    servers run the update's kernels on the rows, writing back what was there, and the next step's
     reads wait for it as for a real push. A remote write of the user's own in the backward is not
     sent: its stand-in is (its arguments to its server, not applied), or without one it is
     waited out at ``read_latency_s`` (:func:`recording`); one that cannot be (a write issued

@@ -457,8 +457,8 @@ def push_many_async(
     of each of its tables fail (their state is unknown). Resolve with :func:`wait`.
 
     ``dry_run``: the same requests, ordered the same way and heard by the push listeners (a
-    pipeline's staleness journal) alike, but the servers compute the update on copies of the rows
-    and change nothing (``push_dry_run``), and no cache takes it: the cost model rehearses a
+    pipeline's staleness journal) alike, but the servers run the update's kernels on the rows,
+    writing back what was there, and change nothing (``push_dry_run``), and no cache takes it: the cost model rehearses a
     step's push this way (a push is never sent twice).
     """
     client = current()
