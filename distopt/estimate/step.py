@@ -237,8 +237,9 @@ class StepCosts:
     ``optimizer`` when the rehearsal was given the job's optimizer: its step on copies of the
     parameters), and :data:`OTHER`, of steps run at start-up on the job's first batches in turn —
     remote reads sent for real, distopt pushes as dry runs (the servers run the update's kernels
-    on the same rows, writing back what was there), a remote write of the user's own not applied but stood in for (its
-    arguments sent to its server, not applied; without a stand-in, waited out at
+    on the same rows, writing back what was there), a remote write of the user's own not applied
+    but stood in for (its arguments sent to its server, not applied; without a stand-in, waited
+    out at
     :attr:`read_latency_s`) (:func:`distopt.optimize.gain.rehearse`)."""
     pushes: PushMode = "none"
     """How the rehearsal pushed (``in_turn``: each trainer's blocking push in its turn)."""
@@ -310,8 +311,8 @@ def assumptions(costs: StepCosts) -> dict[str, str]:
     push_how = {
         "none": "0: the step pushes nothing to distopt's parameter servers",
         "async": f"sending the push, {rehearsed} with dry-run pushes (the servers run the "
-        "update's kernels on the rows and write back what was there); the rest of its round trip is waited for by the next step's "
-        "reads, in forward and waits",
+        "update's kernels on the rows and write back what was there); the rest of its round "
+        "trip is waited for by the next step's reads, in forward and waits",
         "blocking": f"a dry-run push's round trip, {rehearsed}",
         "in_turn": f"the trainers push one after the other, each turn a dry-run push's round trip "
         f"and a barrier, {rehearsed}",

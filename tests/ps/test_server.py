@@ -56,19 +56,16 @@ def test_every_operation_is_a_handler_on_rpc_and_a_method_on_ray() -> None:
 
 def test_read_operations_are_declared_reads_and_the_rest_are_not() -> None:
     reads = {name for name, op in OPERATIONS.items() if op.read}
-    assert (
-        reads
-        == {
-            "fetch",
-            "fetch_many",
-            "fetch_cached",
-            "state_dict",
-            "tables",
-            "stats",
-            "incarnation",
-            "push_dry_run",  # a push's kernels on its rows, writing back what was there: it changes nothing
-        }
-    )
+    assert reads == {
+        "fetch",
+        "fetch_many",
+        "fetch_cached",
+        "state_dict",
+        "tables",
+        "stats",
+        "incarnation",
+        "push_dry_run",  # a push's kernels, writing back what was there: it changes nothing
+    }
     for name, handler in rpc_transport.HANDLERS.items():
         assert declared_effect(handler) == ("read" if name in reads else None), name
 

@@ -458,8 +458,8 @@ def push_many_async(
 
     ``dry_run``: the same requests, ordered the same way and heard by the push listeners (a
     pipeline's staleness journal) alike, but the servers run the update's kernels on the rows,
-    writing back what was there, and change nothing (``push_dry_run``), and no cache takes it: the cost model rehearses a
-    step's push this way (a push is never sent twice).
+    writing back what was there, and change nothing (``push_dry_run``), and no cache takes it:
+    the cost model rehearses a step's push this way (a push is never sent twice).
     """
     client = current()
     named, per_server, shards = _push_plan(client, pushes)

@@ -212,8 +212,8 @@ class ParameterServer:
     @operation(read=True, fenced=True)
     def push_dry_run(self, pushes: list[tuple[str, torch.Tensor, Grads]], lr: float) -> None:
         """:meth:`push_many`'s request, latency, checks and update kernels on the same rows,
-        writing back what was there (:meth:`ShardTable.rehearse`): nothing changes (the cost model times a push this way; a push itself is never sent
-        twice)."""
+        writing back what was there (:meth:`ShardTable.rehearse`): nothing changes (the cost
+        model times a push this way; a push itself is never sent twice)."""
         self.begin("push_dry_run")
         checked = [
             (self.table(table), *self.table(table).checked(ids, grads))
