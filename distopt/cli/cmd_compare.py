@@ -103,6 +103,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         default=DEFAULT_BLOCK,
         help=f"consecutive steps per resampled unit of the interval (default {DEFAULT_BLOCK})",
     )
+    parser.add_argument(
+        "--earlier-rounds",
+        action="append",
+        default=[],
+        metavar="GAINS",
+        help="round gains of an earlier run of the same comparison on this host, comma-separated "
+        "as this command prints them (repeatable): the spread of each run's rounds about its own "
+        "mean is pooled with this run's, so that rounds that agreed by chance do not make the "
+        "interval narrow (distopt demo passes its earlier runs')",
+    )
     parser.set_defaults(func=run)
 
 
@@ -147,10 +157,13 @@ def render(comparison: Comparison, console: Console) -> None:
     console.print(table)
     console.print(f"interval: {comparison.interval}", markup=False)
     for gain in comparison.gains:
-        if gain.rounds:
+        if gain.over_rounds:
+            rounds = gain.over_rounds
             console.print(
                 f"{_short(gain.label)}: rounds' gains "
-                + ", ".join(f"{g:.3f}×" for g in gain.rounds),
+                + ", ".join(f"{g:.3f}×" for g in rounds.rounds)
+                + f"; a repeat run of {len(rounds.rounds)} rounds would measure "
+                f"[{rounds.repeat_low:.3f}, {rounds.repeat_high:.3f}] ({level} repeat interval)",
                 markup=False,
             )
         if gain.prediction_error is not None:
@@ -241,11 +254,24 @@ def _shown(found: dict[str, float], key: str, scale: float = 1.0, form: str = "{
     return "-" if value is None else form.format(value / scale)
 
 
+def _gains(text: str) -> list[float]:
+    """``1.648,1.638×,...`` (as printed, the ``×`` optional) as numbers; a one-line error naming
+    the value otherwise (their count and sign are checked where they are used)."""
+    try:
+        return [float(part.strip().removesuffix("×")) for part in text.split(",")]
+    except ValueError:
+        raise CompareError(
+            f"--earlier-rounds {text!r}: expected round gains separated by commas, e.g. "
+            "1.648,1.638,1.622,1.612"
+        ) from None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.assert_prediction is not None and not args.assert_prediction >= 0:
         raise CompareError(
             f"--assert-prediction: expected a fraction >= 0, got {args.assert_prediction}"
         )
+    earlier = [_gains(text) for text in args.earlier_rounds]
     logs = [[load_run(path) for path in arg.split(",")] for arg in args.runs]
     comparison = compare_runs(
         logs,
@@ -256,7 +282,13 @@ def run(args: argparse.Namespace) -> int:
         level=args.ci_level,
         seed=args.seed,
         block=args.block,
+        earlier_rounds=earlier,
     )
+    if earlier and not any(gain.over_rounds for gain in comparison.gains):
+        raise CompareError(
+            "--earlier-rounds: no gain here is over rounds (give each run as many jobs, two or "
+            "more, joined by commas)"
+        )
     console = make_console()
     render(comparison, console)
     if args.json:

@@ -8,9 +8,10 @@ rewritten by ``distopt.optimize`` (``variant=optimized``), in ``--rounds`` alter
 machine, and alternating shorter jobs keeps the drift from favouring either variant. It prints
 the held-out AUC and loss each reached (deterministic jobs: the same for both), then the
 ``distopt compare`` table of the pooled jobs (its gain and interval over the rounds: the jobs of
-one run differ by more than their steps say, and a round is the unit that repeats) with the cost
-model's per-phase prediction beside the measured phases, and writes the plot (with matplotlib:
-``pip install 'distopt[plot]'``). A pilot baseline job runs first: a job whose timed steps would
+one run differ by more than their steps say, and a round is the unit that repeats; the interval
+weighs the rounds of the latest earlier runs of the same job in ``--out``, :func:`earlier_rounds`)
+with the cost model's per-phase prediction beside the measured phases, and writes the plot (with
+matplotlib: ``pip install 'distopt[plot]'``). A pilot baseline job runs first: a job whose timed steps would
 last under ``--min-timed-s`` is measured on longer jobs, sized from it (:func:`sized_steps`).
 Runs from any directory: the config is read relative to it, else from the copy shipped with
 distopt; logs go under ``--out`` there.
@@ -31,7 +32,8 @@ from distopt.data.generate import write_criteo
 from distopt.dist.rendezvous import free_port
 from distopt.errors import ConfigError, DistoptError
 from distopt.metrics import load_run
-from distopt.metrics.compare import DEFAULT_WARMUP, summarize
+from distopt.metrics.compare import DEFAULT_WARMUP, compare_runs, config_diff, summarize
+from distopt.metrics.records import RunLog
 from distopt.torchx.submit import launch
 from distopt.training.config import JobConfig
 
@@ -147,10 +149,63 @@ def _sized_by_pilot(pilot: Path, steps: int, min_timed_s: float) -> int:
     return sized
 
 
+_VARIANTS = ("baseline", "optimized")
+
+EARLIER_RUNS = 8
+"""Earlier runs (the latest) whose rounds' spread the gain's interval pools."""
+
+
+def earlier_rounds(out: Path, stamp: str, baseline: Path) -> list[tuple[str, tuple[float, ...]]]:
+    """``(stamp, round gains)`` of the latest :data:`EARLIER_RUNS` demo runs in ``out`` before
+    ``stamp`` that ran this job (:func:`_differs`; the steps a pilot chose aside), with two or
+    more rounds, every job finished: the gain's interval weighs their spread with this run's
+    (:func:`distopt.metrics.compare.rounds_interval`). A run that cannot be read is passed over:
+    it is an earlier run's leftovers, not this run's input."""
+    current = load_run(baseline)
+    found = []
+    for first in sorted(out.glob("demo-*-baseline-0"), reverse=True):
+        earlier = first.name.removeprefix("demo-").removesuffix("-baseline-0")
+        if earlier >= stamp:  # stamps sort as times do
+            continue
+        try:
+            jobs = [_round_jobs(out, earlier, variant) for variant in _VARIANTS]
+            logs = [[load_run(job) for job in variant] for variant in jobs]
+            same = not _differs(current, logs[0][0])
+            gains = (
+                compare_runs(logs, warmup=_warmup(int(logs[0][0].config["steps"]))).gains[0]
+                if same and len(logs[0]) == len(logs[1]) >= 2
+                else None
+            )
+        except (DistoptError, KeyError, ValueError, OSError):
+            continue
+        if gains is not None and gains.rounds:
+            found.append((earlier, gains.rounds))
+        if len(found) == EARLIER_RUNS:
+            break
+    return found
+
+
+def _round_jobs(out: Path, stamp: str, variant: str) -> list[Path]:
+    """A demo run's jobs of ``variant``, in round order (``-10`` after ``-9``)."""
+    jobs = out.glob(f"demo-{stamp}-{variant}-*")
+    return sorted(jobs, key=lambda job: int(job.name.rsplit("-", 1)[1]))
+
+
+def _differs(run: RunLog, other: RunLog) -> bool:
+    """Whether ``other`` ran another job than ``run``: another config, other code (distopt's
+    revision, the versions) or another host."""
+    mine, theirs = run.header, other.header
+    if any(mine.get(key) != theirs.get(key) for key in ("git_revision", "versions")):
+        return True
+    if mine.get("host", {}).get("hostname") != theirs.get("host", {}).get("hostname"):
+        return True
+    return bool(set(config_diff([run, other], ["this", "earlier"])) - {"steps"})
+
+
 def alternated(rounds: int) -> list[str]:
     """The variants' job order: each round one of each, every other round the other first
     (ABBA...), so that a host getting steadily faster or slower favours neither."""
-    pair = ["baseline", "optimized"]
+    pair = list(_VARIANTS)
     return [v for i in range(rounds) for v in (pair if i % 2 == 0 else pair[::-1])]
 
 
@@ -190,6 +245,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"{variant}: {_learned(out / run_id)}", flush=True)
     compare = [",".join(jobs) for jobs in runs.values()]
     compare += ["--warmup", str(_warmup(steps))]
+    if args.rounds > 1:
+        earlier = earlier_rounds(out, stamp, Path(runs["baseline"][0]))
+        if earlier:
+            print(
+                f"pooling the rounds' spread with {len(earlier)} earlier run"
+                f"{'s' * (len(earlier) > 1)} of this job in {out}: "
+                + ", ".join(stamp for stamp, _ in earlier),
+                flush=True,
+            )
+        for _, gains in earlier:
+            compare += ["--earlier-rounds", ",".join(f"{g:.6g}" for g in gains)]
     if args.assert_prediction is not None:
         compare += ["--assert-prediction", str(args.assert_prediction)]
     if importlib.util.find_spec("matplotlib") is not None:

@@ -122,11 +122,17 @@ class Gain:
     ci_high: float
     predicted: float | None
     """The cost model's predicted gain, when the logs carry one."""
-    rounds: tuple[float, ...] = ()
-    """Each round's gain, when the interval is over rounds (:func:`rounds_interval`)."""
+    over_rounds: RoundsGain | None = None
+    """The gain's rounds, spread and repeat interval, when the interval is over rounds
+    (:func:`rounds_interval`)."""
     unchanged_s: tuple[float, float] | None = None
     """Median seconds per step of the phases the rewrite does not change (:data:`UNCHANGED`),
     in the baseline and in this run, when both logged their phases."""
+
+    @property
+    def rounds(self) -> tuple[float, ...]:
+        """Each round's gain (empty when the interval is not over rounds)."""
+        return () if self.over_rounds is None else self.over_rounds.rounds
 
     @property
     def prediction_error(self) -> float | None:
@@ -195,14 +201,30 @@ class Comparison:
     @property
     def interval(self) -> str:
         """How the gains' intervals were made, in words."""
-        over_rounds = [gain for gain in self.gains if gain.rounds]
+        over_rounds = [gain.over_rounds for gain in self.gains if gain.over_rounds]
         parts = []
         if over_rounds:
-            rounds = len(over_rounds[0].rounds)
+            first = over_rounds[0]
+            rounds = len(first.rounds)
+            runs = f"{first.earlier_runs} earlier run{'s' * (first.earlier_runs > 1)}"
+            if first.between_runs:
+                pooled = (
+                    f"its variance that of the gains of this run and {runs}, wider than the "
+                    f"rounds' spread implies ({first.degrees_of_freedom} degrees of freedom)"
+                )
+            elif first.earlier_runs:
+                pooled = (
+                    f"their spread pooled with that of the rounds of {runs} "
+                    f"({first.degrees_of_freedom} degrees of freedom in all)"
+                )
+            else:
+                dof = first.degrees_of_freedom
+                pooled = f"{dof} degree{'s' * (dof != 1)} of freedom"
             parts.append(
                 f"{self.level:.0%} t interval over {rounds} rounds (the i-th job of each run "
-                f"paired, in the order given; {rounds - 1} degrees of freedom) of the log of each "
-                "round's ratio of medians; the gain is their geometric mean"
+                f"paired, in the order given) of the log of each round's ratio of medians, "
+                f"{pooled}; the gain is their geometric mean; the repeat interval, √2 wider (two "
+                f"runs' noise), is where another run of {rounds} rounds would measure"
             )
         if len(over_rounds) < len(self.gains):
             parts.append(
@@ -238,6 +260,15 @@ class Comparison:
                     "gain_ci_low": gain.ci_low if gain else None,
                     "gain_ci_high": gain.ci_high if gain else None,
                     "round_gains": list(gain.rounds) if gain and gain.rounds else None,
+                    "repeat_low": gain.over_rounds.repeat_low
+                    if gain and gain.over_rounds
+                    else None,
+                    "repeat_high": gain.over_rounds.repeat_high
+                    if gain and gain.over_rounds
+                    else None,
+                    "earlier_runs": gain.over_rounds.earlier_runs
+                    if gain and gain.over_rounds
+                    else None,
                     "predicted_gain": gain.predicted if gain else None,
                     "prediction_error": gain.prediction_error if gain else None,
                     "unchanged_phases_s": list(gain.unchanged_s)
@@ -499,32 +530,104 @@ def _resampled_medians(
     return medians
 
 
+@dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
+class RoundsGain:
+    """A gain measured over paired rounds (:func:`rounds_interval`)."""
+
+    gain: float
+    """The geometric mean of the rounds' gains."""
+    ci_low: float
+    ci_high: float
+    repeat_low: float
+    repeat_high: float
+    """Where another run of as many rounds would measure its gain (a prediction interval)."""
+    rounds: tuple[float, ...]
+    earlier_runs: int
+    """Earlier runs of the same comparison that the spread was estimated with."""
+    degrees_of_freedom: int
+    between_runs: bool = False
+    """Whether the spread is that of the runs' gains (it exceeded what the rounds' spread
+    implies: the host drifts between runs, not only between rounds)."""
+
+
+MIN_RUNS_BETWEEN = 4
+"""Runs (this one and earlier ones) from which the spread of the runs' own gains counts: three
+degrees of freedom at least."""
+
+
+def pooled_spread(
+    logs: Sequence[float], earlier: Sequence[Sequence[float]] = ()
+) -> tuple[float, int]:
+    """``(s, degrees of freedom)``: the standard deviation of round log-gains about their own
+    run's mean, pooled over this run (``logs``) and ``earlier`` runs' round gains (not logs).
+
+    Each run contributes its rounds less one; a run's mean does not enter, so another run's gain
+    widens nothing here (:func:`rounds_interval` weighs the runs' gains apart)."""
+    runs = [np.asarray(logs, dtype=float), *(np.log(np.asarray(g, dtype=float)) for g in earlier)]
+    squares = sum(float(((r - r.mean()) ** 2).sum()) for r in runs)
+    dof = sum(len(r) - 1 for r in runs)
+    return float(np.sqrt(squares / dof)), dof
+
+
 def rounds_interval(
-    baseline: Sequence[np.ndarray], candidate: Sequence[np.ndarray], *, level: float = DEFAULT_LEVEL
-) -> tuple[float, float, float, tuple[float, ...]]:
-    """``(gain, ci_low, ci_high, round_gains)`` over paired rounds: round ``i`` is the ``i``-th
-    job of each side, its gain ``median(candidate[i]) / median(baseline[i])``; the gain is their
-    geometric mean and the interval a Student t interval on their logs (``len - 1`` degrees of
-    freedom). Drift slower than a round cancels within it; the spread between rounds is the
-    interval's."""
+    baseline: Sequence[np.ndarray],
+    candidate: Sequence[np.ndarray],
+    *,
+    level: float = DEFAULT_LEVEL,
+    earlier: Sequence[Sequence[float]] = (),
+) -> RoundsGain:
+    """The gain over paired rounds: round ``i`` is the ``i``-th job of each side, its gain
+    ``median(candidate[i]) / median(baseline[i])``; the gain is their geometric mean and its
+    intervals Student t intervals on the log scale. Drift slower than a round cancels within it.
+
+    The variance of a run's mean log-gain is the larger of two estimates: the rounds' spread
+    pooled with ``earlier`` runs' (:func:`pooled_spread`) over the rounds, and, from
+    :data:`MIN_RUNS_BETWEEN` runs on, the variance of the runs' own means (this one's and the
+    earlier ones'), which also holds drift slower than a run. Four rounds alone give three
+    degrees of freedom, and rounds that agree by chance a narrow interval: two demo runs two
+    minutes apart, each's rounds within ±2%, measured 1.630× and 1.793×. The confidence interval
+    is the gain's; the repeat interval (√2 wider: both runs' means are noisy) is where another run
+    of as many rounds would measure."""
     _check_level(level)
     if len(baseline) != len(candidate) or len(baseline) < 2:
         raise CompareError(
             f"rounds need two or more jobs on each side, as many of each: got {len(baseline)} "
             f"and {len(candidate)}"
         )
+    for gains_of_run in earlier:
+        _check_earlier(gains_of_run)
     gains = np.asarray(
         [np.median(c) / np.median(b) for b, c in zip(baseline, candidate, strict=True)]
     )
     logs = np.log(gains)
-    half = scipy.stats.t.ppf((1 + level) / 2, len(logs) - 1) * logs.std(ddof=1) / np.sqrt(len(logs))
+    spread, dof = pooled_spread(logs, earlier)
+    variance = spread**2 / len(logs)
+    between = False
+    if 1 + len(earlier) >= MIN_RUNS_BETWEEN:
+        means = [float(logs.mean()), *(float(np.log(g).mean()) for g in earlier)]
+        if float(np.var(means, ddof=1)) > variance:
+            variance, dof, between = float(np.var(means, ddof=1)), len(means) - 1, True
+    half = float(scipy.stats.t.ppf((1 + level) / 2, dof)) * np.sqrt(variance)
     mean = float(logs.mean())
-    return (
-        float(np.exp(mean)),
-        float(np.exp(mean - half)),
-        float(np.exp(mean + half)),
-        tuple(float(g) for g in gains),
+    return RoundsGain(
+        gain=float(np.exp(mean)),
+        ci_low=float(np.exp(mean - half)),
+        ci_high=float(np.exp(mean + half)),
+        repeat_low=float(np.exp(mean - half * np.sqrt(2.0))),
+        repeat_high=float(np.exp(mean + half * np.sqrt(2.0))),
+        rounds=tuple(float(g) for g in gains),
+        earlier_runs=len(earlier),
+        degrees_of_freedom=dof,
+        between_runs=between,
     )
+
+
+def _check_earlier(gains: Sequence[float]) -> None:
+    shown = ",".join(f"{g:g}" for g in gains)
+    if len(gains) < 2:
+        raise CompareError(f"earlier rounds {shown or '(none)'}: a run needs two or more rounds")
+    if not all(np.isfinite(g) and g > 0 for g in gains):
+        raise CompareError(f"earlier rounds {shown}: gains must be positive numbers")
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -569,11 +672,14 @@ def compare_runs(
     level: float = DEFAULT_LEVEL,
     seed: int = DEFAULT_SEED,
     block: int = DEFAULT_BLOCK,
+    earlier_rounds: Sequence[Sequence[float]] = (),
 ) -> Comparison:
     """Compare ``runs`` against ``runs[0]`` (the baseline). A run may be several jobs of one
     variant (alternated with the other variant's, so that host drift cannot favour either): their
     steps are pooled for the QPS statistics; the gain is over rounds when both runs have as many
-    jobs (:func:`rounds_interval`), else a two-stage bootstrap of jobs and their blocks.
+    jobs (:func:`rounds_interval`, the rounds' spread pooled with ``earlier_rounds``: the round
+    gains of earlier runs of the same comparison on the same host), else a two-stage bootstrap of
+    jobs and their blocks.
 
     Raises :class:`CompareError` when fewer than two runs are given, or, unless ``force``, when
     their configs differ in more than the variant (the message lists the differing keys) or a job
@@ -581,6 +687,8 @@ def compare_runs(
     """
     if len(runs) < 2:
         raise CompareError(f"need at least two runs to compare, got {len(runs)}")
+    for gains_of_run in earlier_rounds:
+        _check_earlier(gains_of_run)
     pooled = [_jobs(run) for run in runs]
     labels = [str(jobs[0].path) for jobs in pooled] if labels is None else list(labels)
     job_labels = [
@@ -607,9 +715,10 @@ def compare_runs(
     for summary in summaries[1:]:
         base_jobs = [np.asarray(seg) for seg in base.segments]
         jobs = [np.asarray(seg) for seg in summary.segments]
-        rounds: tuple[float, ...] = ()
+        over_rounds: RoundsGain | None = None
         if len(jobs) == len(base_jobs) >= 2:
-            median, low, high, rounds = rounds_interval(base_jobs, jobs, level=level)
+            over_rounds = rounds_interval(base_jobs, jobs, level=level, earlier=earlier_rounds)
+            median, low, high = over_rounds.gain, over_rounds.ci_low, over_rounds.ci_high
         else:
             median, low, high = bootstrap_ratio_of_medians(
                 base_jobs, jobs, resamples=resamples, level=level, seed=seed, block=block
@@ -620,7 +729,7 @@ def compare_runs(
                 median=median,
                 ci_low=low,
                 ci_high=high,
-                rounds=rounds,
+                over_rounds=over_rounds,
                 predicted=predicted_gain(base, summary),
                 unchanged_s=_unchanged(base, summary),
             )

@@ -87,3 +87,61 @@ def test_console_script_runs(runs: tuple[str, str]) -> None:
     )
     assert proc.returncode == 1, proc.stderr
     assert "gain [95% CI]" in proc.stdout
+
+
+def _rounds(tmp_path: Path, gains: tuple[float, ...], stamp: str = "r") -> list[str]:
+    """Alternated jobs of each variant (comma-joined, as ``distopt demo`` passes them)."""
+    base = [
+        write_synthetic_run(tmp_path, f"{stamp}-b{i}", 1000.0, seed=i) for i in range(len(gains))
+    ]
+    opt = [
+        write_synthetic_run(tmp_path, f"{stamp}-o{i}", 1000.0 * g, variant="optimized", seed=9 + i)
+        for i, g in enumerate(gains)
+    ]
+    return [",".join(map(str, base)), ",".join(map(str, opt))]
+
+
+def test_earlier_rounds_widen_the_interval_and_print_a_repeat_interval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = _rounds(tmp_path, (1.64, 1.63, 1.62, 1.61))
+    out_json = tmp_path / "r.json"
+    assert main(["compare", *runs, "--json", str(out_json)]) == 0
+    alone = json.loads(out_json.read_text())["runs"][1]
+    assert "a repeat run of 4 rounds would measure [" in capsys.readouterr().out
+    earlier = ["--earlier-rounds", "1.735×, 1.843×, 1.797×, 1.799×", "--earlier-rounds", "1.7,1.6"]
+    assert main(["compare", *runs, "--json", str(out_json), *earlier]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # as printed, less the console's wrapping
+    pooled = json.loads(out_json.read_text())["runs"][1]
+    assert pooled["earlier_runs"] == 2 and pooled["gain"] == alone["gain"]
+    assert (
+        pooled["gain_ci_high"] - pooled["gain_ci_low"]
+        > alone["gain_ci_high"] - alone["gain_ci_low"]
+    )
+    assert "pooled with that of the rounds of 2 earlier runs (7 degrees of freedom in all)" in out
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("1.6,fast", "--earlier-rounds '1.6,fast': expected round gains separated by commas, "
+                     "e.g. 1.648,1.638,1.622,1.612"),
+        ("1.6", "earlier rounds 1.6: a run needs two or more rounds"),
+        ("1.6,0", "earlier rounds 1.6,0: gains must be positive numbers"),
+    ],
+)  # fmt: skip
+def test_bad_earlier_rounds_are_one_line_errors(
+    value: str, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runs = _rounds(tmp_path, (1.5, 1.6))
+    assert main(["compare", *runs, "--earlier-rounds", value]) == 2
+    assert capsys.readouterr().err == f"distopt compare: error: {message}\n"
+
+
+def test_earlier_rounds_need_a_gain_over_rounds(
+    runs: tuple[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["compare", *runs, "--earlier-rounds", "1.5,1.6"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("distopt compare: error: --earlier-rounds: no gain here is over rounds")
+    assert err.count("\n") == 1

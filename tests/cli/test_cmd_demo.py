@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from distopt.cli import main
-from distopt.cli.cmd_demo import MAX_STEPS_FACTOR, alternated, sized_steps
+from distopt.cli.cmd_demo import MAX_STEPS_FACTOR, alternated, earlier_rounds, sized_steps
+from tests.metrics.synthetic import write_synthetic_run
 
 
 @pytest.mark.parametrize(
@@ -94,9 +96,44 @@ def test_the_demo_learns_the_click_log_the_same_in_both_variants(tmp_path: Path)
     assert auc > 0.75, learned
     assert "gain [95% CI]" in proc.stdout and (tmp_path / "clicks.tsv").is_file()
     assert "95% t interval over 2 rounds" in proc.stdout
-    assert re.search(r"rounds' gains [\d.]+×, [\d.]+×$", proc.stdout, re.M), proc.stdout
+    assert re.search(
+        r"rounds' gains [\d.]+×, [\d.]+×; a repeat run of 2 rounds would measure "
+        r"\[[\d.]+, [\d.]+\] \(95% repeat interval\)$",
+        proc.stdout,
+        re.M,
+    ), proc.stdout
     phases = re.findall(r"^│ (\w+) +│", proc.stdout.split("step phases")[1], re.M)
     assert phases == [
         *("data", "forward", "waits", "backward", "all_reduce", "pushes", "optimizer"),
         *("other", "step"),
     ]
+
+
+def _demo_run(out: Path, stamp: str, gains: tuple[float, ...], **options: Any) -> Path:
+    """A demo run's jobs as ``distopt demo`` names them, written with the real QPS log writer."""
+    for i, gain in enumerate(gains):
+        write_synthetic_run(out, f"demo-{stamp}-baseline-{i}", 1000.0, seed=i, **options)
+        write_synthetic_run(
+            out, f"demo-{stamp}-optimized-{i}", 1000.0 * gain, variant="optimized", seed=50 + i,
+            **options,
+        )  # fmt: skip
+    return out / f"demo-{stamp}-baseline-0"
+
+
+def test_the_interval_weighs_earlier_runs_of_this_job_only(tmp_path: Path) -> None:
+    """Earlier runs in ``--out`` of the same job (the steps a pilot chose aside), with two or more
+    rounds, latest first; later runs, other jobs, single rounds and unreadable leftovers are
+    passed over."""
+    gains = (1.6, 1.7, 1.65, 1.75)
+    _demo_run(tmp_path, "20261130-000100", gains)
+    _demo_run(tmp_path, "20261130-000200", gains, config={"lr": 0.1})  # another job
+    _demo_run(tmp_path, "20261130-000300", gains[:1])  # one round
+    _demo_run(tmp_path, "20261130-000400", gains, config={"steps": 300})  # a pilot's steps
+    broken = _demo_run(tmp_path, "20261130-000500", gains)
+    (broken.parent / "demo-20261130-000500-optimized-2" / "qps-rank0.jsonl").write_text("")
+    current = _demo_run(tmp_path, "20261130-000600", gains)
+    _demo_run(tmp_path, "20261130-000700", gains)  # later
+    found = earlier_rounds(tmp_path, "20261130-000600", current)
+    assert [stamp for stamp, _ in found] == ["20261130-000400", "20261130-000100"]
+    for _, rounds in found:
+        assert rounds == pytest.approx(gains, rel=0.02)

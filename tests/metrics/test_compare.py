@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import math
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import scipy.stats
+from hypothesis import given
+from hypothesis import strategies as st
 
 from distopt.cli import main
 from distopt.estimate.step import PHASES
@@ -17,6 +22,7 @@ from distopt.metrics.compare import (
     compare_runs,
     failed_gains,
     mispredicted,
+    pooled_spread,
     rounds_interval,
     shown_label,
     summarize,
@@ -383,17 +389,19 @@ def test_an_interval_over_rounds_holds_the_spread_between_rounds() -> None:
     gains = (1.05, 1.20, 1.10, 1.15)
     base = [rng.normal(1000, 10, 120) for _ in gains]
     cand = [rng.normal(1000 * g, 10, 120) for g in gains]
-    point, low, high, rounds = rounds_interval(base, cand)
+    four = rounds_interval(base, cand)
+    point, low, high, rounds = four.gain, four.ci_low, four.ci_high, four.rounds
     assert rounds == pytest.approx(gains, rel=0.01)
     assert low < 1.05 and high > 1.20 and low < point < high
     assert point == pytest.approx(np.exp(np.mean(np.log(rounds))))
+    assert (four.earlier_runs, four.degrees_of_freedom, four.between_runs) == (0, 3, False)
     _, steps_low, steps_high = bootstrap_ratio_of_medians(
         np.concatenate(base), np.concatenate(cand), block=10
     )
     assert steps_high - steps_low < 0.5 * (high - low)
     two = rounds_interval(base[:2], cand[:2])
     three = rounds_interval(base[:3], cand[:3])
-    assert two[2] - two[1] > three[2] - three[1]
+    assert two.ci_high - two.ci_low > three.ci_high - three.ci_low
     with pytest.raises(CompareError, match="rounds need two or more jobs on each side"):
         rounds_interval(base[:1], cand[:1])
     with pytest.raises(CompareError, match="got 2 and 3"):
@@ -552,3 +560,102 @@ def test_the_plot_draws_each_pooled_job_as_its_own_line() -> None:
     assert xs[:3] == [0, 1, 2] and xs[4:] == [0, 1, 2] and math.isnan(xs[3])
     assert ys[:3] == [1.0, 2.0, 3.0] and ys[4:] == [4.0, 5.0, 6.0] and math.isnan(ys[3])
     assert jobs_apart((0, 1, 2), (1.0, 2.0, 3.0)) == ([0, 1, 2], [1.0, 2.0, 3.0])
+
+
+def _rounds_of(gains: Sequence[float], seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Paired jobs whose rounds' gains are ``gains`` (each job tight within its steps)."""
+    rng = np.random.default_rng(seed)
+    base = [rng.normal(1000, 1, 120) for _ in gains]
+    return base, [b * g for b, g in zip(base, gains, strict=True)]
+
+
+def test_rounds_that_agree_by_chance_take_the_spread_of_earlier_runs_rounds() -> None:
+    """The demo's two runs of 2026-11-30 00:31 and 00:33: each's rounds within ±2%, measured
+    1.630× and 1.793×. Alone, the first's interval is ±1.6% and its repeat interval ends below
+    the second's gain; with the second run's rounds as an earlier run's, its rounds' spread is
+    pooled (6 degrees of freedom) and the interval widens by half (one earlier run cannot show
+    the drift between runs: that takes four runs, the next test)."""
+    first = (1.648, 1.638, 1.622, 1.612)
+    second = (1.735, 1.843, 1.797, 1.799)
+    alone = rounds_interval(*_rounds_of(first, 1))
+    assert alone.gain == pytest.approx(1.630, abs=0.001)
+    assert alone.ci_high < 1.66 and alone.repeat_high < 1.793
+    pooled = rounds_interval(*_rounds_of(first, 1), earlier=[second])
+    assert pooled.gain == alone.gain and pooled.rounds == alone.rounds
+    assert (pooled.earlier_runs, pooled.degrees_of_freedom, pooled.between_runs) == (1, 6, False)
+    assert pooled.ci_high - pooled.ci_low > 1.4 * (alone.ci_high - alone.ci_low)
+    # The repeat interval is √2 as wide as the confidence interval on the log scale.
+    assert np.log(pooled.repeat_high / pooled.gain) == pytest.approx(
+        np.sqrt(2) * np.log(pooled.ci_high / pooled.gain)
+    )
+    spread, dof = pooled_spread(np.log(alone.rounds), [second])
+    assert dof == 6
+    assert np.log(pooled.ci_high / pooled.gain) == pytest.approx(
+        scipy.stats.t.ppf(0.975, 6) * spread / 2
+    )
+
+
+def test_runs_whose_gains_spread_more_than_their_rounds_weigh_the_runs_gains() -> None:
+    """Four runs, rounds within ±0.5% of each run's gain, the runs' gains 1.63–1.80×: from four
+    runs on, the variance of a run's gain is the runs' (3 degrees of freedom), and each run's
+    repeat interval holds every other run's gain."""
+    runs = [(1.632, 1.628, 1.631, 1.629), (1.801, 1.795, 1.799, 1.805), (1.70, 1.71, 1.69, 1.70)]
+    last = (1.662, 1.658, 1.660, 1.660)
+    result = rounds_interval(*_rounds_of(last, 2), earlier=runs)
+    assert result.between_runs and result.degrees_of_freedom == 3 and result.earlier_runs == 3
+    means = [float(np.exp(np.mean(np.log(r)))) for r in (*runs, last)]
+    assert all(result.repeat_low < m < result.repeat_high for m in means)
+    # Three runs are too few to weigh their gains: the rounds' spread alone, pooled.
+    fewer = rounds_interval(*_rounds_of(last, 2), earlier=runs[:2])
+    assert not fewer.between_runs and fewer.degrees_of_freedom == 9
+
+
+@given(
+    logs=st.lists(st.floats(-1, 1), min_size=2, max_size=6),
+    earlier=st.lists(st.lists(st.floats(0.5, 2.0), min_size=2, max_size=6), max_size=4),
+    factors=st.lists(st.floats(0.25, 4.0), min_size=4, max_size=4),
+)
+def test_the_pooled_spread_is_about_each_runs_own_mean(
+    logs: list[float], earlier: list[list[float]], factors: list[float]
+) -> None:
+    """An earlier run's gain (of another code version, another day) widens nothing: scaling
+    every round of a run by one factor leaves the pooled spread as it was; its degrees of
+    freedom are the rounds less one per run."""
+    spread, dof = pooled_spread(logs, earlier)
+    scaled = [[g * f for g in run] for run, f in zip(earlier, factors, strict=False)]
+    assert pooled_spread(logs, scaled) == (pytest.approx(spread, abs=1e-9), dof)
+    assert dof == len(logs) - 1 + sum(len(run) - 1 for run in earlier)
+    if not earlier:
+        assert spread == pytest.approx(float(np.std(logs, ddof=1)), abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("earlier", "message"),
+    [
+        ([[1.5]], "earlier rounds 1.5: a run needs two or more rounds"),
+        ([[1.5, -1.0]], "earlier rounds 1.5,-1: gains must be positive numbers"),
+        ([[1.5, float("nan")]], "earlier rounds 1.5,nan: gains must be positive numbers"),
+    ],
+)
+def test_bad_earlier_rounds_are_one_line_errors(earlier: list[list[float]], message: str) -> None:
+    base, cand = _rounds_of((1.1, 1.2), 3)
+    with pytest.raises(CompareError, match=f"^{re.escape(message)}$"):
+        rounds_interval(base, cand, earlier=earlier)
+
+
+def test_compare_says_how_the_earlier_runs_weighed_in(write_run: WriteRun) -> None:
+    base = [load_run(write_run(f"b{i}", 1000.0, seed=10 + i)) for i in range(4)]
+    opt = [
+        load_run(write_run(f"o{i}", g, variant="optimized", seed=20 + i))
+        for i, g in enumerate((1500.0, 1520.0, 1490.0, 1510.0))
+    ]
+    result = compare_runs([base, opt], earlier_rounds=[(1.4, 1.6, 1.5, 1.45)])
+    (gain,) = result.gains
+    assert gain.over_rounds is not None and gain.over_rounds.earlier_runs == 1
+    assert (
+        "their spread pooled with that of the rounds of 1 earlier run (6 degrees" in result.interval
+    )
+    row = result.to_json()["runs"][1]
+    assert row["earlier_runs"] == 1
+    assert row["repeat_low"] < row["gain_ci_low"] < row["gain"] < row["gain_ci_high"]
+    assert row["gain_ci_high"] < row["repeat_high"]
