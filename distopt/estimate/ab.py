@@ -12,7 +12,8 @@ time, so a comparison spends as little as the evidence allows:
   calls are saved (not on a GPU, whose first calls load kernels). Work a call does once and
   caches — weights derived and packed on first use, an eighth of ResNet-50's first fused call at
   one thread — is timed where it happens (:func:`one_time_work`) and left out of the call's time,
-  so it does not blur that first round;
+  so it does not blur that first round; so is the measurement's own work around a call, putting
+  aside and back the state it may write (:func:`untimed`);
 * it stops as soon as the medians differ by more than the noise allows (a wide band after one
   round, narrowing with more), or when ``budget_s`` is spent, or after ``max_rounds``; calls
   longer than :data:`LONG_CALL_S` may stop after one counted round, shorter ones only after
@@ -49,10 +50,11 @@ CLEAR_ONE_ROUND = 0.15
 
 @dataclasses.dataclass
 class _Timing:
-    """A call being timed: the clock it is read with and its one-time work so far."""
+    """A call being timed: the clock it is read with and the seconds left out of it so far (its
+    :func:`one_time_work` and the measurement's own :func:`untimed` work)."""
 
     now: Callable[[], float]
-    one_time_s: float = 0.0
+    left_out_s: float = 0.0
 
 
 _TIMING: contextvars.ContextVar[_Timing | None] = contextvars.ContextVar(
@@ -76,7 +78,47 @@ def one_time_work() -> Iterator[None]:
     try:
         yield
     finally:
-        timing.one_time_s += timing.now() - start
+        timing.left_out_s += timing.now() - start
+
+
+@contextlib.contextmanager
+def untimed() -> Iterator[None]:
+    """The measurement's own work around a timed call: putting aside and back the state the call
+    may write (:func:`distopt.remote.isolation.preserved_state`), left out of the call's time.
+
+    That work grows with the model's buffers, not its compute, and on a GPU each buffer's
+    comparison waits for the device: on an H200, ResNet-50 (159 BatchNorm buffers) timed 20 and
+    27 ms a call inside ``distopt.optimize``'s speed check, where the model alone ran in 4.7
+    (docs/benchmarks.md, 2026-11-30). The GPUs are waited for at both ends, so that the call's
+    queued kernels count as the call's and this work's as this work's."""
+    timing = _TIMING.get()
+    if timing is None:
+        yield
+        return
+    sync_gpus()
+    start = timing.now()
+    try:
+        yield
+    finally:
+        sync_gpus()
+        timing.left_out_s += timing.now() - start
+
+
+@contextlib.contextmanager
+def entered_untimed(*contexts: contextlib.AbstractContextManager[Any]) -> Iterator[list[Any]]:
+    """Enter ``contexts`` before the block and leave them after it, both :func:`untimed`: the block
+    is the timed call. Yields what each context gave, in order."""
+    with untimed():
+        stack = contextlib.ExitStack()
+        with contextlib.ExitStack() as on_error:  # a context that fails to enter: leave the rest
+            on_error.callback(stack.close)
+            entered = [stack.enter_context(context) for context in contexts]
+            on_error.pop_all()
+    try:
+        yield entered
+    finally:
+        with untimed():
+            stack.close()
 
 
 def using_gpus() -> bool:
@@ -106,7 +148,7 @@ def _timed(fn: Callable[[], object], clock: Callable[[], float]) -> float:
         start = clock()
         fn()
         sync_gpus()  # fn may have been the first to use a GPU
-        return clock() - start - timing.one_time_s
+        return clock() - start - timing.left_out_s
     finally:
         _TIMING.reset(token)
 

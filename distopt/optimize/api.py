@@ -28,6 +28,7 @@ from distopt.estimate.ab import (
     LONG_CALL_S,
     ABResult,
     Measurer,
+    entered_untimed,
     format_seconds,
     measurer_for_this_process,
 )
@@ -485,7 +486,7 @@ def _keep_if_not_slower(
 
     def timed(module: nn.Module) -> Callable[[], object]:
         def call() -> object:
-            with preserved_state(module), torch.no_grad(), forked_rng():
+            with entered_untimed(preserved_state(module), torch.no_grad(), forked_rng()):
                 return module(*inputs)
 
         return call

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from distopt.estimate.ab import entered_untimed
 from distopt.passes.core.pass_base import (
     TIMED,
     PassContext,
@@ -181,14 +182,11 @@ def _workload(
     module: torch.nn.Module, inputs: tuple[Any, ...], key: tuple[str, tuple[Any, ...]]
 ) -> _LastRun:
     """One inference call. Nothing the user holds changes: the RNG, the module's buffers, and
-    tensors passed in (a Dynamo graph receives the model's parameters and buffers as inputs)."""
-    with (
-        preserved_state(module) as buffers,
-        _restored(inputs) as written,
-        isolated(),
-        forked_rng(),
-        torch.no_grad(),
-    ):
+    tensors passed in (a Dynamo graph receives the model's parameters and buffers as inputs).
+    Putting those aside and back is the measurement's work, not the call's."""
+    with entered_untimed(
+        preserved_state(module), _restored(inputs), isolated(), forked_rng(), torch.no_grad()
+    ) as (buffers, written, *_):
         rng = RngStates.now()
         outputs = module(*inputs)
         drew = not rng.same_as(RngStates.now())
