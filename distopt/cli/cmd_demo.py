@@ -11,8 +11,9 @@ the held-out AUC and loss each reached (deterministic jobs: the same for both), 
 one run differ by more than their steps say, and a round is the unit that repeats; the interval
 weighs the rounds of the latest earlier runs of the same job in ``--out``, :func:`earlier_rounds`)
 with the cost model's per-phase prediction beside the measured phases, and writes the plot (with
-matplotlib: ``pip install 'distopt[plot]'``). A pilot baseline job runs first: a job whose timed steps would
-last under ``--min-timed-s`` is measured on longer jobs, sized from it (:func:`sized_steps`).
+matplotlib: ``pip install 'distopt[plot]'``). A pilot baseline job runs first: a job whose timed
+steps would last under ``--min-timed-s`` is measured on longer jobs, sized from it
+(:func:`sized_steps`).
 Runs from any directory: the config is read relative to it, else from the copy shipped with
 distopt; logs go under ``--out`` there.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import sys
 import time
 from pathlib import Path
@@ -158,9 +160,8 @@ EARLIER_RUNS = 8
 def earlier_rounds(out: Path, stamp: str, baseline: Path) -> list[tuple[str, tuple[float, ...]]]:
     """``(stamp, round gains)`` of the latest :data:`EARLIER_RUNS` demo runs in ``out`` before
     ``stamp`` that ran this job (:func:`_differs`; the steps a pilot chose aside), with two or
-    more rounds, every job finished: the gain's interval weighs their spread with this run's
-    (:func:`distopt.metrics.compare.rounds_interval`). A run that cannot be read is passed over:
-    it is an earlier run's leftovers, not this run's input."""
+    more rounds, every job finished: the gain's interval weighs their rounds with this run's
+    (:func:`distopt.metrics.compare.rounds_interval`)."""
     current = load_run(baseline)
     found = []
     for first in sorted(out.glob("demo-*-baseline-0"), reverse=True):
@@ -168,21 +169,35 @@ def earlier_rounds(out: Path, stamp: str, baseline: Path) -> list[tuple[str, tup
         if earlier >= stamp:  # stamps sort as times do
             continue
         try:
-            jobs = [_round_jobs(out, earlier, variant) for variant in _VARIANTS]
-            logs = [[load_run(job) for job in variant] for variant in jobs]
-            same = not _differs(current, logs[0][0])
-            gains = (
-                compare_runs(logs, warmup=_warmup(int(logs[0][0].config["steps"]))).gains[0]
-                if same and len(logs[0]) == len(logs[1]) >= 2
-                else None
-            )
-        except (DistoptError, KeyError, ValueError, OSError):
+            rounds = _rounds_of(out, earlier, current)
+        except Exception:  # an earlier run's leftovers, unreadable: not this run's input
             continue
-        if gains is not None and gains.rounds:
-            found.append((earlier, gains.rounds))
+        if rounds is not None:
+            found.append((earlier, rounds))
         if len(found) == EARLIER_RUNS:
             break
     return found
+
+
+def _rounds_of(out: Path, stamp: str, current: RunLog) -> tuple[float, ...] | None:
+    """The round gains of the demo run ``stamp`` in ``out``, if it ran ``current``'s job to the
+    end in two or more rounds."""
+    first = load_run(out / f"demo-{stamp}-baseline-0")
+    if _differs(current, first):
+        return None
+    jobs = [[load_run(job) for job in _round_jobs(out, stamp, variant)] for variant in _VARIANTS]
+    if len(jobs[0]) != len(jobs[1]) or len(jobs[0]) < 2:
+        return None
+    if not all(_finished(job) for variant in jobs for job in variant):
+        return None
+    gain = compare_runs(jobs, warmup=_warmup(int(first.config["steps"]))).gains[0]
+    return gain.rounds if all(math.isfinite(g) and g > 0 for g in gain.rounds) else None
+
+
+def _finished(job: RunLog) -> bool:
+    """Whether every rank of ``job`` wrote a footer that says it finished (a run killed before
+    its footer may be cut short)."""
+    return all(log.footer and log.footer.get("status") == "ok" for log in job.ranks.values())
 
 
 def _round_jobs(out: Path, stamp: str, variant: str) -> list[Path]:
@@ -193,11 +208,11 @@ def _round_jobs(out: Path, stamp: str, variant: str) -> list[Path]:
 
 def _differs(run: RunLog, other: RunLog) -> bool:
     """Whether ``other`` ran another job than ``run``: another config, other code (distopt's
-    revision, the versions) or another host."""
+    commit, not uncommitted edits; the versions) or another host."""
     mine, theirs = run.header, other.header
     if any(mine.get(key) != theirs.get(key) for key in ("git_revision", "versions")):
         return True
-    if mine.get("host", {}).get("hostname") != theirs.get("host", {}).get("hostname"):
+    if (mine.get("host") or {}).get("hostname") != (theirs.get("host") or {}).get("hostname"):
         return True
     return bool(set(config_diff([run, other], ["this", "earlier"])) - {"steps"})
 
@@ -251,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"pooling the rounds' spread with {len(earlier)} earlier run"
                 f"{'s' * (len(earlier) > 1)} of this job in {out}: "
-                + ", ".join(stamp for stamp, _ in earlier),
+                + ", ".join(earlier_stamp for earlier_stamp, _ in earlier),
                 flush=True,
             )
         for _, gains in earlier:

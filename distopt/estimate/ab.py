@@ -31,6 +31,7 @@ import contextvars
 import dataclasses
 import math
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -116,7 +117,11 @@ def entered_untimed(*contexts: contextlib.AbstractContextManager[Any]) -> Iterat
             on_error.pop_all()
     try:
         yield entered
-    finally:
+    except BaseException:
+        with untimed():  # the contexts see the call's error, as in a plain ``with``
+            if not stack.__exit__(*sys.exc_info()):
+                raise
+    else:
         with untimed():
             stack.close()
 

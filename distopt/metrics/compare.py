@@ -17,7 +17,9 @@ their steps: ``distopt demo`` alternates shorter jobs of each variant (docs/cost
 both runs are pooled from the same number of jobs (``k`` ≥ 2, rounds: the i-th job of each run
 paired, in the order given), the unit is the round: the gain is the geometric mean of the
 rounds' gains (each a ratio of medians) and its interval a Student t interval over their logs,
-``k - 1`` degrees of freedom. A bootstrap over two or three jobs could not see more spread between
+``k - 1`` degrees of freedom, or more with earlier runs' rounds (``earlier_rounds``: their spread
+is pooled, and from four runs on a between-run part of the variance counts;
+:func:`rounds_interval`). A bootstrap over two or three jobs could not see more spread between
 jobs than those few showed (two ``distopt demo`` runs whose intervals each missed the other's
 gain); the t interval widens with few rounds as it should. Runs of unequal job counts are
 resampled in two stages, jobs with replacement and then blocks within each drawn job.
@@ -209,8 +211,10 @@ class Comparison:
             runs = f"{first.earlier_runs} earlier run{'s' * (first.earlier_runs > 1)}"
             if first.between_runs:
                 pooled = (
-                    f"its variance that of the gains of this run and {runs}, wider than the "
-                    f"rounds' spread implies ({first.degrees_of_freedom} degrees of freedom)"
+                    f"their spread pooled with that of the rounds of {runs}, plus the part of "
+                    f"the runs' gains' spread that the rounds' noise does not explain (one-way "
+                    f"random effects; {first.degrees_of_freedom} degrees of freedom, from the "
+                    "runs' gains)"
                 )
             elif first.earlier_runs:
                 pooled = (
@@ -225,6 +229,12 @@ class Comparison:
                 f"paired, in the order given) of the log of each round's ratio of medians, "
                 f"{pooled}; the gain is their geometric mean; the repeat interval, √2 wider (two "
                 f"runs' noise), is where another run of {rounds} rounds would measure"
+                + (
+                    " (from the rounds' noise alone: drift between runs enters from four runs on, "
+                    "with earlier runs' rounds)"
+                    if first.earlier_runs + 1 < MIN_RUNS_BETWEEN
+                    else ""
+                )
             )
         if len(over_rounds) < len(self.gains):
             parts.append(
@@ -267,6 +277,12 @@ class Comparison:
                     if gain and gain.over_rounds
                     else None,
                     "earlier_runs": gain.over_rounds.earlier_runs
+                    if gain and gain.over_rounds
+                    else None,
+                    "degrees_of_freedom": gain.over_rounds.degrees_of_freedom
+                    if gain and gain.over_rounds
+                    else None,
+                    "between_runs": gain.over_rounds.between_runs
                     if gain and gain.over_rounds
                     else None,
                     "predicted_gain": gain.predicted if gain else None,
@@ -537,35 +553,33 @@ class RoundsGain:
     gain: float
     """The geometric mean of the rounds' gains."""
     ci_low: float
+    """The gain's confidence interval: its lower bound."""
     ci_high: float
     repeat_low: float
+    """The repeat interval (a prediction interval): where another run of as many rounds would
+    measure its gain; its lower bound."""
     repeat_high: float
-    """Where another run of as many rounds would measure its gain (a prediction interval)."""
     rounds: tuple[float, ...]
     earlier_runs: int
     """Earlier runs of the same comparison that the spread was estimated with."""
     degrees_of_freedom: int
     between_runs: bool = False
-    """Whether the spread is that of the runs' gains (it exceeded what the rounds' spread
-    implies: the host drifts between runs, not only between rounds)."""
+    """Whether the runs' gains spread more than their rounds' noise explains, so that the
+    variance of a run's gain has a between-run part (:func:`rounds_interval`)."""
 
 
 MIN_RUNS_BETWEEN = 4
-"""Runs (this one and earlier ones) from which the spread of the runs' own gains counts: three
-degrees of freedom at least."""
+"""Runs (this one and earlier ones) from which a between-run part of the variance is estimated:
+three degrees of freedom at least."""
 
 
-def pooled_spread(
-    logs: Sequence[float], earlier: Sequence[Sequence[float]] = ()
-) -> tuple[float, int]:
-    """``(s, degrees of freedom)``: the standard deviation of round log-gains about their own
-    run's mean, pooled over this run (``logs``) and ``earlier`` runs' round gains (not logs).
-
-    Each run contributes its rounds less one; a run's mean does not enter, so another run's gain
-    widens nothing here (:func:`rounds_interval` weighs the runs' gains apart)."""
-    runs = [np.asarray(logs, dtype=float), *(np.log(np.asarray(g, dtype=float)) for g in earlier)]
-    squares = sum(float(((r - r.mean()) ** 2).sum()) for r in runs)
-    dof = sum(len(r) - 1 for r in runs)
+def pooled_spread(runs: Sequence[Sequence[float]]) -> tuple[float, int]:
+    """``(s, degrees of freedom)``: the standard deviation of the runs' round log-gains, each
+    about its own run's mean, pooled. Each run contributes its rounds less one; a run's mean does
+    not enter (:func:`rounds_interval` weighs the runs' means apart)."""
+    arrays = [np.asarray(run, dtype=float) for run in runs]
+    squares = sum(float(((r - r.mean()) ** 2).sum()) for r in arrays)
+    dof = sum(len(r) - 1 for r in arrays)
     return float(np.sqrt(squares / dof)), dof
 
 
@@ -580,14 +594,15 @@ def rounds_interval(
     ``median(candidate[i]) / median(baseline[i])``; the gain is their geometric mean and its
     intervals Student t intervals on the log scale. Drift slower than a round cancels within it.
 
-    The variance of a run's mean log-gain is the larger of two estimates: the rounds' spread
-    pooled with ``earlier`` runs' (:func:`pooled_spread`) over the rounds, and, from
-    :data:`MIN_RUNS_BETWEEN` runs on, the variance of the runs' own means (this one's and the
-    earlier ones'), which also holds drift slower than a run. Four rounds alone give three
-    degrees of freedom, and rounds that agree by chance a narrow interval: two demo runs two
-    minutes apart, each's rounds within ±2%, measured 1.630× and 1.793×. The confidence interval
-    is the gain's; the repeat interval (√2 wider: both runs' means are noisy) is where another run
-    of as many rounds would measure."""
+    The variance of a run's mean log-gain is the rounds' spread (pooled with ``earlier`` runs'
+    round gains, :func:`pooled_spread`) over the rounds, plus, from :data:`MIN_RUNS_BETWEEN` runs
+    on, a between-run part: a one-way random-effects estimate, the runs' means' variance less
+    what their rounds' noise explains, counted when positive (``runs - 1`` degrees of freedom
+    then: the estimate rests on the runs' means). Four rounds alone give three degrees of
+    freedom, and rounds that agree by chance a narrow interval: two demo runs two minutes apart,
+    each's rounds within ±2%, measured 1.630× and 1.793×. The confidence interval is the gain's;
+    the repeat interval (√2 wider: both runs' means are noisy) is where another run of as many
+    rounds would measure."""
     _check_level(level)
     if len(baseline) != len(candidate) or len(baseline) < 2:
         raise CompareError(
@@ -600,13 +615,16 @@ def rounds_interval(
         [np.median(c) / np.median(b) for b, c in zip(baseline, candidate, strict=True)]
     )
     logs = np.log(gains)
-    spread, dof = pooled_spread(logs, earlier)
+    runs = [logs, *(np.log(np.asarray(g, dtype=float)) for g in earlier)]
+    spread, dof = pooled_spread(runs)
     variance = spread**2 / len(logs)
     between = False
-    if 1 + len(earlier) >= MIN_RUNS_BETWEEN:
-        means = [float(logs.mean()), *(float(np.log(g).mean()) for g in earlier)]
-        if float(np.var(means, ddof=1)) > variance:
-            variance, dof, between = float(np.var(means, ddof=1)), len(means) - 1, True
+    if len(runs) >= MIN_RUNS_BETWEEN:
+        means = [float(r.mean()) for r in runs]
+        noise = spread**2 * float(np.mean([1 / len(r) for r in runs]))
+        between_part = float(np.var(means, ddof=1)) - noise
+        if between_part > 0:
+            variance, dof, between = variance + between_part, len(runs) - 1, True
     half = float(scipy.stats.t.ppf((1 + level) / 2, dof)) * np.sqrt(variance)
     mean = float(logs.mean())
     return RoundsGain(
@@ -687,6 +705,11 @@ def compare_runs(
     """
     if len(runs) < 2:
         raise CompareError(f"need at least two runs to compare, got {len(runs)}")
+    if earlier_rounds and len(runs) > 2:
+        raise CompareError(
+            "earlier rounds: only with one run beside the baseline (they are the rounds of that "
+            f"comparison), got {len(runs) - 1}"
+        )
     for gains_of_run in earlier_rounds:
         _check_earlier(gains_of_run)
     pooled = [_jobs(run) for run in runs]

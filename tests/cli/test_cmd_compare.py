@@ -108,7 +108,10 @@ def test_earlier_rounds_widen_the_interval_and_print_a_repeat_interval(
     out_json = tmp_path / "r.json"
     assert main(["compare", *runs, "--json", str(out_json)]) == 0
     alone = json.loads(out_json.read_text())["runs"][1]
-    assert "a repeat run of 4 rounds would measure [" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert "a repeat run of 4 rounds would measure [" in out
+    assert "(95% repeat interval, rounds' noise alone)" in out
+    assert "(from the rounds' noise alone: drift between runs enters from four runs on" in out
     earlier = ["--earlier-rounds", "1.735×, 1.843×, 1.797×, 1.799×", "--earlier-rounds", "1.7,1.6"]
     assert main(["compare", *runs, "--json", str(out_json), *earlier]) == 0
     out = " ".join(capsys.readouterr().out.split())  # as printed, less the console's wrapping

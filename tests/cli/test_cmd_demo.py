@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from distopt.cli import main
+from distopt.cli import cmd_demo, main
 from distopt.cli.cmd_demo import MAX_STEPS_FACTOR, alternated, earlier_rounds, sized_steps
 from tests.metrics.synthetic import write_synthetic_run
 
@@ -98,7 +99,7 @@ def test_the_demo_learns_the_click_log_the_same_in_both_variants(tmp_path: Path)
     assert "95% t interval over 2 rounds" in proc.stdout
     assert re.search(
         r"rounds' gains [\d.]+×, [\d.]+×; a repeat run of 2 rounds would measure "
-        r"\[[\d.]+, [\d.]+\] \(95% repeat interval\)$",
+        r"\[[\d.]+, [\d.]+\] \(95% repeat interval, rounds' noise alone\)$",
         proc.stdout,
         re.M,
     ), proc.stdout
@@ -131,9 +132,35 @@ def test_the_interval_weighs_earlier_runs_of_this_job_only(tmp_path: Path) -> No
     _demo_run(tmp_path, "20261130-000400", gains, config={"steps": 300})  # a pilot's steps
     broken = _demo_run(tmp_path, "20261130-000500", gains)
     (broken.parent / "demo-20261130-000500-optimized-2" / "qps-rank0.jsonl").write_text("")
+    other_code = _demo_run(tmp_path, "20261130-000510", gains)
+    _edit_header(other_code, git_revision="0" * 40)
+    other_host = _demo_run(tmp_path, "20261130-000520", gains)
+    _edit_header(other_host, host={"hostname": "elsewhere"})
+    cut_short = _demo_run(tmp_path, "20261130-000530", gains)
+    log = cut_short.parent / "demo-20261130-000530-optimized-3" / "qps-rank0.jsonl"
+    log.write_text("".join(log.read_text().splitlines(keepends=True)[:-1]))  # no footer
+    (tmp_path / "demo-junk-baseline-0").write_text("not a run")
     current = _demo_run(tmp_path, "20261130-000600", gains)
     _demo_run(tmp_path, "20261130-000700", gains)  # later
     found = earlier_rounds(tmp_path, "20261130-000600", current)
     assert [stamp for stamp, _ in found] == ["20261130-000400", "20261130-000100"]
     for _, rounds in found:
         assert rounds == pytest.approx(gains, rel=0.02)
+
+
+def test_the_interval_weighs_the_latest_earlier_runs_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cmd_demo, "EARLIER_RUNS", 2)
+    for minute in range(1, 5):
+        _demo_run(tmp_path, f"20261130-00{minute:02d}00", (1.5, 1.6))
+    current = _demo_run(tmp_path, "20261130-001000", (1.5, 1.6))
+    found = earlier_rounds(tmp_path, "20261130-001000", current)
+    assert [stamp for stamp, _ in found] == ["20261130-000400", "20261130-000300"]
+
+
+def _edit_header(job: Path, **values: Any) -> None:
+    """Give rank 0's header of ``job`` other ``values`` (another commit, another host)."""
+    log = job / "qps-rank0.jsonl"
+    header, *rest = log.read_text().splitlines(keepends=True)
+    log.write_text(json.dumps({**json.loads(header), **values}) + "\n" + "".join(rest))

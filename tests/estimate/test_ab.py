@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
+from distopt.estimate import ab
 from distopt.estimate.ab import Measurer, entered_untimed, one_time_work, untimed, wall_clock
 
 
@@ -115,37 +116,53 @@ def test_the_clock_leaves_out_one_time_work() -> None:
         pass
 
 
-class _Entered:
-    """A context whose entering and leaving take ``seconds`` each, recorded in ``log``."""
+class _Clock:
+    """A clock that moves only when told to."""
 
-    def __init__(self, name: str, log: list[str], seconds: float = 0.0, fail: bool = False):
-        self.name, self.log, self.seconds, self.fail = name, log, seconds, fail
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class _Entered:
+    """A context whose entering and leaving each move ``clock`` by ``seconds``; recorded in
+    ``log`` (with the error it left with, if any)."""
+
+    def __init__(
+        self, name: str, log: list[str], clock: _Clock | None = None, seconds: float = 0.0,
+        fail: bool = False,
+    ) -> None:  # fmt: skip
+        self.name, self.log, self.clock, self.seconds, self.fail = name, log, clock, seconds, fail
 
     def __enter__(self) -> str:
-        time.sleep(self.seconds)
+        if self.clock is not None:
+            self.clock.now += self.seconds
         if self.fail:
             raise RuntimeError(f"{self.name} cannot be entered")
         self.log.append(f"enter {self.name}")
         return self.name
 
-    def __exit__(self, *exc: object) -> None:
-        time.sleep(self.seconds)
-        self.log.append(f"exit {self.name}")
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        if self.clock is not None:
+            self.clock.now += self.seconds
+        self.log.append(f"exit {self.name}" + (f" on {kind.__name__}" if kind else ""))
 
 
 def test_the_clock_leaves_out_the_measurements_own_work_around_a_call() -> None:
     """Putting a model's state aside and back grows with its buffers, not its compute (on an H200
     it made ResNet-50's timed calls 4–6× the model's): the clock counts only the call."""
-    log: list[str] = []
+    clock, log = _Clock(), []
 
     def call() -> None:
-        with entered_untimed(_Entered("a", log, 0.05), _Entered("b", log, 0.05)) as given:
-            assert given == ["a", "b"]
-            time.sleep(0.02)
+        with entered_untimed(_Entered("a", log, clock, 1.0), _Entered("b", log, clock, 1.0)) as got:
+            assert got == ["a", "b"]
+            clock.now += 0.25
         with untimed():
-            time.sleep(0.05)
+            clock.now += 1.0
 
-    assert 0.015 < wall_clock("candidate", call) < 0.05
+    assert ab._timed(call, clock) == 0.25
     assert log == ["enter a", "enter b", "exit b", "exit a"]
 
 
@@ -154,7 +171,7 @@ def test_contexts_entered_untimed_are_left_when_the_call_or_an_entry_fails() -> 
     with pytest.raises(ValueError, match="the call failed"):
         with entered_untimed(_Entered("a", log), _Entered("b", log)):
             raise ValueError("the call failed")
-    assert log == ["enter a", "enter b", "exit b", "exit a"]
+    assert log == ["enter a", "enter b", "exit b on ValueError", "exit a on ValueError"]
     log.clear()
     with pytest.raises(RuntimeError, match="b cannot be entered"):
         with entered_untimed(_Entered("a", log), _Entered("b", log, fail=True)):

@@ -588,7 +588,7 @@ def test_rounds_that_agree_by_chance_take_the_spread_of_earlier_runs_rounds() ->
     assert np.log(pooled.repeat_high / pooled.gain) == pytest.approx(
         np.sqrt(2) * np.log(pooled.ci_high / pooled.gain)
     )
-    spread, dof = pooled_spread(np.log(alone.rounds), [second])
+    spread, dof = pooled_spread([np.log(alone.rounds), np.log(second)])
     assert dof == 6
     assert np.log(pooled.ci_high / pooled.gain) == pytest.approx(
         scipy.stats.t.ppf(0.975, 6) * spread / 2
@@ -597,36 +597,57 @@ def test_rounds_that_agree_by_chance_take_the_spread_of_earlier_runs_rounds() ->
 
 def test_runs_whose_gains_spread_more_than_their_rounds_weigh_the_runs_gains() -> None:
     """Four runs, rounds within ±0.5% of each run's gain, the runs' gains 1.63–1.80×: from four
-    runs on, the variance of a run's gain is the runs' (3 degrees of freedom), and each run's
-    repeat interval holds every other run's gain."""
+    runs on, a run's gain has a between-run part of variance (one-way random effects; 3 degrees
+    of freedom), and the last run's repeat interval holds every run's gain."""
     runs = [(1.632, 1.628, 1.631, 1.629), (1.801, 1.795, 1.799, 1.805), (1.70, 1.71, 1.69, 1.70)]
     last = (1.662, 1.658, 1.660, 1.660)
     result = rounds_interval(*_rounds_of(last, 2), earlier=runs)
     assert result.between_runs and result.degrees_of_freedom == 3 and result.earlier_runs == 3
-    means = [float(np.exp(np.mean(np.log(r)))) for r in (*runs, last)]
+    logs = [np.log(r) for r in (*runs, last)]
+    means = [float(np.exp(np.mean(r))) for r in logs]
     assert all(result.repeat_low < m < result.repeat_high for m in means)
+    # Equal rounds: the variance of a run's gain is the runs' means' variance.
+    half = np.log(result.ci_high / result.gain)
+    assert half == pytest.approx(
+        scipy.stats.t.ppf(0.975, 3) * np.std([r.mean() for r in logs], ddof=1), rel=1e-6
+    )
     # Three runs are too few to weigh their gains: the rounds' spread alone, pooled.
     fewer = rounds_interval(*_rounds_of(last, 2), earlier=runs[:2])
     assert not fewer.between_runs and fewer.degrees_of_freedom == 9
 
 
+def test_runs_whose_gains_agree_within_their_rounds_noise_keep_the_pooled_spread() -> None:
+    """Four runs whose gains differ by less than their rounds' noise explains: no between-run
+    part, and the rounds' pooled spread keeps all its degrees of freedom (12)."""
+    runs = [(1.60, 1.75, 1.68, 1.72), (1.74, 1.62, 1.70, 1.66), (1.65, 1.71, 1.77, 1.63)]
+    last = (1.70, 1.64, 1.73, 1.67)
+    result = rounds_interval(*_rounds_of(last, 4), earlier=runs)
+    assert not result.between_runs and result.degrees_of_freedom == 12
+    spread, _ = pooled_spread([np.log(result.rounds), *(np.log(r) for r in runs)])
+    assert np.log(result.ci_high / result.gain) == pytest.approx(
+        scipy.stats.t.ppf(0.975, 12) * spread / 2, rel=1e-6
+    )
+
+
 @given(
-    logs=st.lists(st.floats(-1, 1), min_size=2, max_size=6),
-    earlier=st.lists(st.lists(st.floats(0.5, 2.0), min_size=2, max_size=6), max_size=4),
-    factors=st.lists(st.floats(0.25, 4.0), min_size=4, max_size=4),
+    runs=st.lists(st.lists(st.floats(-1, 1), min_size=2, max_size=6), min_size=1, max_size=5),
+    shifts=st.lists(st.floats(-2, 2), min_size=5, max_size=5),
 )
 def test_the_pooled_spread_is_about_each_runs_own_mean(
-    logs: list[float], earlier: list[list[float]], factors: list[float]
+    runs: list[list[float]], shifts: list[float]
 ) -> None:
-    """An earlier run's gain (of another code version, another day) widens nothing: scaling
-    every round of a run by one factor leaves the pooled spread as it was; its degrees of
-    freedom are the rounds less one per run."""
-    spread, dof = pooled_spread(logs, earlier)
-    scaled = [[g * f for g in run] for run, f in zip(earlier, factors, strict=False)]
-    assert pooled_spread(logs, scaled) == (pytest.approx(spread, abs=1e-9), dof)
-    assert dof == len(logs) - 1 + sum(len(run) - 1 for run in earlier)
-    if not earlier:
-        assert spread == pytest.approx(float(np.std(logs, ddof=1)), abs=1e-12)
+    """The pooled spread is the rounds' squared deviations from their own run's mean over the
+    rounds less one per run (runs of unequal lengths weighed by their degrees of freedom): a
+    run's own gain does not enter, so shifting every round of a run by one log-factor leaves it
+    as it was."""
+    spread, dof = pooled_spread(runs)
+    squares = sum(float(((np.asarray(r) - np.mean(r)) ** 2).sum()) for r in runs)
+    assert dof == sum(len(r) - 1 for r in runs)
+    assert spread == pytest.approx(np.sqrt(squares / dof), abs=1e-12)
+    shifted = [[x + shift for x in run] for run, shift in zip(runs, shifts, strict=False)]
+    assert pooled_spread(shifted) == (pytest.approx(spread, abs=1e-9), dof)
+    if len(runs) == 1:
+        assert spread == pytest.approx(float(np.std(runs[0], ddof=1)), abs=1e-12)
 
 
 @pytest.mark.parametrize(
@@ -643,6 +664,23 @@ def test_bad_earlier_rounds_are_one_line_errors(earlier: list[list[float]], mess
         rounds_interval(base, cand, earlier=earlier)
 
 
+def test_earlier_rounds_belong_to_one_comparison(write_run: WriteRun) -> None:
+    base = [load_run(write_run(f"b{i}", 1000.0, seed=i)) for i in range(2)]
+    opts = [
+        [
+            load_run(write_run(f"{name}{i}", 1500.0, variant="optimized", seed=9 + i))
+            for i in range(2)
+        ]
+        for name in ("o", "p")
+    ]
+    with pytest.raises(
+        CompareError,
+        match=r"^earlier rounds: only with one run beside the baseline \(they are the rounds of "
+        r"that comparison\), got 2$",
+    ):
+        compare_runs([base, *opts], earlier_rounds=[(1.4, 1.6)])
+
+
 def test_compare_says_how_the_earlier_runs_weighed_in(write_run: WriteRun) -> None:
     base = [load_run(write_run(f"b{i}", 1000.0, seed=10 + i)) for i in range(4)]
     opt = [
@@ -657,5 +695,6 @@ def test_compare_says_how_the_earlier_runs_weighed_in(write_run: WriteRun) -> No
     )
     row = result.to_json()["runs"][1]
     assert row["earlier_runs"] == 1
+    assert (row["degrees_of_freedom"], row["between_runs"]) == (6, False)
     assert row["repeat_low"] < row["gain_ci_low"] < row["gain"] < row["gain_ci_high"]
     assert row["gain_ci_high"] < row["repeat_high"]
