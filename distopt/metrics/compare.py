@@ -270,21 +270,7 @@ class Comparison:
                     "gain_ci_low": gain.ci_low if gain else None,
                     "gain_ci_high": gain.ci_high if gain else None,
                     "round_gains": list(gain.rounds) if gain and gain.rounds else None,
-                    "repeat_low": gain.over_rounds.repeat_low
-                    if gain and gain.over_rounds
-                    else None,
-                    "repeat_high": gain.over_rounds.repeat_high
-                    if gain and gain.over_rounds
-                    else None,
-                    "earlier_runs": gain.over_rounds.earlier_runs
-                    if gain and gain.over_rounds
-                    else None,
-                    "degrees_of_freedom": gain.over_rounds.degrees_of_freedom
-                    if gain and gain.over_rounds
-                    else None,
-                    "between_runs": gain.over_rounds.between_runs
-                    if gain and gain.over_rounds
-                    else None,
+                    **_rounds_fields(gain.over_rounds if gain else None),
                     "predicted_gain": gain.predicted if gain else None,
                     "prediction_error": gain.prediction_error if gain else None,
                     "unchanged_phases_s": list(gain.unchanged_s)
@@ -307,6 +293,14 @@ class Comparison:
             "runs": runs,
             "phases": [dataclasses.asdict(row) for row in self.phases],
         }
+
+
+_ROUNDS_FIELDS = ("repeat_low", "repeat_high", "earlier_runs", "degrees_of_freedom", "between_runs")
+"""What a gain over rounds adds to its run's JSON (``None`` for a gain that is not)."""
+
+
+def _rounds_fields(rounds: RoundsGain | None) -> dict[str, Any]:
+    return {name: None if rounds is None else getattr(rounds, name) for name in _ROUNDS_FIELDS}
 
 
 def _optional_float(header: Mapping[str, Any], key: str, *, positive: bool = True) -> float | None:
