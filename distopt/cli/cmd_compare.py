@@ -22,7 +22,6 @@ from distopt.metrics.compare import (
     DEFAULT_RESAMPLES,
     DEFAULT_SEED,
     DEFAULT_WARMUP,
-    MIN_RUNS_BETWEEN,
     UNCHANGED,
     CompareError,
     Comparison,
@@ -160,13 +159,12 @@ def render(comparison: Comparison, console: Console) -> None:
     for gain in comparison.gains:
         if gain.over_rounds:
             rounds = gain.over_rounds
-            few = rounds.earlier_runs + 1 < MIN_RUNS_BETWEEN
             console.print(
                 f"{_short(gain.label)}: rounds' gains "
                 + ", ".join(f"{g:.3f}×" for g in rounds.rounds)
                 + f"; a repeat run of {len(rounds.rounds)} rounds would measure "
                 f"[{rounds.repeat_low:.3f}, {rounds.repeat_high:.3f}] ({level} repeat interval"
-                + (", rounds' noise alone" if few else "")
+                + (", rounds' noise alone" if rounds.noise_alone else "")
                 + ")",
                 markup=False,
             )

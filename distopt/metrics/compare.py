@@ -232,7 +232,7 @@ class Comparison:
                 + (
                     " (from the rounds' noise alone: drift between runs enters from four runs on, "
                     "with earlier runs' rounds)"
-                    if first.earlier_runs + 1 < MIN_RUNS_BETWEEN
+                    if first.noise_alone
                     else ""
                 )
             )
@@ -560,6 +560,12 @@ class RoundsGain:
     between_runs: bool = False
     """Whether the runs' gains spread more than their rounds' noise explains, so that the
     variance of a run's gain has a between-run part (:func:`rounds_interval`)."""
+
+    @property
+    def noise_alone(self) -> bool:
+        """Whether the intervals hold the rounds' noise alone: too few runs to estimate a
+        between-run part (:data:`MIN_RUNS_BETWEEN`)."""
+        return self.earlier_runs + 1 < MIN_RUNS_BETWEEN
 
 
 MIN_RUNS_BETWEEN = 4
