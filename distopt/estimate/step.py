@@ -239,8 +239,7 @@ class StepCosts:
     remote reads sent for real, distopt pushes as dry runs (the servers run the update's kernels
     on the same rows, writing back what was there), a remote write of the user's own not applied
     but stood in for (its arguments sent to its server, not applied; without a stand-in, waited
-    out at
-    :attr:`read_latency_s`) (:func:`distopt.optimize.gain.rehearse`)."""
+    out at :attr:`read_latency_s`) (:func:`distopt.optimize.gain.rehearse`)."""
     pushes: PushMode = "none"
     """How the rehearsal pushed (``in_turn``: each trainer's blocking push in its turn)."""
     trainers: int = 1
