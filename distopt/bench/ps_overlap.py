@@ -350,7 +350,12 @@ def _train_chunk(
     blocking_push: bool,
     lr: float,
 ) -> tuple[list[float], list[dict[str, float]]]:
-    """Step times and phases of ``model`` training on ``batches`` once."""
+    """Step times and phases of ``model`` training on ``batches`` once, in a job's order: the
+    push right after the backward, then the optimizer step (as ``distopt.roles.ps_roles``,
+    :class:`TrainPipeline` and the cost model's rehearsal step). A table's next read waits for
+    its push (per-table order): pushed after the optimizer step, an async push left just before
+    the next step's reads, and on Ray, whose pushes take longer, the optimized variant's waits
+    ran 3.8 ms over the rehearsed ones at K = 16, 1 ms, heavy (10.7 against 7.0 ms)."""
     stamps = []
     phases = StepPhases(ps.take_wait_time)
     taken = []
@@ -361,10 +366,10 @@ def _train_chunk(
         opt.zero_grad(set_to_none=True)
         with phases.backward(loss):
             loss.backward()
-        with phases.phase("optimizer"):
-            opt.step()
         with phases.phase("pushes"):
             ps.push_gradients(lr=lr, blocking=blocking_push)
+        with phases.phase("optimizer"):
+            opt.step()
         taken.append(phases.take())
     ps.flush()  # the last async push belongs to this chunk
     stamps.append(now())
