@@ -8,6 +8,7 @@ staleness the pipeline could not count must be refused before any step, in one l
 from __future__ import annotations
 
 import importlib
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -18,6 +19,7 @@ import torch.distributed.rpc as rpc
 import distopt
 from distopt.errors import ConfigError
 from distopt.pipeline import TrainPipeline
+from distopt.pipeline.checks import in_dist_autograd
 from tests.remote.corpus import common, tables
 from tests.remote.corpus.group import rpc_group
 
@@ -172,6 +174,30 @@ def test_the_rpc_tutorials_dist_autograd_loop_is_refused_before_any_step(group) 
     )
     assert feed.pulled == 0 and pipe.steps == 0
     pipe.close()
+
+
+def test_only_this_threads_dist_autograd_context_counts(group) -> None:
+    """The check answers from the process's context count when it is 0; another thread's
+    context (a server handling a dist_autograd RPC, say) must not refuse this thread's steps."""
+    assert not in_dist_autograd()
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with dist_autograd.context():
+            entered.set()
+            leave.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert entered.wait(30)
+        assert not in_dist_autograd()
+        with dist_autograd.context():
+            assert in_dist_autograd()
+    finally:
+        leave.set()
+        holder.join()
+    assert not in_dist_autograd()
 
 
 def test_a_model_that_needs_dynamo_is_refused_naming_its_branch(group) -> None:
