@@ -77,6 +77,14 @@ REHEARSAL_ROUNDS = 3
 """Rounds of the rehearsal, at least: each runs a chunk of steps of every schedule in turn, so
 that a host getting faster or slower during it favours none."""
 
+REHEARSAL_SETTLE_ROUNDS = 6
+"""Rounds of a settling rehearsal (``settle=True``), at least, unless :data:`REHEARSAL_MAX_S`
+has passed. Three rounds that agree are not three samples of the host: its slow and fast spells
+last seconds, so three half-second rounds often sit in one, and their interval is too narrow.
+Over 16 ps_overlap sweeps, a gain taken from 3 consecutive rounds of the run itself was more
+than 15% off the whole run's gain in 2.0% of windows at light points (pipelined; p99 17.9%),
+from 6 in 0.6% (p99 12.1%), from 9 in 0.3% (docs/cost_model.md, *Three rounds in one spell*)."""
+
 REHEARSAL_MAX_ROUNDS = 12
 """Rounds of a settling rehearsal (``settle=True``), at most: after :data:`REHEARSAL_ROUNDS` it
 goes on while a schedule's gain over the first is not known within :data:`REHEARSAL_SPREAD`. A
@@ -581,25 +589,31 @@ def _settled(
     lockstep: Lockstep | None = None,
 ) -> bool:
     """Whether a rehearsal has run its rounds (``rounds[name][r]``: schedule ``name``'s counted
-    step times in round ``r``): :data:`REHEARSAL_ROUNDS`; with ``settle``, more until the gain of
-    every schedule over the first has a 90% interval within :data:`REHEARSAL_SPREAD` of its
-    middle, at most :data:`REHEARSAL_MAX_ROUNDS` rounds or :data:`REHEARSAL_MAX_S` seconds (with
-    ``lockstep``: on every trainer, which all decide alike)."""
+    step times in round ``r``): :data:`REHEARSAL_ROUNDS`; with ``settle``, at least
+    :data:`REHEARSAL_SETTLE_ROUNDS` and more until the gain of every schedule over the first has
+    a 90% interval within :data:`REHEARSAL_SPREAD` of its middle, at most
+    :data:`REHEARSAL_MAX_ROUNDS` rounds or :data:`REHEARSAL_MAX_S` seconds (with ``lockstep``: on
+    every trainer, which all decide alike)."""
     done = min(map(len, rounds.values()))
     if done < REHEARSAL_ROUNDS:
         return False
     if not settle or done >= REHEARSAL_MAX_ROUNDS:
         return True
     first, *others = rounds
-    settled = now() - started >= REHEARSAL_MAX_S or all(
-        _within_spread(
-            round_interval(
-                {first: rounds[first], name: rounds[name]},
-                functools.partial(_gain, first, name),
+    if now() - started >= REHEARSAL_MAX_S:
+        settled = True
+    elif done < REHEARSAL_SETTLE_ROUNDS:
+        settled = False
+    else:
+        settled = all(
+            _within_spread(
+                round_interval(
+                    {first: rounds[first], name: rounds[name]},
+                    functools.partial(_gain, first, name),
+                )
             )
+            for name in others
         )
-        for name in others
-    )
     return settled if lockstep is None else lockstep.agree(settled)
 
 
