@@ -86,12 +86,12 @@ than 15% off the whole run's gain in 2.0% of windows at light points (pipelined;
 from 6 in 0.6% (p99 12.1%), from 9 in 0.3% (docs/cost_model.md, *Three rounds in one spell*)."""
 
 REHEARSAL_MAX_ROUNDS = 12
-"""Rounds of a settling rehearsal (``settle=True``), at most: after :data:`REHEARSAL_ROUNDS` it
-goes on while a schedule's gain over the first is not known within :data:`REHEARSAL_SPREAD`. A
-pipelined step on a shared 2-core host is slow or fast for seconds at a time (K = 1, 1 ms, light:
-round medians of 3.0 to 6.4 ms for one schedule, minutes apart): three rounds predicted its gain
-with a spread of 11% against a run's minutes (issue 24's sweeps), where the interleaved
-optimized schedule, whose steps vary less, had 5%."""
+"""Rounds of a settling rehearsal (``settle=True``), at most: after
+:data:`REHEARSAL_SETTLE_ROUNDS` it goes on while a schedule's gain over the first is not known
+within :data:`REHEARSAL_SPREAD`. A pipelined step on a shared 2-core host is slow or fast for
+seconds at a time (K = 1, 1 ms, light: round medians of 3.0 to 6.4 ms for one schedule, minutes
+apart): three rounds predicted its gain with a spread of 11% against a run's minutes (issue 24's
+sweeps), where the interleaved optimized schedule, whose steps vary less, had 5%."""
 
 REHEARSAL_SPREAD = 0.05
 """A settling rehearsal ends once each gain's 90% interval over rounds (a bootstrap over whole
