@@ -214,12 +214,15 @@ def _dynamo_advice_silenced() -> Iterator[None]:
     """Dynamo's warnings while it compiles a captured model (``Graph break from Tensor.item(),
     consider setting: ...``) are advice to users of torch.compile; this model was not compiled at
     its user's request, and a graph break only splits its captured graph (the report counts the
-    graphs). Errors still show."""
+    graphs). Errors still show. Its warnings too are advice (``Dynamo does not know how to trace
+    the builtin ...``, where a remote call it runs as written reaches C++: the call still runs)."""
     logger = logging.getLogger("torch._dynamo")
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        yield
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._dynamo\.")
+            yield
     finally:
         logger.setLevel(level)
 

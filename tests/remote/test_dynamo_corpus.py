@@ -98,12 +98,17 @@ def test_every_idiom_runs_under_dynamo_with_and_without_inputs(group, name: str)
     idiom = _idiom(name)
     model = idiom.build(seed=4)
     config = {**DYNAMO_ONLY, "verify": {"remote_writes": True}}
-    for inputs in (common.inputs(), None):
-        optimized = _optimize(model, inputs, config)
-        assert report_of(optimized).tier == "dynamo"
-        for step in range(2):
-            batch = common.inputs(seed=30 + step)
-            torch.testing.assert_close(optimized(*batch), model(*batch), rtol=0, atol=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for inputs in (common.inputs(), None):
+            optimized = _optimize(model, inputs, config)
+            assert report_of(optimized).tier == "dynamo"
+            for step in range(2):
+                batch = common.inputs(seed=30 + step)
+                torch.testing.assert_close(optimized(*batch), model(*batch), rtol=0, atol=0)
+    # Quiet (issue 22): Dynamo's advice on what it cannot trace in a remote call it runs as
+    # written is not the user's to act on.
+    assert not [str(w.message) for w in caught if "_dynamo" in w.filename], caught
 
 
 def test_remote_module_is_found_at_optimize_time_not_at_the_first_step(group) -> None:
