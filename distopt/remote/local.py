@@ -11,6 +11,7 @@ a local stand-in whose forward is one :func:`~distopt.remote.rpc_calls.remote_mo
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -69,6 +70,23 @@ def has_remote_modules(root: nn.Module) -> bool:
     return any(is_remote_module(m) for m in local_modules(root))
 
 
+_HANDLES: weakref.WeakKeyDictionary[Any, dict[str, RemoteModuleHandle]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def handle_of(module: Any, path: str) -> RemoteModuleHandle:
+    """The one handle of remote module ``module`` at ``path``, whichever view asks. A remote call
+    site is known by the identity of its constants: the verification run records the calls of
+    one view and Dynamo captures another, and with a handle each their sites would differ (every
+    call a graph break, never rewritten)."""
+    handles = _HANDLES.setdefault(module, {})
+    handle = handles.get(path)
+    if handle is None:
+        handle = handles[path] = RemoteModuleHandle(module, path)
+    return handle
+
+
 class RemoteModuleCall(nn.Module):
     """Stands in for a ``RemoteModule`` in :func:`with_remote_calls` views: no local state, and a
     forward that is one blocking remote call (``remote_module(*args)``)."""
@@ -76,7 +94,7 @@ class RemoteModuleCall(nn.Module):
     def __init__(self, module: Any, path: str) -> None:
         super().__init__()
         # A plain object, not a submodule: nothing walks into the remote module.
-        self.handle = RemoteModuleHandle(module, path)
+        self.handle = handle_of(module, path)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return remote_module_call(self.handle, *args, **kwargs)

@@ -120,6 +120,19 @@ def test_remote_module_is_found_at_optimize_time_not_at_the_first_step(group) ->
     assert any("remote_call_async(" in g.code_after for g in report_of(optimized).graphs)
 
 
+def test_remote_module_with_example_inputs_is_rewritten(group) -> None:
+    # Verification records its calls on one view of the model and Dynamo captures another: both
+    # must hold the same RemoteModule handle, or every call is a graph break, never rewritten.
+    model, inputs = _idiom("remote_module").build(seed=6), common.inputs()
+    optimized = _optimize(model, inputs, DYNAMO_ONLY)
+    report = report_of(optimized)
+    assert report.verification.passed and report.verification.compared > 0
+    assert len(report.graphs) == 1, [g.code_after for g in report.graphs]
+    assert report.graphs[0].code_after.count("remote_call_async(") == 2, report.graphs[0].code_after
+    batch = common.inputs(seed=40)
+    torch.testing.assert_close(optimized(*batch), model(*batch), rtol=0, atol=0)
+
+
 def test_training_under_dist_autograd_gives_equal_losses(group) -> None:
     idiom = _idiom("hf_bert")
     original = idiom.build(seed=7)
