@@ -25,11 +25,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import types
 import warnings
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import torch._dynamo
@@ -215,16 +216,35 @@ def _dynamo_advice_silenced() -> Iterator[None]:
     consider setting: ...``) are advice to users of torch.compile; this model was not compiled at
     its user's request, and a graph break only splits its captured graph (the report counts the
     graphs). Errors still show. Its warnings too are advice (``Dynamo does not know how to trace
-    the builtin ...``, where a remote call it runs as written reaches C++: the call still runs)."""
+    the builtin ...``, where a remote call it runs as written reaches C++: the call still runs):
+    they are not shown. Not through ``warnings.catch_warnings``: every change to the filters
+    resets each module's once-per-location registry, and a user's warning shown once would show
+    again after every step."""
     logger = logging.getLogger("torch._dynamo")
     level = logger.level
     logger.setLevel(logging.ERROR)
+    show = warnings.showwarning
+
+    def show_unless_dynamo(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        if not filename.startswith(_DYNAMO_DIR):
+            show(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show_unless_dynamo
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\._dynamo\.")
-            yield
+        yield
     finally:
+        warnings.showwarning = show
         logger.setLevel(level)
+
+
+_DYNAMO_DIR = os.path.dirname(torch._dynamo.__file__) + os.sep
 
 
 _POLYFILLED: dict[int, Callable[..., Any]] = {}

@@ -36,6 +36,24 @@ class Branchy(nn.Module):
         return -self.fc(x)
 
 
+def _warns_each_step() -> None:
+    warnings.warn("the user's own per-step warning", UserWarning, stacklevel=1)
+
+
+def test_a_users_warning_shows_once_around_a_dynamo_captured_model() -> None:
+    # Python shows a warning once per location by default; quieting Dynamo's own warnings in a
+    # captured call must not reset that registry, or the user's warning repeats every step.
+    model = Branchy()
+    optimized = distopt.optimize(model, (torch.randn(3, 4),))
+    assert report_of(optimized).tier == "dynamo"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            optimized(torch.randn(3, 4))
+            _warns_each_step()
+    assert [str(w.message) for w in caught] == ["the user's own per-step warning"]
+
+
 def test_state_dict_keys_kept_even_for_unused_parameters() -> None:
     model = Unused()
     optimized = distopt.optimize(model, (torch.randn(2, 4),))
